@@ -1,0 +1,115 @@
+"""The Ray actor that hosts one rank: a thin shell around :class:`RankRuntime`.
+
+Ray runs its methods on a small thread pool (``max_concurrency``), so control
+calls (poll, stop, pull) are served while the cell thread is busy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from rtnb._rank import RankContext, RankRuntime
+
+__all__ = ["RankActor", "ACTOR_CONCURRENCY"]
+
+# One long-poll, one control call and one pull/push can be in flight at once.
+ACTOR_CONCURRENCY = 4
+
+
+class RankActor:
+    def __init__(self, context: dict[str, Any], env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.runtime = RankRuntime(RankContext(**context))
+        from rtnb import _compat
+
+        _compat.install_ray_train_aliases()
+
+    # ---- set-up ----------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return {
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": node_id,
+            "gpu_ids": gpu_ids,
+        }
+
+    def free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def set_placement(self, local_rank: int, local_world_size: int, node_rank: int) -> str:
+        ctx = self.runtime.context
+        ctx.local_rank, ctx.local_world_size, ctx.node_rank = local_rank, local_world_size, node_rank
+        os.environ.update(
+            RANK=str(ctx.world_rank),
+            WORLD_SIZE=str(ctx.world_size),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+            NODE_RANK=str(node_rank),
+        )
+        if ctx.backend == "nccl":
+            import torch
+
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is cuda:0 here.
+            torch.cuda.set_device(0)
+            ctx.device = "cuda:0"
+        return ctx.device
+
+    def init_distributed(self, master_addr: str, master_port: int, timeout_s: float) -> bool:
+        import torch.distributed as dist
+
+        ctx = self.runtime.context
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        dist.init_process_group(
+            backend=ctx.backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=ctx.world_rank,
+            world_size=ctx.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return dist.is_initialized()
+
+    def shutdown_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- cells -------------------------------------------------------------------------
+    def run(self, cell_id: int, code: str, wait_s: float, batch_s: float) -> dict:
+        """Start a cell and long-poll once, so a short cell costs one round trip."""
+        self.runtime.start_cell(cell_id, code)
+        return self.runtime.wait(wait_s, batch_s)
+
+    def poll(self, wait_s: float, batch_s: float) -> dict:
+        return self.runtime.wait(wait_s, batch_s)
+
+    def request_stop(self) -> int:
+        return self.runtime.request_stop()
+
+    def set_stop_target(self, step: int) -> None:
+        self.runtime.set_stop_target(step)
+
+    def interrupt(self) -> bool:
+        return self.runtime.interrupt()
+
+    def pull(self, name: str):
+        return self.runtime.pull(name)
+
+    def push(self, values: dict[str, Any]) -> None:
+        self.runtime.push(values)
+
+    def set_checkpoint(self, checkpoint) -> None:
+        self.runtime.checkpoint = checkpoint
+
+    def ping(self) -> str:
+        return self.runtime.state

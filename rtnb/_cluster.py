@@ -1,0 +1,121 @@
+"""Connecting the driver to Ray: embedded local Ray, ``auto``, HOST:PORT or ray://.
+
+Every failure here becomes one :class:`~rtnb.errors.ClusterError` line; an address
+that does not answer is detected with a plain TCP probe first, because
+``ray.init`` on a dead address can retry for minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+
+from rtnb.errors import ClusterError
+
+__all__ = ["ClusterConnection", "connect"]
+
+# An embedded Ray takes 30% of RAM for its object store by default; a notebook
+# sharing the machine with the user's other work should not.
+_EMBEDDED_OBJECT_STORE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class ClusterConnection:
+    """The Ray connection a session uses; ``owned`` when this session started Ray."""
+
+    address: str
+    owned: bool
+    client_mode: bool
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.owned and ray.is_initialized():
+            ray.shutdown()
+
+
+def _quiet_ray_logging() -> None:
+    # Ray logs several INFO lines and auth-token warnings on every connect; in a
+    # notebook those land in the user's cell output.
+    for name in ("ray", "ray._private.worker", "ray.util.client", "ray._private.auth"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"ray(\..*)?")
+
+
+def _probe(host: str, port: int, timeout: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"cannot reach a Ray cluster at {host}:{port} ({exc.strerror or exc}). "
+            "Check the address, that `ray start --head` is running there, and the port "
+            "(6379 for HOST:PORT, 10001 for ray://)"
+        ) from None
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def connect(
+    address: str | None,
+    timeout_s: float = 15.0,
+    num_cpus: int | None = None,
+) -> ClusterConnection:
+    """Join (or start) the Ray cluster for ``address`` and return the connection.
+
+    With ``address=None`` an already-initialised Ray in this process is reused; else
+    ``RAY_ADDRESS`` is honoured as Ray does; else a local Ray is embedded.
+    """
+    import ray
+
+    _quiet_ray_logging()
+    if ray.is_initialized():
+        return ClusterConnection(address=address or "existing", owned=False, client_mode=_in_client_mode())
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
+    owned = target is None
+    if target is None:
+        kwargs.update(
+            include_dashboard=False,
+            object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES,
+            num_cpus=num_cpus,
+        )
+    elif target != "auto":
+        bare = target[len("ray://") :] if target.startswith("ray://") else target
+        bare = bare.split("://", 1)[-1]
+        host, port = _split_host_port(bare)
+        _probe(host, port, min(timeout_s, 5.0))
+    if target and target.startswith("ray://"):
+        kwargs.pop("log_to_driver")
+    try:
+        ray.init(address=target, **kwargs)
+    except ConnectionError as exc:
+        raise ClusterError(
+            f"could not connect to Ray at {target!r}: {_first_line(exc)}. "
+            + ("No local cluster was found: start one with `ray start --head` or omit --address."
+               if target == "auto" else "Is `ray start --head` running there?")
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - Ray raises many types here
+        raise ClusterError(f"could not start or join Ray ({target or 'embedded'}): {_first_line(exc)}") from None
+    _quiet_ray_logging()
+    return ClusterConnection(address=target or "embedded", owned=owned, client_mode=_in_client_mode())
+
+
+def _in_client_mode() -> bool:
+    try:
+        from ray.util.client import ray as client_ray
+
+        return client_ray.is_connected()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

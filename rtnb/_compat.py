@@ -1,0 +1,73 @@
+"""Makes code written for Ray Train's ``train_loop_per_worker`` run unchanged in a cell.
+
+Inside a rank, ``ray.train.report/get_context/get_checkpoint`` and
+``ray.train.torch.prepare_model/prepare_data_loader/get_device`` are pointed at
+rtnb's versions. The patch is applied when the user's code imports those modules
+(an import hook), because importing ``ray.train.torch`` costs ~3 s that a rank
+that never uses it should not pay at start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+__all__ = ["install_ray_train_aliases"]
+
+
+def _patch_train(module) -> None:
+    from rtnb import _train
+
+    module.report = _train.report
+    module.get_context = _train.get_context
+    module.get_checkpoint = _train.get_checkpoint
+
+
+def _patch_train_torch(module) -> None:
+    from rtnb import _train
+
+    module.prepare_model = _train.prepare_model
+    module.prepare_data_loader = _train.prepare_data_loader
+    module.get_device = _train.get_device
+    if hasattr(module, "get_devices"):
+        module.get_devices = _train.get_devices
+
+
+_PATCHES = {"ray.train": _patch_train, "ray.train.torch": _patch_train_torch}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner, patch) -> None:
+        self._inner = inner
+        self._patch = patch
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        self._patch(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        patch = _PATCHES.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def install_ray_train_aliases() -> None:
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,134 @@
+"""Validated configuration of a worker group (the options of ``%rtnb start``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rtnb.errors import ConfigError
+
+__all__ = ["SessionConfig", "parse_ranks", "STRATEGIES", "BACKENDS"]
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+BACKENDS = ("gloo", "nccl")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+@dataclass
+class SessionConfig:
+    """Options of a worker group; names follow Ray Train's ScalingConfig/RunConfig.
+
+    ``address`` is None for an embedded local Ray (or the cluster that
+    ``RAY_ADDRESS`` names), ``"auto"``, ``HOST:PORT`` or ``ray://HOST:PORT``.
+    """
+
+    workers: int = 2
+    gpu: bool = False
+    cpus_per_worker: float = 1.0
+    strategy: str = "PACK"
+    address: str | None = None
+    storage: str | None = None
+    name: str | None = None
+    backend: str | None = None
+    max_failures: int = 0
+    keep: int | None = None
+    score: str | None = None
+    mode: str = "min"
+    # Seconds an interrupted cell gets to stop at a report() boundary before rtnb
+    # raises inside the ranks, and again before it rebuilds the group.
+    stop_grace_s: float = 3.0
+    connect_timeout_s: float = 15.0
+    placement_timeout_s: float = 30.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"--workers must be a whole number ≥ 1, got {self.workers!r}")
+        if not self.cpus_per_worker >= 0:
+            raise ConfigError(f"--cpus-per-worker must be ≥ 0, got {self.cpus_per_worker!r}")
+        self.strategy = str(self.strategy).upper()
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}"
+            )
+        if self.backend is None:
+            self.backend = "nccl" if self.gpu else "gloo"
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.backend == "nccl" and not self.gpu:
+            raise ConfigError("--backend nccl needs GPUs: add --gpu, or use --backend gloo")
+        if self.address is not None:
+            self.address = _check_address(self.address)
+        if self.name is not None and not _RUN_NAME.match(self.name):
+            raise ConfigError(
+                f"--name {self.name!r} must start with a letter or digit and use only "
+                "letters, digits, '.', '_' and '-' (it becomes a directory name)"
+            )
+        if self.max_failures < 0:
+            raise ConfigError(f"--max-failures must be ≥ 0, got {self.max_failures}")
+        if self.keep is not None and self.keep < 1:
+            raise ConfigError(f"--keep must be ≥ 1, got {self.keep}")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"--mode must be 'min' or 'max', got {self.mode!r}")
+        if self.stop_grace_s <= 0:
+            raise ConfigError("stop_grace_s must be > 0")
+
+    @property
+    def storage_path(self) -> str:
+        """Where run directories go: --storage, else ``./rtnb_runs`` made absolute."""
+        if self.storage is None:
+            return str(Path("rtnb_runs").resolve())
+        if "://" in self.storage:
+            return self.storage
+        return str(Path(self.storage).expanduser().resolve())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_address(address: str) -> str:
+    address = address.strip()
+    if address == "auto":
+        return address
+    if address.startswith("ray://"):
+        rest = address[len("ray://") :]
+        if _HOST_PORT.match(rest):
+            return address
+    elif "://" not in address and _HOST_PORT.match(address):
+        return address
+    raise ConfigError(
+        f"--address {address!r} is not 'auto', HOST:PORT (the GCS port of a `ray start "
+        "--head` cluster, usually 6379) or ray://HOST:PORT (Ray Client, usually 10001)"
+    )
+
+
+def parse_ranks(spec: str | None, world_size: int) -> list[int]:
+    """Turn ``"0,2"``, ``"1-3"`` or ``"all"`` into a sorted rank list within the group."""
+    if spec is None or spec.strip() in ("", "all"):
+        return list(range(world_size))
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise ValueError
+                ranks.update(range(lo, hi + 1))
+            else:
+                ranks.add(int(part))
+        except ValueError:
+            raise ConfigError(
+                f"--ranks {spec!r} is not a list like 0,1 or a range like 0-3"
+            ) from None
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise ConfigError(
+            f"--ranks {spec!r} names rank {bad[0]}, but the group has ranks 0-{world_size - 1}"
+        )
+    return sorted(ranks)

@@ -1,0 +1,197 @@
+"""A placement group plus one :class:`RankActor` per rank, with torch.distributed set up.
+
+The group owns its Ray resources: :meth:`WorkerGroup.shutdown` always frees the
+actors and the placement group, even when ranks are hung in a collective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rtnb._actor import ACTOR_CONCURRENCY, RankActor
+from rtnb._config import SessionConfig
+from rtnb.errors import ClusterError, WorkerGroupError
+
+__all__ = ["RankInfo", "WorkerGroup"]
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    pid: int
+    hostname: str
+    node_ip: str
+    node_id: str
+    device: str
+    local_rank: int = 0
+    node_rank: int = 0
+
+
+class WorkerGroup:
+    def __init__(self, config: SessionConfig, run_name: str, storage_path: str) -> None:
+        self.config = config
+        self.run_name = run_name
+        self.storage_path = storage_path
+        self.actors: list[Any] = []
+        self.ranks: list[RankInfo] = []
+        self._placement_group = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    # ---- start -------------------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.config
+        self._check_capacity()
+        bundle: dict[str, float] = {"CPU": cfg.cpus_per_worker}
+        if cfg.gpu:
+            bundle["GPU"] = 1
+        bundle = {k: v for k, v in bundle.items() if v}
+        try:
+            self._placement_group = placement_group([dict(bundle) for _ in range(cfg.workers)], strategy=cfg.strategy)
+            ready = self._placement_group.ready()
+            ray.wait([ready], timeout=cfg.placement_timeout_s)
+            ray.get(ready, timeout=0.01)
+        except Exception:  # noqa: BLE001 - timeout or infeasible
+            self.shutdown()
+            raise ClusterError(
+                f"Ray could not place {cfg.workers} workers with {bundle} each "
+                f"({cfg.strategy}) within {cfg.placement_timeout_s:.0f} s: the resources are "
+                "held by something else (another group or notebook?). Free them or use "
+                "fewer --workers / --cpus-per-worker"
+            ) from None
+        remote_cls = ray.remote(RankActor)
+        env = {"OMP_NUM_THREADS": str(max(1, int(cfg.cpus_per_worker))), **cfg.env}
+        try:
+            for rank in range(cfg.workers):
+                context = {
+                    "world_rank": rank,
+                    "world_size": cfg.workers,
+                    "run_name": self.run_name,
+                    "storage_path": self.storage_path,
+                    "backend": cfg.backend,
+                }
+                actor = remote_cls.options(
+                    num_cpus=cfg.cpus_per_worker,
+                    num_gpus=1 if cfg.gpu else 0,
+                    max_concurrency=ACTOR_CONCURRENCY,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self._placement_group, placement_group_bundle_index=rank
+                    ),
+                ).remote(context, env)
+                self.actors.append(actor)
+            described = ray.get([a.describe.remote() for a in self.actors], timeout=120)
+            self._assign_local_ranks(described)
+            devices = ray.get(
+                [
+                    a.set_placement.remote(info.local_rank, self._local_world_size(info), info.node_rank)
+                    for a, info in zip(self.actors, self.ranks)
+                ],
+                timeout=60,
+            )
+            for info, device in zip(self.ranks, devices):
+                info.device = device
+            master_port = ray.get(self.actors[0].free_port.remote(), timeout=30)
+            ray.get(
+                [
+                    a.init_distributed.remote(self.ranks[0].node_ip, master_port, 1800.0)
+                    for a in self.actors
+                ],
+                timeout=120,
+            )
+        except Exception as exc:  # noqa: BLE001
+            self.shutdown()
+            raise WorkerGroupError(f"the worker group failed to start: {_one_line(exc)}") from None
+
+    def _check_capacity(self) -> None:
+        import ray
+
+        cfg = self.config
+        total = ray.cluster_resources()
+        need_cpu = cfg.workers * cfg.cpus_per_worker
+        if need_cpu > total.get("CPU", 0):
+            raise ClusterError(
+                f"{cfg.workers} workers × {cfg.cpus_per_worker:g} CPU need {need_cpu:g} CPUs, "
+                f"but the Ray cluster has {total.get('CPU', 0):g}. Use fewer --workers or a "
+                "smaller --cpus-per-worker (e.g. 0.5)"
+            )
+        if cfg.gpu and cfg.workers > total.get("GPU", 0):
+            raise ClusterError(
+                f"--gpu needs one GPU per worker ({cfg.workers}), but the Ray cluster has "
+                f"{total.get('GPU', 0):g} GPUs. Use fewer --workers, or drop --gpu to train on CPU"
+            )
+
+    def _assign_local_ranks(self, described: list[dict]) -> None:
+        node_order: list[str] = []
+        per_node: dict[str, int] = {}
+        for rank, info in enumerate(described):
+            node = info["node_id"]
+            if node not in node_order:
+                node_order.append(node)
+            local = per_node.get(node, 0)
+            per_node[node] = local + 1
+            self.ranks.append(
+                RankInfo(
+                    rank=rank,
+                    pid=info["pid"],
+                    hostname=info["hostname"],
+                    node_ip=info["node_ip"],
+                    node_id=node,
+                    device="cpu",
+                    local_rank=local,
+                    node_rank=node_order.index(node),
+                )
+            )
+
+    def _local_world_size(self, info: RankInfo) -> int:
+        return sum(1 for r in self.ranks if r.node_id == info.node_id)
+
+    @property
+    def node_count(self) -> int:
+        return len({r.node_id for r in self.ranks})
+
+    # ---- stop --------------------------------------------------------------------------
+    def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
+        """Free every actor and the placement group. ``graceful`` first lets the ranks
+        leave the process group; hung ranks are killed regardless."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        actors, self.actors = self.actors, []
+        if graceful and actors:
+            refs = [a.shutdown_distributed.remote() for a in actors]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        if self._placement_group is not None:
+            try:
+                remove_placement_group(self._placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+            self._placement_group = None
+        # Wait briefly until Ray reports the actors gone, so "stop" really means the
+        # CPUs/GPUs are free when it returns.
+        deadline = time.monotonic() + timeout_s
+        for actor in actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.ping.remote(), timeout=0.5)
+                except Exception:  # noqa: BLE001 - dead: what we want
+                    break
+                time.sleep(0.05)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,381 @@
+"""What runs inside one rank: its namespace, the cell thread, output capture, reports.
+
+This module is plain Python (no Ray) so it can be tested in-process; the Ray actor
+in ``_actor.py`` is a thin shell around :class:`RankRuntime`.
+
+A cell runs in one long-lived thread per rank. Control calls (poll, stop, pull)
+arrive on other threads while it runs, which is what lets the driver stream output,
+read variables and stop a cell cooperatively.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import linecache
+import pickle
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CellStopped",
+    "RankContext",
+    "RankRuntime",
+    "cell_filename",
+    "current_runtime",
+    "split_last_expression",
+]
+
+# Output beyond this many characters between two polls is dropped with a notice,
+# so a print storm cannot exhaust the rank's memory while nobody reads it.
+_MAX_PENDING_CHARS = 8_000_000
+
+
+class CellStopped(KeyboardInterrupt):
+    """Raised inside a rank's cell when the user interrupts it.
+
+    It subclasses KeyboardInterrupt so ``except Exception`` in user code does not
+    swallow it and ``except KeyboardInterrupt`` cleanup code still runs.
+    """
+
+
+@dataclass
+class RankContext:
+    """What a rank knows about itself (``rtnb.get_context()``), as in Ray Train."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    device: str = "cpu"
+    run_name: str = ""
+    storage_path: str = ""
+    backend: str = "gloo"
+    node_ip: str = "127.0.0.1"
+    pid: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # Ray Train's TrainContext spells these as getters; users' code calls them.
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self.run_name
+
+    def get_trial_name(self) -> str:
+        return self.run_name
+
+    def get_storage(self) -> str:
+        return self.storage_path
+
+
+_CURRENT: RankRuntime | None = None
+
+
+def current_runtime() -> RankRuntime | None:
+    return _CURRENT
+
+
+def cell_filename(cell_id: int) -> str:
+    return f"<rtrain-cell-{cell_id}>"
+
+
+def split_last_expression(code: str, filename: str):
+    """Compile ``code`` into (body, last_expression_or_None), as IPython does."""
+    tree = ast.parse(code, filename=filename, mode="exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last_node = tree.body.pop()
+        last = compile(ast.Expression(last_node.value), filename, "eval")
+    body = compile(tree, filename, "exec")
+    return body, last
+
+
+class _CaptureStream:
+    """Replaces sys.stdout/sys.stderr in a rank process and feeds the rank buffer."""
+
+    def __init__(self, runtime: RankRuntime, name: str, original) -> None:
+        self._runtime = runtime
+        self.name = name
+        self._original = original
+        self.encoding = getattr(original, "encoding", "utf-8")
+
+    def write(self, text: str) -> int:
+        if text:
+            self._runtime._add_output(self.name, text)
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._original.fileno()
+
+
+class RankRuntime:
+    """One rank's persistent state and the machinery to run cells in it."""
+
+    def __init__(self, context: RankContext, capture_output: bool = True) -> None:
+        global _CURRENT
+        self.context = context
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        self._cond = threading.Condition()
+        self._output: list[tuple[str, str]] = []
+        self._output_chars = 0
+        self._dropped_chars = 0
+        self._reports: list[tuple[int, float, dict]] = []
+        self.step = 0
+        self.checkpoint = None
+        # Cell state, guarded by _cond.
+        self._cell_id: int | None = None
+        self._state = "idle"  # idle | running | done | error | interrupted
+        self._value: tuple[bytes | None, str] | None = None
+        self._error: tuple[str, str] | None = None
+        # Stop protocol, guarded by _cond.
+        self._stop_requested = False
+        self._stop_target: int | None = None
+        self._paused_at: int | None = None
+        self._pause_reported = False
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._cell_loop, name="rtnb-cell", daemon=True)
+        self._thread.start()
+        if capture_output:
+            sys.stdout = _CaptureStream(self, "stdout", sys.__stdout__)
+            sys.stderr = _CaptureStream(self, "stderr", sys.__stderr__)
+        _CURRENT = self
+
+    # ---- cells -------------------------------------------------------------------
+    def start_cell(self, cell_id: int, code: str) -> None:
+        with self._cond:
+            if self._state == "running":
+                raise RuntimeError(f"rank {self.context.world_rank} is still running a cell")
+            self._cell_id = cell_id
+            self._state = "running"
+            self._value = None
+            self._error = None
+            self._stop_requested = False
+            self._stop_target = None
+            self._paused_at = None
+        self._jobs.put((cell_id, code))
+
+    def _cell_loop(self) -> None:
+        while True:
+            cell_id, code = self._jobs.get()
+            filename = cell_filename(cell_id)
+            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            state, value, error = "done", None, None
+            try:
+                body, last = split_last_expression(code, filename)
+                exec(body, self.namespace)
+                if last is not None:
+                    result = eval(last, self.namespace)
+                    if result is not None:
+                        value = _portable(result)
+            except CellStopped:
+                state = "interrupted"
+            except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
+                state = "error"
+                error = (_summary(exc), _user_traceback(exc, filename))
+            finally:
+                _flush_std()
+            with self._cond:
+                self._state, self._value, self._error = state, value, error
+                self._stop_requested = False
+                self._stop_target = None
+                self._paused_at = None
+                self._cond.notify_all()
+
+    def wait(self, timeout: float = 0.5, batch_s: float = 0.02) -> dict:
+        """Long-poll: return when the cell ends, when output or reports have waited
+        ``batch_s`` to be batched, when a rank pauses for a stop, or at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        first_event: float | None = None
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if self._state != "running" or (
+                    self._paused_at is not None and not self._pause_reported
+                ):
+                    break
+                if self._output or self._reports:
+                    first_event = first_event or now
+                    if now - first_event >= batch_s:
+                        break
+                    wake = min(deadline, first_event + batch_s)
+                else:
+                    wake = deadline
+                if now >= deadline:
+                    break
+                self._cond.wait(wake - now)
+            return self._drain_locked()
+
+    def _drain_locked(self) -> dict:
+        output, self._output, self._output_chars = self._output, [], 0
+        if self._dropped_chars:
+            output.append(("stderr", f"[rtnb: {self._dropped_chars} characters of output dropped]\n"))
+            self._dropped_chars = 0
+        reports, self._reports = self._reports, []
+        if self._paused_at is not None:
+            self._pause_reported = True
+        update = {
+            "rank": self.context.world_rank,
+            "cell": self._cell_id,
+            "state": self._state,
+            "step": self.step,
+            "paused_at": self._paused_at,
+            "output": output,
+            "reports": reports,
+        }
+        if self._state == "done":
+            update["value"] = self._value
+        elif self._state == "error":
+            update["error"] = self._error
+        return update
+
+    # ---- output and reports (called from the cell thread) --------------------------
+    def _add_output(self, stream: str, text: str) -> None:
+        with self._cond:
+            if self._output_chars + len(text) > _MAX_PENDING_CHARS:
+                self._dropped_chars += len(text)
+                return
+            if self._output and self._output[-1][0] == stream:
+                self._output[-1] = (stream, self._output[-1][1] + text)
+            else:
+                self._output.append((stream, text))
+            self._output_chars += len(text)
+            self._cond.notify_all()
+
+    def report(self, metrics: dict, step: int | None = None) -> int:
+        """Record one report; it is also where a requested stop takes effect."""
+        self.step = int(step) if step is not None else self.step + 1
+        record = (self.step, time.time(), metrics)
+        with self._cond:
+            self._reports.append(record)
+            if len(self._reports) == 1:
+                self._cond.notify_all()
+            if self._stop_requested:
+                self._stop_at_boundary_locked()
+        return self.step
+
+    def _stop_at_boundary_locked(self) -> None:
+        # Pause here and let the driver pick the step every rank stops at, so that
+        # no rank leaves while a peer still waits for it inside a collective.
+        if self._stop_target is None:
+            self._paused_at = self.step
+            self._pause_reported = False
+            self._cond.notify_all()
+            while self._stop_requested and self._stop_target is None:
+                self._cond.wait(0.05)
+            self._paused_at = None
+        if self._stop_requested and self._stop_target is not None and self.step >= self._stop_target:
+            raise CellStopped(f"stopped at step {self.step}")
+
+    # ---- control calls (any thread) -------------------------------------------------
+    def request_stop(self) -> int:
+        with self._cond:
+            if self._state == "running":
+                self._stop_requested = True
+                self._cond.notify_all()
+            return self.step
+
+    def set_stop_target(self, step: int) -> None:
+        with self._cond:
+            if self._stop_requested:
+                self._stop_target = step
+                self._cond.notify_all()
+
+    def interrupt(self) -> bool:
+        """Raise CellStopped inside the cell thread (reaches pure-Python code only)."""
+        with self._cond:
+            if self._state != "running":
+                return False
+            self._stop_requested = True
+            self._stop_target = -1  # any paused rank leaves at once
+            self._cond.notify_all()
+        ident = self._thread.ident
+        if ident is None:
+            return False
+        hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(ident), ctypes.py_object(CellStopped)
+        )
+        return hit == 1
+
+    def pull(self, name: str) -> tuple[bool, bytes | None, str]:
+        if name not in self.namespace:
+            return False, None, ""
+        return (True, *_portable(self.namespace[name]))
+
+    def push(self, values: dict[str, Any]) -> None:
+        self.namespace.update(values)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+
+def _portable(value: Any) -> tuple[bytes | None, str]:
+    """A value as (pickled bytes or None, repr) so the driver can show it either way."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001
+        text = f"<unrepresentable {type(value).__name__}: {exc}>"
+    if len(text) > 10_000:
+        text = text[:10_000] + " …"
+    try:
+        from ray import cloudpickle as dumper
+    except ImportError:  # outside Ray (unit tests): plain pickle is enough
+        dumper = pickle
+    try:
+        data = dumper.dumps(value)
+    except Exception:  # noqa: BLE001 - unpicklable values come back as their repr
+        data = None
+    return data, text
+
+
+def _summary(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _user_traceback(exc: BaseException, filename: str) -> str:
+    """The traceback from the first frame of the user's cell on: rtnb's own frames
+    (the exec machinery) are noise to the user."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    if isinstance(exc, SyntaxError) or tb is None:
+        return "".join(traceback.format_exception_only(type(exc), exc))
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,357 @@
+"""The driver-side API: one persistent worker group and the cells run on it.
+
+The magics are a thin layer over :class:`Session`; everything here also works
+from a plain Python script::
+
+    with rtnb.Session(workers=2) as session:
+        session.run("import torch.distributed as dist; x = dist.get_rank()")
+        print(session.pull("x"))          # [0, 1]
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import keyword
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rtnb._cell import CellHandle, OutputSink, print_sink
+from rtnb._cluster import ClusterConnection, connect
+from rtnb._config import SessionConfig, parse_ranks
+from rtnb._group import WorkerGroup
+from rtnb._metrics import MetricsStore
+from rtnb._state import GroupState, StateChange, StateMachine
+from rtnb._status import GroupStatus, RankStatus
+from rtnb._values import PerRank, from_portable
+from rtnb.errors import CellError, ConfigError, RtnbError, SessionError
+
+__all__ = ["Session"]
+
+_LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+class Session:
+    """A Ray worker group whose ranks keep their Python state across cells.
+
+    Takes the options of ``%rtnb start`` as keyword arguments (see
+    :class:`SessionConfig`), or a ready ``config``. ``group_factory`` lets tests
+    substitute the worker group.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig | None = None,
+        *,
+        group_factory: Callable[[SessionConfig, str, str], WorkerGroup] | None = None,
+        connector: Callable[..., ClusterConnection] | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise ConfigError("pass either a SessionConfig or keyword options, not both")
+        try:
+            self.config = config or SessionConfig(**options)
+        except TypeError as exc:
+            raise ConfigError(f"unknown Session option: {exc}") from None
+        self.run_name = self.config.name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.state_machine = StateMachine()
+        self.metrics = MetricsStore()
+        self.history: list[str] = []
+        self.connection: ClusterConnection | None = None
+        self._group: WorkerGroup | None = None
+        self._group_factory = group_factory or WorkerGroup
+        self._connector = connector or connect
+        self._cell_ids = itertools.count(1)
+        self._active: CellHandle | None = None
+        self._last_background: CellHandle | None = None
+        self._lock = threading.RLock()
+        _LIVE.add(self)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    @property
+    def state(self) -> GroupState:
+        return self.state_machine.state
+
+    def on_state_change(self, callback: Callable[[StateChange], None]) -> Callable[[], None]:
+        return self.state_machine.subscribe(callback)
+
+    def start(self) -> Session:
+        """Connect to Ray and start the worker group (``%rtnb start``)."""
+        with self._lock:
+            if self.state in (GroupState.READY, GroupState.RUNNING, GroupState.STARTING):
+                raise SessionError(
+                    f"the worker group of run {self.run_name!r} is already started; "
+                    "use `%rtnb restart` for a fresh one or `%rtnb stop` first"
+                )
+            self.state_machine.to(GroupState.STARTING)
+            try:
+                if self.connection is None:
+                    self.connection = self._connector(
+                        self.config.address,
+                        timeout_s=self.config.connect_timeout_s,
+                    )
+                self._group = self._new_group()
+            except RtnbError as exc:
+                self.state_machine.to(GroupState.FAILED, str(exc))
+                raise
+            except BaseException as exc:
+                self.state_machine.to(GroupState.FAILED, str(exc))
+                raise SessionError(f"starting the worker group failed: {exc}") from None
+            self.state_machine.to(GroupState.READY)
+        return self
+
+    def _new_group(self) -> WorkerGroup:
+        group = self._group_factory(self.config, self.run_name, self.config.storage_path)
+        group.start()
+        return group
+
+    def stop(self) -> None:
+        """Stop any running cell and free every actor and the placement group."""
+        with self._lock:
+            if self.state in (GroupState.NEW, GroupState.STOPPED):
+                return
+            active = self._active
+            if active is not None and not active.done():
+                active.stop("stopped because the worker group is stopping")
+                active._done.wait(timeout=2 * self.config.stop_grace_s + 5)
+            self.state_machine.to(GroupState.STOPPING)
+            group, self._group = self._group, None
+            if group is not None:
+                group.shutdown()
+            if self.connection is not None:
+                self.connection.shutdown()
+                self.connection = None
+            self.state_machine.to(GroupState.STOPPED)
+
+    def restart(self) -> Session:
+        """A fresh group with the same options; rank variables are dropped."""
+        with self._lock:
+            if self.state in (GroupState.NEW, GroupState.STOPPED):
+                return self.start()
+            self._rebuild("restart requested")
+            self.history.clear()
+        return self
+
+    def scale(self, workers: int) -> Session:
+        """Restart the group with ``workers`` ranks."""
+        with self._lock:
+            old = self.config.workers
+            self.config.workers = workers
+            try:
+                self.config.validate()
+            except ConfigError:
+                self.config.workers = old
+                raise
+            return self.restart()
+
+    def _rebuild(self, reason: str) -> None:
+        with self._lock:
+            self.state_machine.to(GroupState.RESTARTING, reason)
+            group, self._group = self._group, None
+            if group is not None:
+                group.shutdown(graceful=False)
+            try:
+                self._group = self._new_group()
+            except RtnbError as exc:
+                self.state_machine.to(GroupState.FAILED, str(exc))
+                raise
+            self.state_machine.to(GroupState.READY, reason)
+
+    def _require_group(self) -> WorkerGroup:
+        if self._group is None or self.state not in (GroupState.READY, GroupState.RUNNING):
+            raise SessionError("no worker group is running: start one with `%rtnb start` (or Session.start())")
+        return self._group
+
+    def __enter__(self) -> Session:
+        if self.state in (GroupState.NEW, GroupState.STOPPED):
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # ---- cells -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.config.workers
+
+    def _begin(
+        self,
+        code: str | Callable,
+        ranks: Iterable[int] | str | None,
+        timeout: float | None,
+        background: bool,
+        config: Any = None,
+    ) -> CellHandle:
+        with self._lock:
+            group = self._require_group()
+            if self._active is not None and not self._active.done():
+                raise SessionError(
+                    f"cell {self._active.cell_id} is still running"
+                    + (" in the background" if self._active.background else "")
+                    + ": wait for it (`%rtnb wait`) or stop it (`handle.stop()`) first"
+                )
+            rank_list = _ranks(ranks, group.world_size)
+            cell_id = next(self._cell_ids)
+            if callable(code):
+                code = self._stage_callable(code, config, rank_list)
+            elif not isinstance(code, str):
+                raise ConfigError(f"Session.run takes code (str) or a function, got {type(code).__name__}")
+            check_syntax(code, cell_id)
+            if timeout is not None and timeout <= 0:
+                raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
+            handle = CellHandle(self, cell_id, code, rank_list, timeout, background)
+            self._active = handle
+            self.state_machine.to(GroupState.RUNNING, f"cell {cell_id}")
+            return handle
+
+    def _stage_callable(self, fn: Callable, config: Any, ranks: list[int]) -> str:
+        self.push({"__rtnb_fn__": fn, "__rtnb_config__": config}, ranks=ranks)
+        return "__rtnb_fn__(__rtnb_config__)" if config is not None else "__rtnb_fn__()"
+
+    def run(
+        self,
+        code: str | Callable,
+        *,
+        ranks: Iterable[int] | str | None = None,
+        timeout: float | None = None,
+        config: Any = None,
+        output: OutputSink | None = None,
+    ) -> PerRank:
+        """Run ``code`` (or ``fn()``/``fn(config)``) on the ranks and wait for it.
+
+        Output streams to ``output(rank, stream, text)`` while it runs (default:
+        printed with a ``[rank N]`` tag). Returns the last expression's value per
+        rank. Ctrl-C stops the cell on every rank (see :class:`CellHandle`).
+        """
+        handle = self._begin(code, ranks, timeout, background=False, config=config)
+        handle.add_sink(output or print_sink())
+        return handle._run_foreground()
+
+    def run_background(
+        self,
+        code: str | Callable,
+        *,
+        ranks: Iterable[int] | str | None = None,
+        timeout: float | None = None,
+        config: Any = None,
+        output: OutputSink | None = None,
+    ) -> CellHandle:
+        """Start ``code`` on the ranks and return its :class:`CellHandle` at once."""
+        handle = self._begin(code, ranks, timeout, background=True, config=config)
+        if output is not None:
+            handle.add_sink(output)
+        self._last_background = handle
+        handle._run_background()
+        return handle
+
+    def wait(self, timeout: float | None = None) -> PerRank:
+        """The value of the last background cell, once it ends (``%rtnb wait``)."""
+        handle = self._last_background
+        if handle is None:
+            raise SessionError("no background cell was started in this session: use `%%rtrain --background`")
+        return handle.wait(timeout)
+
+    @property
+    def active_cell(self) -> CellHandle | None:
+        return self._active if self._active is not None and not self._active.done() else None
+
+    def _cell_ended(self, handle: CellHandle) -> None:
+        with self._lock:
+            if handle.error is None:
+                self.history.append(handle.code)
+            if self.state is GroupState.RUNNING and self._active is handle:
+                self.state_machine.to(GroupState.READY, f"cell {handle.cell_id} ended")
+
+    # ---- variables ---------------------------------------------------------------------
+    def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
+        """The value of ``name`` on each rank, in rank order (``%rtnb pull``)."""
+        import ray
+
+        if not name.isidentifier():
+            raise ConfigError(f"{name!r} is not a Python variable name")
+        group = self._require_group()
+        rank_list = _ranks(ranks, group.world_size)
+        answers = ray.get([group.actors[r].pull.remote(name) for r in rank_list], timeout=120)
+        missing = [r for r, (found, *_rest) in zip(rank_list, answers) if not found]
+        if missing:
+            raise SessionError(
+                f"{name!r} is not defined on rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))}: define it in a %%rtrain cell first"
+            )
+        return [from_portable((data, text)) for _found, data, text in answers]
+
+    def push(self, values: dict[str, Any], ranks: Iterable[int] | str | None = None) -> None:
+        """Set each ``name: value`` in the namespace of every rank (``%rtnb push``)."""
+        import ray
+
+        for name in values:
+            if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+                raise ConfigError(f"{name!r} is not a Python variable name")
+        group = self._require_group()
+        rank_list = _ranks(ranks, group.world_size)
+        ref = ray.put(dict(values))
+        ray.get([group.actors[r].push.remote(ref) for r in rank_list], timeout=300)
+
+    # ---- status ------------------------------------------------------------------------
+    def status(self) -> GroupStatus:
+        group = self._group
+        active = self.active_cell
+        ranks = []
+        if group is not None:
+            for info in group.ranks:
+                state, step = "idle", 0
+                if active is not None and info.rank in active.ranks:
+                    state, step = active.states.get(info.rank, "running"), active.steps.get(info.rank, 0)
+                last = self.metrics.last.get(info.rank)
+                if last is not None:
+                    step = max(step, last.step)
+                ranks.append(RankStatus(info.rank, f"{info.hostname} ({info.node_ip})", info.pid, info.device, step, state))
+        cell = ""
+        if active is not None:
+            cell = f"cell {active.cell_id}{' (background)' if active.background else ''} running for {active.elapsed_s:.1f} s"
+        return GroupStatus(
+            state=str(self.state),
+            run_name=self.run_name,
+            address=self.connection.address if self.connection else "-",
+            backend=self.config.backend or "",
+            world_size=self.config.workers,
+            ranks=ranks,
+            cell=cell,
+        )
+
+    def __repr__(self) -> str:
+        return f"<rtnb.Session run={self.run_name!r} state={self.state} workers={self.config.workers}>"
+
+
+def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:
+    if ranks is None or isinstance(ranks, str):
+        return parse_ranks(ranks, world_size)
+    return parse_ranks(",".join(str(int(r)) for r in ranks), world_size)
+
+
+def check_syntax(code: str, cell_id: int = 0) -> None:
+    """Raise CellError for a SyntaxError before anything is sent to the ranks."""
+    import traceback
+
+    try:
+        compile(code, f"<rtrain-cell-{cell_id}>", "exec")
+    except SyntaxError as exc:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+        raise CellError(
+            f"the cell has a SyntaxError and was not sent to the ranks:\n{text}",
+            exc_type="SyntaxError",
+        ) from None
+
+
+@atexit.register
+def _stop_all_sessions() -> None:
+    # A kernel that exits (or is shut down) must not leave ranks holding CPUs/GPUs.
+    for session in list(_LIVE):
+        try:
+            session.stop()
+        except BaseException:  # noqa: BLE001
+            pass

@@ -1,0 +1,179 @@
+"""The API a cell uses on each rank; names and behaviour follow ``ray.train``.
+
+These functions only work inside a rank of a worker group (a ``%%rtrain`` cell or
+``Session.run``); anywhere else they raise one clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from rtnb._rank import RankContext, RankRuntime, current_runtime
+from rtnb.errors import RtnbError, SessionError
+
+__all__ = [
+    "get_checkpoint",
+    "get_context",
+    "get_device",
+    "get_devices",
+    "prepare_data_loader",
+    "prepare_model",
+    "report",
+]
+
+
+def _runtime(what: str) -> RankRuntime:
+    runtime = current_runtime()
+    if runtime is None:
+        raise SessionError(
+            f"rtnb.{what}() runs on the ranks of a worker group: call it inside a "
+            "%%rtrain cell (or a function passed to Session.run), not in the notebook itself"
+        )
+    return runtime
+
+
+def get_context() -> RankContext:
+    """This rank's world_rank, world_size, local_rank, node_rank, device and run name."""
+    return _runtime("get_context").context
+
+
+def get_device():
+    """The ``torch.device`` this rank trains on (``cuda:0`` per GPU rank, else cpu)."""
+    import torch
+
+    return torch.device(_runtime("get_device").context.device)
+
+
+def get_devices() -> list:
+    return [get_device()]
+
+
+def report(
+    metrics: Mapping[str, Any],
+    checkpoint: Any = None,
+    checkpoint_dir_name: str | None = None,
+    *,
+    step: int | None = None,
+) -> None:
+    """Record ``metrics`` for this rank; cheap enough to call every step.
+
+    Values are buffered on the rank and collected by the driver in batches, so a
+    report never waits for the notebook. ``step`` counts reports per rank unless you
+    pass one (or a ``"step"`` metric). An interrupted cell stops here, at the same
+    step on every rank.
+    """
+    runtime = _runtime("report")
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"rtnb.report() takes a dict of metrics, got {type(metrics).__name__}")
+    if checkpoint is not None:
+        raise RtnbError(
+            "rtnb.report(checkpoint=...) is not supported by this version of rtnb yet; "
+            "save with torch.save to a path of your own for now"
+        )
+    if step is None and isinstance(metrics.get("step"), int):
+        step = metrics["step"]
+    runtime.report(dict(metrics), step)
+
+
+def get_checkpoint():
+    """The checkpoint chosen for resume on this rank, else None (as in Ray Train)."""
+    return _runtime("get_checkpoint").checkpoint
+
+
+def prepare_model(model, move_to_device: bool = True, parallel_strategy: str | None = "ddp",
+                  parallel_strategy_kwargs: dict | None = None):
+    """Move ``model`` to this rank's device and wrap it in DDP when there are peers."""
+    import torch.distributed as dist
+
+    device = get_device()
+    if move_to_device:
+        model = model.to(device)
+    if parallel_strategy is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return model
+    if parallel_strategy != "ddp":
+        raise RtnbError(f"parallel_strategy {parallel_strategy!r} is not supported; use 'ddp' or None")
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs = dict(parallel_strategy_kwargs or {})
+    if device.type == "cuda":
+        kwargs.setdefault("device_ids", [device.index or 0])
+    return DistributedDataParallel(model, **kwargs)
+
+
+def prepare_data_loader(data_loader, add_dist_sampler: bool = True, move_to_device: bool = True):
+    """Shard ``data_loader`` across ranks (DistributedSampler) and move batches to the device.
+
+    The sampler's epoch advances on every pass, so shuffling differs per epoch as in
+    Ray Train.
+    """
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+    ctx = _runtime("prepare_data_loader").context
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loader = data_loader
+    if (
+        add_dist_sampler
+        and world > 1
+        and not isinstance(loader.dataset, IterableDataset)
+        and not isinstance(loader.sampler, DistributedSampler)
+    ):
+        sampler = DistributedSampler(
+            loader.dataset,
+            num_replicas=world,
+            rank=ctx.world_rank,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+        )
+        loader = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            persistent_workers=loader.persistent_workers,
+        )
+    return _PreparedLoader(loader, get_device() if move_to_device else None)
+
+
+class _PreparedLoader:
+    """Iterates the wrapped loader, moving each batch to the device and bumping the
+    sampler's epoch per pass; everything else is delegated."""
+
+    def __init__(self, loader, device) -> None:
+        self._loader = loader
+        self._device = device
+        self._epoch = 0
+
+    def __iter__(self) -> Iterator:
+        sampler = getattr(self._loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        for batch in self._loader:
+            yield _to_device(batch, self._device) if self._device is not None else batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)
+
+
+def _to_device(batch, device):
+    import torch
+
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch

@@ -1,0 +1,139 @@
+"""Every error rtnb raises on purpose.
+
+All of them derive from :class:`RtnbError`, so ``except rtnb.RtnbError`` catches
+what the kit means to tell the user and nothing else::
+
+    RtnbError
+    ├── ConfigError              bad option or argument (flag value, --ranks, address)
+    ├── ClusterError             Ray could not be reached or cannot fit the group
+    ├── SessionError             wrong lifecycle step (no group started, started twice)
+    ├── CellError                a cell failed on one or more ranks (remote traceback kept)
+    ├── CellInterrupted          the user interrupted a cell; says what was kept or lost
+    ├── WorkerGroupError         a rank died or the group had to be rebuilt
+    └── CheckpointError          a checkpoint is unknown, incomplete or untrusted
+
+Errors that cross a Ray actor boundary keep their fields (``__reduce__``), and
+each renders as a short message in IPython (``_render_traceback_``) instead of a
+traceback through rtnb's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "CellError",
+    "CellInterrupted",
+    "CheckpointError",
+    "ClusterError",
+    "ConfigError",
+    "RtnbError",
+    "SessionError",
+    "WorkerGroupError",
+]
+
+
+class RtnbError(Exception):
+    """Root of rtnb's errors; its message is written for the notebook user."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):
+        return (self.__class__, (self.message,))
+
+    def __str__(self) -> str:
+        return self.message
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our internal stack.
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.message}"]
+
+
+class ConfigError(RtnbError):
+    """An option or argument has a value rtnb cannot use."""
+
+
+class ClusterError(RtnbError):
+    """Ray is unreachable or cannot place the requested worker group."""
+
+
+class SessionError(RtnbError):
+    """The worker group is not in a state that allows this call."""
+
+
+class WorkerGroupError(RtnbError):
+    """A rank died, or the group had to be rebuilt and its namespaces were lost."""
+
+
+class CheckpointError(RtnbError):
+    """A checkpoint is unknown, incomplete, or fails its integrity check."""
+
+
+class CellInterrupted(RtnbError):
+    """A cell was stopped because the user interrupted it.
+
+    ``kept`` is True when every rank stopped cleanly and the namespaces are intact;
+    ``step`` is the report step the ranks stopped at, when they stopped at one.
+    """
+
+    def __init__(self, message: str, kept: bool = True, step: int | None = None) -> None:
+        super().__init__(message)
+        self.kept = kept
+        self.step = step
+
+    def __reduce__(self):
+        return (self.__class__, (self.message, self.kept, self.step))
+
+
+class CellError(RtnbError):
+    """A cell raised on one or more ranks.
+
+    ``failures`` maps each failed rank to its remote traceback (user code only);
+    ``exc_type`` is the exception's class name on the first failed rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        failures: Mapping[int, str] | None = None,
+        exc_type: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+        self.exc_type = exc_type
+
+    def __reduce__(self):
+        return (self.__class__, (self.message, self.failures, self.exc_type))
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+    @classmethod
+    def from_failures(cls, failures: Mapping[int, tuple[str, str]]) -> CellError:
+        """Build from ``{rank: (exc_summary, traceback_text)}``."""
+        ranks = sorted(failures)
+        first = failures[ranks[0]][0]
+        summary = f"cell failed on rank{'s' if len(ranks) > 1 else ''} {_join(ranks)}: {first}"
+        return cls(
+            summary,
+            {r: failures[r][1] for r in ranks},
+            first.split(":", 1)[0],
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\x1b[0;31mCellError\x1b[0m: {self.message}"]
+        # Ranks usually fail identically: print each distinct traceback once.
+        seen: dict[str, list[int]] = {}
+        for rank in self.ranks:
+            seen.setdefault(self.failures[rank], []).append(rank)
+        for text, ranks in seen.items():
+            lines.append(f"\n--- remote traceback, rank{'s' if len(ranks) > 1 else ''} {_join(ranks)} ---")
+            lines.extend(text.rstrip("\n").splitlines())
+        return lines
+
+
+def _join(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
