@@ -72,12 +72,15 @@ def connect(
     With ``address=None`` an already-initialised Ray in this process is reused; else
     ``RAY_ADDRESS`` is honoured as Ray does; else a local Ray is embedded.
     """
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    if target is not None:
+        # Before `import ray`: Ray reads RAY_AUTH_MODE when it is first imported.
+        _use_auth_token_if_present()
     import ray
 
     _quiet_ray_logging()
     if ray.is_initialized():
         return ClusterConnection(address=address or "existing", owned=False, client_mode=_in_client_mode())
-    target = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
     owned = target is None
     if target is None:
@@ -86,7 +89,7 @@ def connect(
             object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES,
             num_cpus=num_cpus,
         )
-    elif target != "auto":
+    if target is not None and target != "auto":
         bare = target[len("ray://") :] if target.startswith("ray://") else target
         bare = bare.split("://", 1)[-1]
         host, port = _split_host_port(bare)
@@ -105,6 +108,18 @@ def connect(
         raise ClusterError(f"could not start or join Ray ({target or 'embedded'}): {_first_line(exc)}") from None
     _quiet_ray_logging()
     return ClusterConnection(address=target or "embedded", owned=owned, client_mode=_in_client_mode())
+
+
+def _use_auth_token_if_present() -> None:
+    # Ray 2.5x+ clusters enable token auth by default and write the token to
+    # ~/.ray/auth_token, but a client only sends it when RAY_AUTH_MODE=token; without
+    # it ray.init retries forever logging "InvalidAuthToken". Sending a token to a
+    # cluster without auth is harmless, so opt in whenever a token is available.
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _in_client_mode() -> bool:

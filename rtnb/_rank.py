@@ -164,10 +164,16 @@ class RankRuntime:
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._cell_loop, name="rtnb-cell", daemon=True)
         self._thread.start()
-        if capture_output:
-            sys.stdout = _CaptureStream(self, "stdout", sys.__stdout__)
-            sys.stderr = _CaptureStream(self, "stderr", sys.__stderr__)
+        self._capture_output = capture_output
         _CURRENT = self
+
+    def _install_capture(self) -> None:
+        # Done per cell, not once: a test harness or the user's code may have swapped
+        # sys.stdout since.
+        if not isinstance(sys.stdout, _CaptureStream):
+            sys.stdout = _CaptureStream(self, "stdout", sys.__stdout__)
+        if not isinstance(sys.stderr, _CaptureStream):
+            sys.stderr = _CaptureStream(self, "stderr", sys.__stderr__)
 
     # ---- cells -------------------------------------------------------------------
     def start_cell(self, cell_id: int, code: str) -> None:
@@ -189,6 +195,8 @@ class RankRuntime:
             filename = cell_filename(cell_id)
             linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
             state, value, error = "done", None, None
+            if self._capture_output:
+                self._install_capture()
             try:
                 body, last = split_last_expression(code, filename)
                 exec(body, self.namespace)

@@ -1,0 +1,294 @@
+"""The magics: parse arguments, call :class:`rtnb.Session`, display the result.
+
+They hold no logic of their own beyond that, so everything they do is also
+available from Python through ``rtnb.Session``.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from rtnb import Session
+from rtnb._config import BACKENDS, STRATEGIES
+from rtnb.errors import ConfigError
+
+__all__ = ["RtnbMagics"]
+
+
+def _ranks_option(func):
+    return argument(
+        "--ranks",
+        default=None,
+        help="ranks to use, e.g. 0,1 or 0-3 (default: all)",
+    )(func)
+
+
+def _cell_options(func):
+    """Options shared by %%rtrain and %rtrain."""
+    for decorator in reversed(
+        [
+            argument("--background", action="store_true", help="return at once; see `%%rtnb wait`"),
+            argument("--timeout", type=float, default=None, help="stop the cell after S seconds"),
+            argument("--quiet", action="store_true", help="do not show the ranks' output"),
+            argument("--no-live", action="store_true", help="no live widget (plain output)"),
+            _ranks_option,
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+@magic_arguments()
+@argument("--workers", type=int, default=2, help="number of ranks (default 2)")
+@argument("--gpu", action="store_true", help="one GPU per rank; nccl backend")
+@argument("--cpus-per-worker", type=float, default=1.0, help="CPUs reserved per rank (default 1)")
+@argument("--strategy", default="PACK", help="placement: " + "|".join(STRATEGIES))
+@argument("--address", default=None, help="auto, HOST:PORT or ray://HOST:PORT (default: embedded local Ray)")
+@argument("--storage", default=None, help="where run directories go (default ./rtnb_runs)")
+@argument("--name", default=None, help="run name (default run-DATE-TIME)")
+@argument("--backend", default=None, help="|".join(BACKENDS) + " (default gloo, nccl with --gpu)")
+@argument("--max-failures", type=int, default=0, help="group restarts allowed after a rank dies")
+@argument("--keep", type=int, default=None, help="checkpoints to keep")
+@argument("--score", default=None, help="metric that ranks checkpoints")
+@argument("--mode", default="min", help="min|max for --score")
+@argument("--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase")
+def _start_args(line):
+    """%rtnb start options."""
+
+
+@magic_arguments()
+@_ranks_option
+@argument("name", help="variable to read on every rank")
+def _pull_args(line):
+    """%rtnb pull options."""
+
+
+@magic_arguments()
+@argument("names", nargs="+", help="notebook variables to send to every rank")
+@_ranks_option
+def _push_args(line):
+    """%rtnb push options."""
+
+
+@magic_arguments()
+@argument("workers", type=int, help="new number of ranks")
+def _scale_args(line):
+    """%rtnb scale options."""
+
+
+@magic_arguments()
+@argument("--timeout", type=float, default=None, help="give up waiting after S seconds")
+def _wait_args(line):
+    """%rtnb wait options."""
+
+
+_SUBCOMMANDS = ("start", "status", "stop", "restart", "scale", "wait", "pull", "push")
+
+
+@magics_class
+class RtnbMagics(Magics):
+    """Holds the notebook's one :class:`rtnb.Session`."""
+
+    def __init__(self, shell=None, **kwargs) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self.session: Session | None = None
+
+    def shutdown(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+            self.session = None
+
+    # ---- %rtnb -------------------------------------------------------------------------
+    @line_magic
+    def rtnb(self, line: str = ""):
+        """Start, inspect and stop the worker group that %%rtrain cells run on.
+
+        Subcommands::
+
+            %rtnb start [--workers N] [--gpu] [--cpus-per-worker C]
+                        [--strategy PACK|SPREAD|STRICT_PACK|STRICT_SPREAD]
+                        [--address auto|HOST:PORT|ray://HOST:PORT] [--storage PATH]
+                        [--name RUN] [--backend gloo|nccl]
+            %rtnb status            ranks, nodes, pids, devices, state
+            %rtnb stop              free every actor and the placement group
+            %rtnb restart           a fresh group (rank variables are dropped)
+            %rtnb scale N           restart with N ranks
+            %rtnb wait [--timeout S]   the result of the last --background cell
+            %rtnb pull NAME [--ranks 0,1]   a rank variable -> list in the notebook
+            %rtnb push NAME [NAME ...]      notebook variables -> every rank
+
+        Example::
+
+            In [1]: %load_ext rtnb
+            In [2]: %rtnb start --workers 2
+            In [3]: %%rtrain
+               ...: import torch.distributed as dist
+               ...: x = dist.get_rank()
+            In [4]: %rtnb pull x
+            Out[4]: [0, 1]
+        """
+        words = shlex.split(line)
+        if not words:
+            raise UsageError("%rtnb needs a subcommand: " + ", ".join(_SUBCOMMANDS) + " (see %rtnb?)")
+        sub, rest = words[0], line.strip()[len(words[0]) :].strip()
+        handler = getattr(self, f"_rtnb_{sub}", None) if sub in _SUBCOMMANDS else None
+        if handler is None:
+            raise UsageError(f"%rtnb has no subcommand {sub!r}; use one of: " + ", ".join(_SUBCOMMANDS))
+        try:
+            return handler(rest)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _require(self) -> Session:
+        if self.session is None:
+            raise UsageError("no worker group yet: run `%rtnb start` first")
+        return self.session
+
+    def _rtnb_start(self, rest: str):
+        args = parse_argstring(_start_args, rest)
+        if self.session is not None and self.session.state.value in ("ready", "running", "starting"):
+            raise UsageError(
+                f"a worker group is already running (run {self.session.run_name!r}); "
+                "use `%rtnb restart` for a fresh one, or `%rtnb stop` first"
+            )
+        session = Session(
+            workers=args.workers,
+            gpu=args.gpu,
+            cpus_per_worker=args.cpus_per_worker,
+            strategy=args.strategy,
+            address=args.address,
+            storage=args.storage,
+            name=args.name,
+            backend=args.backend,
+            max_failures=args.max_failures,
+            keep=args.keep,
+            score=args.score,
+            mode=args.mode,
+            stop_grace_s=args.stop_grace,
+        )
+        session.start()
+        self.session = session
+        display(session.status())
+
+    def _rtnb_status(self, rest: str):
+        self._no_args("status", rest)
+        display(self._require().status())
+
+    def _rtnb_stop(self, rest: str):
+        self._no_args("stop", rest)
+        session = self._require()
+        session.stop()
+        self.session = None
+        print(f"rtnb: worker group of run {session.run_name!r} stopped; its CPUs/GPUs are free")
+
+    def _rtnb_restart(self, rest: str):
+        self._no_args("restart", rest)
+        display(self._require().restart().status())
+
+    def _rtnb_scale(self, rest: str):
+        args = parse_argstring(_scale_args, rest)
+        display(self._require().scale(args.workers).status())
+
+    def _rtnb_wait(self, rest: str):
+        args = parse_argstring(_wait_args, rest)
+        return _shown(self._require().wait(args.timeout))
+
+    def _rtnb_pull(self, rest: str):
+        args = parse_argstring(_pull_args, rest)
+        return self._require().pull(args.name, ranks=args.ranks)
+
+    def _rtnb_push(self, rest: str):
+        args = parse_argstring(_push_args, rest)
+        namespace = self.shell.user_ns
+        missing = [n for n in args.names if n not in namespace]
+        if missing:
+            raise UsageError(f"{missing[0]!r} is not defined in the notebook")
+        self._require().push({n: namespace[n] for n in args.names}, ranks=args.ranks)
+
+    @staticmethod
+    def _no_args(sub: str, rest: str) -> None:
+        if rest:
+            raise UsageError(f"%rtnb {sub} takes no arguments, got {rest!r}")
+
+    # ---- %%rtrain / %rtrain -------------------------------------------------------------
+    @magic_arguments()
+    @_cell_options
+    @cell_magic
+    def rtrain_cell(self, line: str, cell: str):
+        """Run this cell on every rank of the worker group, in its persistent namespace.
+
+        torch.distributed is initialised on the ranks; each rank's prints stream in
+        tagged ``[rank N]``; the last expression's value comes back per rank.
+
+        Example::
+
+            In [3]: %%rtrain --ranks 0,1
+               ...: import torch, torch.distributed as dist
+               ...: t = torch.ones(1) * dist.get_rank()
+               ...: dist.all_reduce(t)
+               ...: t.item()
+            Out[3]:
+            [rank 0] 1.0
+            [rank 1] 1.0
+        """
+        args = parse_argstring(self.rtrain_cell, line)
+        return self._run(cell, args)
+
+    @magic_arguments()
+    @_cell_options
+    @argument("statement", nargs="*", help="one line of Python to run on every rank")
+    @line_magic
+    def rtrain_line(self, line: str):
+        """Run one statement on every rank: ``%rtrain x = 1``.
+
+        Example::
+
+            In [4]: %rtrain model.weight.sum().item()
+        """
+        # Options only at the start; everything after them is the statement, verbatim.
+        words = shlex.split(line, posix=True) if line.strip().startswith("--") else []
+        options: list[str] = []
+        while words and words[0].startswith("--"):
+            options.append(words.pop(0))
+            if options[-1] in ("--ranks", "--timeout") and words:
+                options.append(words.pop(0))
+        args = parse_argstring(self.rtrain_line, " ".join(shlex.quote(o) for o in options))
+        statement = line
+        for token in options:
+            statement = statement.split(token, 1)[1] if token in statement else statement
+        statement = statement.strip()
+        if not statement:
+            raise UsageError("%rtrain needs a statement, e.g. `%rtrain x = 1`")
+        return self._run(statement, args)
+
+    def _run(self, code: str, args):
+        session = self._require()
+        try:
+            if args.background:
+                handle = session.run_background(code, ranks=args.ranks, timeout=args.timeout)
+                if not args.quiet:
+                    from rtnb.widgets import RankLog
+
+                    display(RankLog(handle))
+                return None
+            output = (lambda rank, stream, text: None) if args.quiet else None
+            return _shown(session.run(code, ranks=args.ranks, timeout=args.timeout, output=output))
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+
+
+# IPython names magics after the methods; %rtrain and %%rtrain share one name.
+RtnbMagics.magics["cell"]["rtrain"] = RtnbMagics.magics["cell"].pop("rtrain_cell")
+RtnbMagics.magics["line"]["rtrain"] = RtnbMagics.magics["line"].pop("rtrain_line")
+
+
+def _shown(value):
+    """The Out[] value of a cell: nothing when no rank returned anything."""
+    if value is None or all(v is None for v in value.values()):
+        return None
+    return value

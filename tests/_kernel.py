@@ -1,0 +1,77 @@
+"""A real Jupyter kernel driven through jupyter_client, for tests that need one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class Execution:
+    status: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)
+    stream_times: list[float] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return self.stdout + self.stderr
+
+
+class Kernel:
+    def __init__(self, cwd: str | None = None) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=cwd)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def execute(self, code: str, timeout: float = 120.0, interrupt_after: float | None = None) -> Execution:
+        result = Execution()
+        start = time.monotonic()
+        msg_id = self.kc.execute(code)
+        timer = None
+        if interrupt_after is not None:
+            timer = threading.Timer(interrupt_after, self.km.interrupt_kernel)
+            timer.start()
+        try:
+            while True:
+                remaining = timeout - (time.monotonic() - start)
+                if remaining <= 0:
+                    raise TimeoutError(f"kernel did not finish within {timeout} s:\n{code}")
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=remaining)
+                except queue.Empty:
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                kind, content = msg["msg_type"], msg["content"]
+                if kind == "stream":
+                    setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+                    result.stream_times.append(time.monotonic() - start)
+                elif kind == "error":
+                    result.ename, result.evalue, result.traceback = content["ename"], content["evalue"], content["traceback"]
+                elif kind in ("execute_result", "display_data"):
+                    result.results.append(content["data"])
+                elif kind == "status" and content["execution_state"] == "idle":
+                    break
+        finally:
+            if timer is not None:
+                timer.cancel()
+        reply = self.kc.get_shell_msg(timeout=30)
+        result.status = reply["content"]["status"]
+        result.elapsed_s = time.monotonic() - start
+        return result
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)

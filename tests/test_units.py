@@ -1,0 +1,172 @@
+"""Unit tests of the engine pieces that need no Ray: config, state machine, rank runtime."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+
+import pytest
+
+from rtnb._config import SessionConfig, parse_ranks
+from rtnb._rank import RankContext, RankRuntime
+from rtnb._state import GroupState, StateMachine
+from rtnb._values import PerRank, RemoteRepr, from_portable
+from rtnb.errors import CellError, CellInterrupted, ConfigError
+
+
+# ---- config ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [(None, [0, 1, 2, 3]), ("all", [0, 1, 2, 3]), ("0,2", [0, 2]), ("1-3", [1, 2, 3]), (" 3, 0 ", [0, 3])],
+)
+def test_parse_ranks_accepts_lists_and_ranges(spec, expected):
+    assert parse_ranks(spec, 4) == expected
+
+
+@pytest.mark.parametrize(("spec", "needle"), [("5", "rank 5"), ("a", "list like"), ("3-1", "list like"), ("-1", "list like")])
+def test_parse_ranks_rejects_bad_input_with_one_clear_line(spec, needle):
+    with pytest.raises(ConfigError) as info:
+        parse_ranks(spec, 4)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"workers": 0}, "--workers"),
+        ({"strategy": "DIAGONAL"}, "--strategy"),
+        ({"backend": "mpi"}, "--backend"),
+        ({"backend": "nccl"}, "--gpu"),
+        ({"address": "http://x:1"}, "--address"),
+        ({"address": "nohostport"}, "--address"),
+        ({"name": "../evil"}, "--name"),
+        ({"mode": "avg"}, "--mode"),
+    ],
+)
+def test_config_rejects_bad_options(options, needle):
+    with pytest.raises(ConfigError, match=needle):
+        SessionConfig(**options)
+
+
+def test_config_defaults_match_the_design():
+    cfg = SessionConfig()
+    assert (cfg.workers, cfg.backend, cfg.strategy, cfg.address) == (2, "gloo", "PACK", None)
+    assert SessionConfig(gpu=True).backend == "nccl"
+    assert SessionConfig(strategy="spread").strategy == "SPREAD"
+    assert SessionConfig(address="ray://127.0.0.1:10001").address == "ray://127.0.0.1:10001"
+
+
+# ---- state machine --------------------------------------------------------------------
+def test_state_machine_notifies_subscribers_and_refuses_illegal_moves():
+    machine = StateMachine()
+    seen = []
+    unsubscribe = machine.subscribe(lambda change: seen.append((change.old, change.new)))
+    machine.to(GroupState.STARTING)
+    machine.to(GroupState.READY)
+    with pytest.raises(RuntimeError, match="illegal"):
+        machine.to(GroupState.STARTING)
+    unsubscribe()
+    machine.to(GroupState.RUNNING)
+    assert seen == [(GroupState.NEW, GroupState.STARTING), (GroupState.STARTING, GroupState.READY)]
+
+
+# ---- errors ---------------------------------------------------------------------------
+def test_errors_keep_their_fields_across_pickling():
+    err = CellError.from_failures({1: ("ValueError: bad", "Traceback...\nValueError: bad\n"), 0: ("ValueError: bad", "tb0")})
+    back = pickle.loads(pickle.dumps(err))
+    assert back.ranks == [0, 1] and back.exc_type == "ValueError" and back.failures[0] == "tb0"
+    assert "ranks 0, 1" in str(back)
+    stop = pickle.loads(pickle.dumps(CellInterrupted("x", kept=False, step=7)))
+    assert (stop.kept, stop.step) == (False, 7)
+
+
+def test_perrank_values_fall_back_to_repr_when_unpicklable():
+    assert from_portable((pickle.dumps([1, 2]), "[1, 2]")) == [1, 2]
+    fallback = from_portable((None, "<lock>"))
+    assert isinstance(fallback, RemoteRepr) and repr(fallback) == "<lock>"
+    assert repr(PerRank({1: "b", 0: "a"})) == "[rank 0] 'a'\n[rank 1] 'b'"
+
+
+# ---- rank runtime ---------------------------------------------------------------------
+@pytest.fixture
+def runtime():
+    saved = sys.stdout, sys.stderr
+    rt = RankRuntime(RankContext(world_rank=0, world_size=1))
+    yield rt
+    sys.stdout, sys.stderr = saved
+
+
+def _run(rt: RankRuntime, code: str, cell_id: int = 1, timeout: float = 10.0) -> dict:
+    rt.start_cell(cell_id, code)
+    deadline = time.monotonic() + timeout
+    merged = {"output": [], "reports": []}
+    while time.monotonic() < deadline:
+        update = rt.wait(0.2, 0.0)
+        merged["output"] += update["output"]
+        merged["reports"] += update["reports"]
+        if update["state"] != "running":
+            merged.update({k: v for k, v in update.items() if k not in ("output", "reports")})
+            return merged
+    raise AssertionError("cell did not finish")
+
+
+def test_runtime_keeps_namespace_and_returns_last_expression(runtime):
+    assert _run(runtime, "x = 40")["state"] == "done"
+    update = _run(runtime, "print('hi')\nx + 2", cell_id=2)
+    assert from_portable(update["value"]) == 42
+    assert "".join(text for _s, text in update["output"]) == "hi\n"
+
+
+def test_runtime_traceback_shows_user_code_only(runtime):
+    update = _run(runtime, "def f():\n    raise ValueError('boom')\nf()")
+    summary, tb = update["error"]
+    assert summary == "ValueError: boom"
+    assert "<rtrain-cell-1>" in tb and "raise ValueError('boom')" in tb
+    assert "_rank.py" not in tb
+
+
+def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
+    runtime.start_cell(1, "import time\nfrom rtnb._rank import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)")
+    time.sleep(0.1)
+    runtime.request_stop()
+    deadline = time.monotonic() + 5
+    update = runtime.wait(2.0, 0.0)
+    while update["paused_at"] is None and time.monotonic() < deadline:
+        update = runtime.wait(2.0, 0.0)
+    assert update["paused_at"] is not None, "a rank must pause at its next report()"
+    paused = update["paused_at"]
+    runtime.set_stop_target(paused + 3)
+    while update["state"] == "running":
+        update = runtime.wait(2.0, 0.0)
+    assert update["state"] == "interrupted"
+    assert runtime.step == paused + 3
+
+
+def test_interrupt_breaks_a_pure_python_loop(runtime):
+    runtime.start_cell(1, "n = 0\nwhile True:\n    n += 1")
+    time.sleep(0.2)
+    assert runtime.interrupt()
+    update = runtime.wait(5.0, 0.0)
+    assert update["state"] == "interrupted"
+    assert runtime.namespace["n"] > 0
+
+
+def test_output_from_other_threads_is_captured(runtime):
+    update = _run(runtime, "import threading\nt = threading.Thread(target=lambda: print('from thread'))\nt.start(); t.join()")
+    assert "from thread" in "".join(text for _s, text in update["output"])
+
+
+def test_rank_api_outside_a_rank_says_where_to_call_it():
+    import rtnb
+    from rtnb import _rank
+
+    saved, _rank._CURRENT = _rank._CURRENT, None
+    try:
+        with pytest.raises(rtnb.SessionError, match="%%rtrain"):
+            rtnb.report({"x": 1})
+    finally:
+        _rank._CURRENT = saved
+    assert threading.current_thread() is threading.main_thread()
