@@ -1,0 +1,144 @@
+"""The magics in a real Jupyter kernel: what a notebook user types and sees."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._kernel import Kernel
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster, tmp_path_factory):
+    k = Kernel(cwd=str(tmp_path_factory.mktemp("nb")))
+    run = k.execute("%load_ext rtnb")
+    assert run.status == "ok", run.text + str(run.traceback)
+    yield k
+    k.shutdown()
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS, "kernel shutdown left ranks holding CPUs"
+
+
+def _one_line_error(run) -> str:
+    """The error a user sees; asserts it is one line, not a traceback through rtnb."""
+    assert run.status == "error"
+    # UsageError prints to stderr; rtnb errors render as a one-entry traceback.
+    shown = "\n".join(run.traceback) + run.stderr
+    assert shown.strip(), "no error shown"
+    assert "site-packages" not in shown and "/rtnb/" not in shown, shown
+    assert "Traceback" not in shown, shown
+    return shown
+
+
+def test_user_mistakes_before_start_give_one_clear_line(kernel):
+    assert "%rtnb start" in _one_line_error(kernel.execute("%%rtrain\nx = 1"))
+    assert "subcommand" in _one_line_error(kernel.execute("%rtnb"))
+    assert "no subcommand 'launch'" in _one_line_error(kernel.execute("%rtnb launch"))
+    assert "unrecognized arguments: --bogus" in _one_line_error(kernel.execute("%rtnb start --bogus 1"))
+    assert "--strategy" in _one_line_error(kernel.execute("%rtnb start --strategy DIAGONAL"))
+    assert "need 200 CPUs" in _one_line_error(kernel.execute("%rtnb start --workers 200"))
+
+
+def test_start_run_pull_push_status_in_a_notebook(kernel):
+    run = kernel.execute("%rtnb start --workers 2 --stop-grace 1")
+    assert run.status == "ok", run.text + "\n".join(run.traceback)
+    shown = str(run.results)
+    assert "ready" in shown and "gloo" in shown and "rank" in shown
+    assert "INFO" not in run.text and "auth" not in run.text.lower(), f"Ray noise in the cell: {run.text}"
+    assert "already running" in _one_line_error(kernel.execute("%rtnb start"))
+
+    run = kernel.execute(
+        "%%rtrain\nimport torch, torch.distributed as dist\nt = torch.ones(2) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\nprint('sum', t.tolist())\ndist.get_rank() * 100"
+    )
+    assert run.status == "ok", run.text
+    assert "[rank 0] sum [3.0, 3.0]" in run.stdout and "[rank 1] sum [3.0, 3.0]" in run.stdout
+    assert "[rank 0] 0\n[rank 1] 100" in run.results[-1]["text/plain"]
+
+    assert kernel.execute("%rtrain t = t * 2").status == "ok"
+    pulled = kernel.execute("%rtnb pull t")
+    assert "tensor([6., 6.])" in pulled.results[-1]["text/plain"]
+    assert kernel.execute("factor = 7\n%rtnb push factor").status == "ok"
+    assert "[rank 1] 7" in kernel.execute("%rtrain --ranks 1 factor").results[-1]["text/plain"]
+    assert "ranks 0-1" in _one_line_error(kernel.execute("%rtrain --ranks 3 factor"))
+    assert "list like" in _one_line_error(kernel.execute("%rtrain --ranks x factor"))
+
+    status = kernel.execute("%rtnb status")
+    assert "ready" in status.results[-1]["text/plain"]
+
+
+def test_remote_error_and_syntax_error_show_rank_and_user_code(kernel):
+    run = kernel.execute("%%rtrain\nimport torch.distributed as dist\nif dist.get_rank() == 0:\n    {}['missing']")
+    shown = "\n".join(run.traceback)
+    assert run.status == "error" and run.ename == "CellError"
+    assert "rank 0" in shown and "KeyError: 'missing'" in shown and "{}['missing']" in shown
+    assert "/rtnb/" not in shown and "ray/_private" not in shown
+    run = kernel.execute("%%rtrain\ndef broken(:\n    pass")
+    assert run.status == "error" and "SyntaxError" in "\n".join(run.traceback)
+    assert "not sent" in "\n".join(run.traceback)
+    assert kernel.execute("%rtrain 1 + 1").results[-1]["text/plain"] == "[rank 0] 2\n[rank 1] 2"
+
+
+def test_background_cell_runs_while_other_cells_work(kernel):
+    run = kernel.execute(
+        "%%rtrain --background\nimport time, rtnb\nfor i in range(40):\n    rtnb.report({'i': i})\n    time.sleep(0.05)\n'done'"
+    )
+    assert run.status == "ok" and run.elapsed_s < 5
+    assert any("application/vnd.jupyter.widget-view+json" in r for r in run.results), "no live widget shown"
+    assert kernel.execute("x_in_notebook = 1 + 1").status == "ok"
+    status = kernel.execute("%rtnb status").results[-1]["text/plain"]
+    assert "running" in status and "background" in status
+    assert kernel.execute("%rtnb pull i").status == "ok"
+    waited = kernel.execute("%rtnb wait --timeout 30")
+    assert waited.results[-1]["text/plain"] == "[rank 0] 'done'\n[rank 1] 'done'"
+
+
+def test_interrupt_stops_a_reporting_loop_at_the_same_step_on_every_rank(kernel):
+    code = (
+        "%%rtrain\nimport time, torch, rtnb, torch.distributed as dist\nstep = 0\n"
+        "while True:\n    step += 1\n    t = torch.ones(1)\n    dist.all_reduce(t)\n"
+        "    rtnb.report({'step_value': step})\n    time.sleep(0.01 * (dist.get_rank() + 1))"
+    )
+    run = kernel.execute(code, interrupt_after=3.0, timeout=60)
+    assert run.ename == "CellInterrupted", run.traceback
+    shown = "\n".join(run.traceback)
+    assert "every rank stopped at step" in shown and "intact" in shown
+    steps = kernel.execute("%rtnb pull step").results[-1]["text/plain"]
+    first, second = eval(steps)  # noqa: S307 - our own list of ints
+    assert first == second > 10
+    # The group is usable: a collective works right after.
+    assert "[rank 0] 2.0" in kernel.execute(
+        "%rtrain t = torch.ones(1); dist.all_reduce(t); t.item()"
+    ).results[-1]["text/plain"]
+
+
+def test_interrupt_stops_a_pure_python_loop_and_keeps_the_namespace(kernel):
+    kernel.execute("%rtrain kept_before = 'yes'")
+    run = kernel.execute("%%rtrain\nn = 0\nwhile True:\n    n += 1", interrupt_after=2.0, timeout=60)
+    assert run.ename == "CellInterrupted"
+    assert "inside the cell code" in "\n".join(run.traceback)
+    assert run.elapsed_s < 2.0 + 10
+    assert "'yes'" in kernel.execute("%rtnb pull kept_before").results[-1]["text/plain"]
+
+
+def test_interrupt_of_a_rank_stuck_in_a_collective_rebuilds_the_group(kernel):
+    pids_before = kernel.execute("%rtrain import os; os.getpid()").results[-1]["text/plain"]
+    run = kernel.execute(
+        "%%rtrain\nimport torch.distributed as dist, time\nif dist.get_rank() == 0:\n    dist.barrier()\nelse:\n    time.sleep(0.1)",
+        interrupt_after=2.0,
+        timeout=90,
+    )
+    shown = "\n".join(run.traceback)
+    assert run.ename == "CellInterrupted" and "rank 0 did not stop" in shown and "rebuilt" in shown, shown
+    assert run.elapsed_s < 2.0 + 30
+    after = kernel.execute("%rtrain import os, torch, torch.distributed as dist; t = torch.ones(1); dist.all_reduce(t); (os.getpid(), t.item())")
+    assert after.status == "ok", after.traceback
+    assert after.results[-1]["text/plain"] != pids_before
+    assert "2.0" in after.results[-1]["text/plain"]
+
+
+def test_stop_frees_the_cpus(kernel):
+    assert kernel.execute("%rtnb stop").status == "ok"
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+    assert "%rtnb start" in _one_line_error(kernel.execute("%rtnb status"))
