@@ -48,7 +48,11 @@ def _cell_options(func):
 @argument("--gpu", action="store_true", help="one GPU per rank; nccl backend")
 @argument("--cpus-per-worker", type=float, default=1.0, help="CPUs reserved per rank (default 1)")
 @argument("--strategy", default="PACK", help="placement: " + "|".join(STRATEGIES))
-@argument("--address", default=None, help="auto, HOST:PORT or ray://HOST:PORT (default: embedded local Ray)")
+@argument(
+    "--address",
+    default=None,
+    help="auto, HOST:PORT or ray://HOST:PORT (default: embedded local Ray)",
+)
 @argument("--storage", default=None, help="where run directories go (default ./rtnb_runs)")
 @argument("--name", default=None, help="run name (default run-DATE-TIME)")
 @argument("--backend", default=None, help="|".join(BACKENDS) + " (default gloo, nccl with --gpu)")
@@ -56,7 +60,9 @@ def _cell_options(func):
 @argument("--keep", type=int, default=None, help="checkpoints to keep")
 @argument("--score", default=None, help="metric that ranks checkpoints")
 @argument("--mode", default="min", help="min|max for --score")
-@argument("--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase")
+@argument(
+    "--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase"
+)
 def _start_args(line):
     """%rtnb start options."""
 
@@ -134,11 +140,15 @@ class RtnbMagics(Magics):
         """
         words = shlex.split(line)
         if not words:
-            raise UsageError("%rtnb needs a subcommand: " + ", ".join(_SUBCOMMANDS) + " (see %rtnb?)")
+            raise UsageError(
+                "%rtnb needs a subcommand: " + ", ".join(_SUBCOMMANDS) + " (see %rtnb?)"
+            )
         sub, rest = words[0], line.strip()[len(words[0]) :].strip()
         handler = getattr(self, f"_rtnb_{sub}", None) if sub in _SUBCOMMANDS else None
         if handler is None:
-            raise UsageError(f"%rtnb has no subcommand {sub!r}; use one of: " + ", ".join(_SUBCOMMANDS))
+            raise UsageError(
+                f"%rtnb has no subcommand {sub!r}; use one of: " + ", ".join(_SUBCOMMANDS)
+            )
         try:
             return handler(rest)
         except ConfigError as exc:
@@ -151,7 +161,11 @@ class RtnbMagics(Magics):
 
     def _rtnb_start(self, rest: str):
         args = parse_argstring(_start_args, rest)
-        if self.session is not None and self.session.state.value in ("ready", "running", "starting"):
+        if self.session is not None and self.session.state.value in (
+            "ready",
+            "running",
+            "starting",
+        ):
             raise UsageError(
                 f"a worker group is already running (run {self.session.run_name!r}); "
                 "use `%rtnb restart` for a fresh one, or `%rtnb stop` first"

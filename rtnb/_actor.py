@@ -48,7 +48,11 @@ class RankActor:
 
     def set_placement(self, local_rank: int, local_world_size: int, node_rank: int) -> str:
         ctx = self.runtime.context
-        ctx.local_rank, ctx.local_world_size, ctx.node_rank = local_rank, local_world_size, node_rank
+        ctx.local_rank, ctx.local_world_size, ctx.node_rank = (
+            local_rank,
+            local_world_size,
+            node_rank,
+        )
         os.environ.update(
             RANK=str(ctx.world_rank),
             WORLD_SIZE=str(ctx.world_size),

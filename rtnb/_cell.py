@@ -227,8 +227,11 @@ class CellHandle:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never leave a handle hanging
-            self._finish(error=exc if isinstance(exc, RtnbError) else WorkerGroupError(
-                f"lost contact with the ranks: {_one_line(exc)}"))
+            self._finish(
+                error=exc
+                if isinstance(exc, RtnbError)
+                else WorkerGroupError(f"lost contact with the ranks: {_one_line(exc)}")
+            )
             return
         self._finish_normally()
 
@@ -258,7 +261,11 @@ class CellHandle:
 
     # ---- stopping ----------------------------------------------------------------------
     def _check_timeout(self) -> None:
-        if self.timeout_s is not None and self._stop_reason is None and self.elapsed_s > self.timeout_s:
+        if (
+            self.timeout_s is not None
+            and self._stop_reason is None
+            and self.elapsed_s > self.timeout_s
+        ):
             self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
 
     def _enter_phase(self, phase: str) -> None:
@@ -311,10 +318,20 @@ class CellHandle:
     # ---- outcomes ----------------------------------------------------------------------
     def _finish_normally(self) -> None:
         finished = self._finished
-        if self._stop_reason is not None and any(u["state"] == "interrupted" for u in finished.values()):
+        if self._stop_reason is not None and any(
+            u["state"] == "interrupted" for u in finished.values()
+        ):
             steps = {finished[r]["step"] for r in finished if finished[r]["state"] == "interrupted"}
-            at = f" at step {steps.pop()}" if len(steps) == 1 and self._stop_target is not None else ""
-            how = "at a report() boundary" if self._stop_phase == "cooperative" else "inside the cell code"
+            at = (
+                f" at step {steps.pop()}"
+                if len(steps) == 1 and self._stop_target is not None
+                else ""
+            )
+            how = (
+                "at a report() boundary"
+                if self._stop_phase == "cooperative"
+                else "inside the cell code"
+            )
             self._finish(
                 error=CellInterrupted(
                     f"cell {self.cell_id} {self._stop_reason}: every rank stopped{at} ({how}); "
@@ -353,7 +370,11 @@ class CellHandle:
         except RtnbError as exc:
             tail = f"rebuilding the worker group failed: {exc}"
         message = f"{what}; {tail}"
-        error = CellInterrupted(message, kept=False) if error_cls is CellInterrupted else WorkerGroupError(message)
+        error = (
+            CellInterrupted(message, kept=False)
+            if error_cls is CellInterrupted
+            else WorkerGroupError(message)
+        )
         self._finish(error=error)
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:

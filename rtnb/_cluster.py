@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -80,7 +81,9 @@ def connect(
 
     _quiet_ray_logging()
     if ray.is_initialized():
-        return ClusterConnection(address=address or "existing", owned=False, client_mode=_in_client_mode())
+        return ClusterConnection(
+            address=address or "existing", owned=False, client_mode=_in_client_mode()
+        )
     kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
     owned = target is None
     if target is None:
@@ -97,17 +100,48 @@ def connect(
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
-        ray.init(address=target, **kwargs)
+        _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
             f"could not connect to Ray at {target!r}: {_first_line(exc)}. "
-            + ("No local cluster was found: start one with `ray start --head` or omit --address."
-               if target == "auto" else "Is `ray start --head` running there?")
+            + (
+                "No local cluster was found: start one with `ray start --head` or omit --address."
+                if target == "auto"
+                else "Is `ray start --head` running there?"
+            )
         ) from None
     except Exception as exc:  # noqa: BLE001 - Ray raises many types here
-        raise ClusterError(f"could not start or join Ray ({target or 'embedded'}): {_first_line(exc)}") from None
+        raise ClusterError(
+            f"could not start or join Ray ({target or 'embedded'}): {_first_line(exc)}"
+        ) from None
     _quiet_ray_logging()
-    return ClusterConnection(address=target or "embedded", owned=owned, client_mode=_in_client_mode())
+    return ClusterConnection(
+        address=target or "embedded", owned=owned, client_mode=_in_client_mode()
+    )
+
+
+def _init_with_retry(ray, target: str | None, kwargs: dict, timeout_s: float) -> None:
+    # A Ray Client server spawns one "specific server" per connection; shortly after
+    # the head starts, that spawn can fail ("Initialization failure from server")
+    # and succeed a second later. Retry only that, within the connect timeout.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=target, **kwargs)
+            return
+        except ConnectionError as exc:
+            transient = "Initialization failure" in str(exc)
+            if (
+                not (target or "").startswith("ray://")
+                or not transient
+                or time.monotonic() > deadline
+            ):
+                raise
+            try:
+                ray.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(1.0)
 
 
 def _use_auth_token_if_present() -> None:

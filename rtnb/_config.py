@@ -53,9 +53,7 @@ class SessionConfig:
             raise ConfigError(f"--cpus-per-worker must be ≥ 0, got {self.cpus_per_worker!r}")
         self.strategy = str(self.strategy).upper()
         if self.strategy not in STRATEGIES:
-            raise ConfigError(
-                f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}"
-            )
+            raise ConfigError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.backend is None:
             self.backend = "nccl" if self.gpu else "gloo"
         if self.backend not in BACKENDS:

@@ -55,7 +55,9 @@ class WorkerGroup:
             bundle["GPU"] = 1
         bundle = {k: v for k, v in bundle.items() if v}
         try:
-            self._placement_group = placement_group([dict(bundle) for _ in range(cfg.workers)], strategy=cfg.strategy)
+            self._placement_group = placement_group(
+                [dict(bundle) for _ in range(cfg.workers)], strategy=cfg.strategy
+            )
             ready = self._placement_group.ready()
             ray.wait([ready], timeout=cfg.placement_timeout_s)
             ray.get(ready, timeout=0.01)
@@ -92,7 +94,9 @@ class WorkerGroup:
             self._assign_local_ranks(described)
             devices = ray.get(
                 [
-                    a.set_placement.remote(info.local_rank, self._local_world_size(info), info.node_rank)
+                    a.set_placement.remote(
+                        info.local_rank, self._local_world_size(info), info.node_rank
+                    )
                     for a, info in zip(self.actors, self.ranks)
                 ],
                 timeout=60,

@@ -245,7 +245,9 @@ class RankRuntime:
     def _drain_locked(self) -> dict:
         output, self._output, self._output_chars = self._output, [], 0
         if self._dropped_chars:
-            output.append(("stderr", f"[rtnb: {self._dropped_chars} characters of output dropped]\n"))
+            output.append(
+                ("stderr", f"[rtnb: {self._dropped_chars} characters of output dropped]\n")
+            )
             self._dropped_chars = 0
         reports, self._reports = self._reports, []
         if self._paused_at is not None:
@@ -300,7 +302,11 @@ class RankRuntime:
             while self._stop_requested and self._stop_target is None:
                 self._cond.wait(0.05)
             self._paused_at = None
-        if self._stop_requested and self._stop_target is not None and self.step >= self._stop_target:
+        if (
+            self._stop_requested
+            and self._stop_target is not None
+            and self.step >= self._stop_target
+        ):
             raise CellStopped(f"stopped at step {self.step}")
 
     # ---- control calls (any thread) -------------------------------------------------

@@ -162,7 +162,9 @@ class Session:
 
     def _require_group(self) -> WorkerGroup:
         if self._group is None or self.state not in (GroupState.READY, GroupState.RUNNING):
-            raise SessionError("no worker group is running: start one with `%rtnb start` (or Session.start())")
+            raise SessionError(
+                "no worker group is running: start one with `%rtnb start` (or Session.start())"
+            )
         return self._group
 
     def __enter__(self) -> Session:
@@ -199,7 +201,9 @@ class Session:
             if callable(code):
                 code = self._stage_callable(code, config, rank_list)
             elif not isinstance(code, str):
-                raise ConfigError(f"Session.run takes code (str) or a function, got {type(code).__name__}")
+                raise ConfigError(
+                    f"Session.run takes code (str) or a function, got {type(code).__name__}"
+                )
             check_syntax(code, cell_id)
             if timeout is not None and timeout <= 0:
                 raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
@@ -252,7 +256,9 @@ class Session:
         """The value of the last background cell, once it ends (``%rtnb wait``)."""
         handle = self._last_background
         if handle is None:
-            raise SessionError("no background cell was started in this session: use `%%rtrain --background`")
+            raise SessionError(
+                "no background cell was started in this session: use `%%rtrain --background`"
+            )
         return handle.wait(timeout)
 
     @property
@@ -305,11 +311,23 @@ class Session:
             for info in group.ranks:
                 state, step = "idle", 0
                 if active is not None and info.rank in active.ranks:
-                    state, step = active.states.get(info.rank, "running"), active.steps.get(info.rank, 0)
+                    state, step = (
+                        active.states.get(info.rank, "running"),
+                        active.steps.get(info.rank, 0),
+                    )
                 last = self.metrics.last.get(info.rank)
                 if last is not None:
                     step = max(step, last.step)
-                ranks.append(RankStatus(info.rank, f"{info.hostname} ({info.node_ip})", info.pid, info.device, step, state))
+                ranks.append(
+                    RankStatus(
+                        info.rank,
+                        f"{info.hostname} ({info.node_ip})",
+                        info.pid,
+                        info.device,
+                        step,
+                        state,
+                    )
+                )
         cell = ""
         if active is not None:
             cell = f"cell {active.cell_id}{' (background)' if active.background else ''} running for {active.elapsed_s:.1f} s"
@@ -324,7 +342,9 @@ class Session:
         )
 
     def __repr__(self) -> str:
-        return f"<rtnb.Session run={self.run_name!r} state={self.state} workers={self.config.workers}>"
+        return (
+            f"<rtnb.Session run={self.run_name!r} state={self.state} workers={self.config.workers}>"
+        )
 
 
 def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:

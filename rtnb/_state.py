@@ -33,7 +33,12 @@ _ALLOWED: dict[GroupState, set[GroupState]] = {
     GroupState.NEW: {GroupState.STARTING},
     GroupState.STARTING: {GroupState.READY, GroupState.FAILED},
     GroupState.READY: {GroupState.RUNNING, GroupState.RESTARTING, GroupState.STOPPING},
-    GroupState.RUNNING: {GroupState.READY, GroupState.RESTARTING, GroupState.STOPPING, GroupState.FAILED},
+    GroupState.RUNNING: {
+        GroupState.READY,
+        GroupState.RESTARTING,
+        GroupState.STOPPING,
+        GroupState.FAILED,
+    },
     GroupState.RESTARTING: {GroupState.READY, GroupState.FAILED, GroupState.STOPPING},
     GroupState.STOPPING: {GroupState.STOPPED},
     GroupState.STOPPED: {GroupState.STARTING},

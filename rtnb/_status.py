@@ -29,7 +29,10 @@ class GroupStatus:
     cell: str = ""  # what runs now: "cell 3 (background), 12.5 s"
 
     def _rows(self) -> list[list[str]]:
-        return [[str(r.rank), r.node, str(r.pid), r.device, self.backend, r.state, str(r.step)] for r in self.ranks]
+        return [
+            [str(r.rank), r.node, str(r.pid), r.device, self.backend, r.state, str(r.step)]
+            for r in self.ranks
+        ]
 
     _HEAD = ["rank", "node", "pid", "device", "backend", "state", "step"]
 
@@ -49,7 +52,8 @@ class GroupStatus:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in self._HEAD)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self._rows()
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in self._rows()
         )
         title = html.escape(str(self).splitlines()[0])
         return (

@@ -81,8 +81,12 @@ def get_checkpoint():
     return _runtime("get_checkpoint").checkpoint
 
 
-def prepare_model(model, move_to_device: bool = True, parallel_strategy: str | None = "ddp",
-                  parallel_strategy_kwargs: dict | None = None):
+def prepare_model(
+    model,
+    move_to_device: bool = True,
+    parallel_strategy: str | None = "ddp",
+    parallel_strategy_kwargs: dict | None = None,
+):
     """Move ``model`` to this rank's device and wrap it in DDP when there are peers."""
     import torch.distributed as dist
 
@@ -92,7 +96,9 @@ def prepare_model(model, move_to_device: bool = True, parallel_strategy: str | N
     if parallel_strategy is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return model
     if parallel_strategy != "ddp":
-        raise RtnbError(f"parallel_strategy {parallel_strategy!r} is not supported; use 'ddp' or None")
+        raise RtnbError(
+            f"parallel_strategy {parallel_strategy!r} is not supported; use 'ddp' or None"
+        )
     from torch.nn.parallel import DistributedDataParallel
 
     kwargs = dict(parallel_strategy_kwargs or {})

@@ -130,7 +130,9 @@ class CellError(RtnbError):
         for rank in self.ranks:
             seen.setdefault(self.failures[rank], []).append(rank)
         for text, ranks in seen.items():
-            lines.append(f"\n--- remote traceback, rank{'s' if len(ranks) > 1 else ''} {_join(ranks)} ---")
+            lines.append(
+                f"\n--- remote traceback, rank{'s' if len(ranks) > 1 else ''} {_join(ranks)} ---"
+            )
             lines.extend(text.rstrip("\n").splitlines())
         return lines
 

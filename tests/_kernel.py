@@ -28,14 +28,19 @@ class Execution:
 
 
 class Kernel:
-    def __init__(self, cwd: str | None = None) -> None:
+    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None) -> None:
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=cwd)
+        kwargs = {"cwd": cwd}
+        if env is not None:
+            kwargs["env"] = env
+        self.km.start_kernel(**kwargs)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
 
-    def execute(self, code: str, timeout: float = 120.0, interrupt_after: float | None = None) -> Execution:
+    def execute(
+        self, code: str, timeout: float = 120.0, interrupt_after: float | None = None
+    ) -> Execution:
         result = Execution()
         start = time.monotonic()
         msg_id = self.kc.execute(code)
@@ -56,10 +61,16 @@ class Kernel:
                     continue
                 kind, content = msg["msg_type"], msg["content"]
                 if kind == "stream":
-                    setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+                    setattr(
+                        result, content["name"], getattr(result, content["name"]) + content["text"]
+                    )
                     result.stream_times.append(time.monotonic() - start)
                 elif kind == "error":
-                    result.ename, result.evalue, result.traceback = content["ename"], content["evalue"], content["traceback"]
+                    result.ename, result.evalue, result.traceback = (
+                        content["ename"],
+                        content["evalue"],
+                        content["traceback"],
+                    )
                 elif kind in ("execute_result", "display_data"):
                     result.results.append(content["data"])
                 elif kind == "status" and content["execution_state"] == "idle":

@@ -40,7 +40,10 @@ class HeadNode:
         self.log = Path(self.temp_dir) / "head.log"
         ray_bin = Path(sys.executable).parent / "ray"
         cmd = [
-            str(ray_bin), "start", "--head", "--block",
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
             f"--port={self.port}",
             f"--ray-client-server-port={self.client_port}",
             "--node-ip-address=127.0.0.1",
@@ -50,19 +53,22 @@ class HeadNode:
             f"--temp-dir={self.temp_dir}",
         ]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start failed:\n{self.log.read_text()[-3000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            self.stop()
-            raise RuntimeError("ray head did not open its port within 60 s")
+        for port in (self.port, self.client_port):
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"ray start failed:\n{self.log.read_text()[-3000:]}")
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                        break
+                except OSError:
+                    time.sleep(0.2)
+            else:
+                self.stop()
+                raise RuntimeError(f"ray head did not open port {port} within 60 s")
 
     def stop(self) -> None:
         # ray start --block drains for up to 30 s on SIGTERM; its processes share our
@@ -127,7 +133,9 @@ def group(ray_cluster):
     """A started 2-rank session shared by a module's tests."""
     import rtnb
 
-    session = rtnb.Session(workers=2, stop_grace_s=1.0, storage=tempfile.mkdtemp(prefix="rtnb-runs-"))
+    session = rtnb.Session(
+        workers=2, stop_grace_s=1.0, storage=tempfile.mkdtemp(prefix="rtnb-runs-")
+    )
     session.start()
     yield session
     session.stop()

@@ -17,7 +17,9 @@ def kernel(ray_cluster, tmp_path_factory):
     assert run.status == "ok", run.text + str(run.traceback)
     yield k
     k.shutdown()
-    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS, "kernel shutdown left ranks holding CPUs"
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS, (
+        "kernel shutdown left ranks holding CPUs"
+    )
 
 
 def _one_line_error(run) -> str:
@@ -35,7 +37,9 @@ def test_user_mistakes_before_start_give_one_clear_line(kernel):
     assert "%rtnb start" in _one_line_error(kernel.execute("%%rtrain\nx = 1"))
     assert "subcommand" in _one_line_error(kernel.execute("%rtnb"))
     assert "no subcommand 'launch'" in _one_line_error(kernel.execute("%rtnb launch"))
-    assert "unrecognized arguments: --bogus" in _one_line_error(kernel.execute("%rtnb start --bogus 1"))
+    assert "unrecognized arguments: --bogus" in _one_line_error(
+        kernel.execute("%rtnb start --bogus 1")
+    )
     assert "--strategy" in _one_line_error(kernel.execute("%rtnb start --strategy DIAGONAL"))
     assert "need 200 CPUs" in _one_line_error(kernel.execute("%rtnb start --workers 200"))
 
@@ -45,7 +49,9 @@ def test_start_run_pull_push_status_in_a_notebook(kernel):
     assert run.status == "ok", run.text + "\n".join(run.traceback)
     shown = str(run.results)
     assert "ready" in shown and "gloo" in shown and "rank" in shown
-    assert "INFO" not in run.text and "auth" not in run.text.lower(), f"Ray noise in the cell: {run.text}"
+    assert "INFO" not in run.text and "auth" not in run.text.lower(), (
+        f"Ray noise in the cell: {run.text}"
+    )
     assert "already running" in _one_line_error(kernel.execute("%rtnb start"))
 
     run = kernel.execute(
@@ -69,7 +75,9 @@ def test_start_run_pull_push_status_in_a_notebook(kernel):
 
 
 def test_remote_error_and_syntax_error_show_rank_and_user_code(kernel):
-    run = kernel.execute("%%rtrain\nimport torch.distributed as dist\nif dist.get_rank() == 0:\n    {}['missing']")
+    run = kernel.execute(
+        "%%rtrain\nimport torch.distributed as dist\nif dist.get_rank() == 0:\n    {}['missing']"
+    )
     shown = "\n".join(run.traceback)
     assert run.status == "error" and run.ename == "CellError"
     assert "rank 0" in shown and "KeyError: 'missing'" in shown and "{}['missing']" in shown
@@ -85,7 +93,9 @@ def test_background_cell_runs_while_other_cells_work(kernel):
         "%%rtrain --background\nimport time, rtnb\nfor i in range(40):\n    rtnb.report({'i': i})\n    time.sleep(0.05)\n'done'"
     )
     assert run.status == "ok" and run.elapsed_s < 5
-    assert any("application/vnd.jupyter.widget-view+json" in r for r in run.results), "no live widget shown"
+    assert any("application/vnd.jupyter.widget-view+json" in r for r in run.results), (
+        "no live widget shown"
+    )
     assert kernel.execute("x_in_notebook = 1 + 1").status == "ok"
     status = kernel.execute("%rtnb status").results[-1]["text/plain"]
     assert "running" in status and "background" in status
@@ -108,14 +118,19 @@ def test_interrupt_stops_a_reporting_loop_at_the_same_step_on_every_rank(kernel)
     first, second = eval(steps)  # noqa: S307 - our own list of ints
     assert first == second > 10
     # The group is usable: a collective works right after.
-    assert "[rank 0] 2.0" in kernel.execute(
-        "%rtrain t = torch.ones(1); dist.all_reduce(t); t.item()"
-    ).results[-1]["text/plain"]
+    assert (
+        "[rank 0] 2.0"
+        in kernel.execute("%rtrain t = torch.ones(1); dist.all_reduce(t); t.item()").results[-1][
+            "text/plain"
+        ]
+    )
 
 
 def test_interrupt_stops_a_pure_python_loop_and_keeps_the_namespace(kernel):
     kernel.execute("%rtrain kept_before = 'yes'")
-    run = kernel.execute("%%rtrain\nn = 0\nwhile True:\n    n += 1", interrupt_after=2.0, timeout=60)
+    run = kernel.execute(
+        "%%rtrain\nn = 0\nwhile True:\n    n += 1", interrupt_after=2.0, timeout=60
+    )
     assert run.ename == "CellInterrupted"
     assert "inside the cell code" in "\n".join(run.traceback)
     assert run.elapsed_s < 2.0 + 10
@@ -130,9 +145,13 @@ def test_interrupt_of_a_rank_stuck_in_a_collective_rebuilds_the_group(kernel):
         timeout=90,
     )
     shown = "\n".join(run.traceback)
-    assert run.ename == "CellInterrupted" and "rank 0 did not stop" in shown and "rebuilt" in shown, shown
+    assert (
+        run.ename == "CellInterrupted" and "rank 0 did not stop" in shown and "rebuilt" in shown
+    ), shown
     assert run.elapsed_s < 2.0 + 30
-    after = kernel.execute("%rtrain import os, torch, torch.distributed as dist; t = torch.ones(1); dist.all_reduce(t); (os.getpid(), t.item())")
+    after = kernel.execute(
+        "%rtrain import os, torch, torch.distributed as dist; t = torch.ones(1); dist.all_reduce(t); (os.getpid(), t.item())"
+    )
     assert after.status == "ok", after.traceback
     assert after.results[-1]["text/plain"] != pids_before
     assert "2.0" in after.results[-1]["text/plain"]

@@ -58,14 +58,19 @@ def test_ranks_option_limits_the_cell(group):
 def test_remote_error_names_the_rank_and_the_group_stays_usable(group):
     group.run("import torch.distributed as dist\nbefore_error = 'kept'")
     with pytest.raises(rtnb.CellError) as info:
-        group.run("def check(r):\n    if r == 1:\n        raise ValueError('bad value on one rank')\ncheck(dist.get_rank())")
+        group.run(
+            "def check(r):\n    if r == 1:\n        raise ValueError('bad value on one rank')\ncheck(dist.get_rank())"
+        )
     err = info.value
     assert err.ranks == [1] and err.exc_type == "ValueError"
     tb = err.failures[1]
     assert "raise ValueError('bad value on one rank')" in tb and "check(dist.get_rank())" in tb
     assert "rtnb/" not in tb and "ray/" not in tb, "the traceback must show user code only"
     assert group.pull("before_error") == ["kept", "kept"]
-    assert group.run("import torch\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == {0: 2.0, 1: 2.0}
+    assert group.run("import torch\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == {
+        0: 2.0,
+        1: 2.0,
+    }
 
 
 def test_syntax_error_is_caught_before_dispatch(group):
@@ -95,7 +100,9 @@ def test_background_cell_allows_status_and_pull_while_it_runs(group):
 
 def test_reports_are_recorded_per_rank(group):
     before = group.metrics.count()
-    group.run("import rtnb, torch.distributed as dist\nfor s in range(5):\n    rtnb.report({'loss': 1.0 / (s + 1), 'rank': dist.get_rank()})")
+    group.run(
+        "import rtnb, torch.distributed as dist\nfor s in range(5):\n    rtnb.report({'loss': 1.0 / (s + 1), 'rank': dist.get_rank()})"
+    )
     new = group.metrics.reports[before:]
     assert len(new) == 10
     for rank in (0, 1):
@@ -157,5 +164,8 @@ def test_ray_train_loop_code_runs_unchanged(group):
         "report({'from_ray_train': ctx.get_world_rank()})\n"
         "(type(model).__name__, ctx.get_world_size(), ray.train.get_checkpoint())"
     )
-    assert value == {0: ("DistributedDataParallel", 2, None), 1: ("DistributedDataParallel", 2, None)}
+    assert value == {
+        0: ("DistributedDataParallel", 2, None),
+        1: ("DistributedDataParallel", 2, None),
+    }
     assert {r.rank for r in group.metrics.reports if "from_ray_train" in r.metrics} == {0, 1}

@@ -19,13 +19,22 @@ from rtnb.errors import CellError, CellInterrupted, ConfigError
 # ---- config ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("spec", "expected"),
-    [(None, [0, 1, 2, 3]), ("all", [0, 1, 2, 3]), ("0,2", [0, 2]), ("1-3", [1, 2, 3]), (" 3, 0 ", [0, 3])],
+    [
+        (None, [0, 1, 2, 3]),
+        ("all", [0, 1, 2, 3]),
+        ("0,2", [0, 2]),
+        ("1-3", [1, 2, 3]),
+        (" 3, 0 ", [0, 3]),
+    ],
 )
 def test_parse_ranks_accepts_lists_and_ranges(spec, expected):
     assert parse_ranks(spec, 4) == expected
 
 
-@pytest.mark.parametrize(("spec", "needle"), [("5", "rank 5"), ("a", "list like"), ("3-1", "list like"), ("-1", "list like")])
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [("5", "rank 5"), ("a", "list like"), ("3-1", "list like"), ("-1", "list like")],
+)
 def test_parse_ranks_rejects_bad_input_with_one_clear_line(spec, needle):
     with pytest.raises(ConfigError) as info:
         parse_ranks(spec, 4)
@@ -75,7 +84,9 @@ def test_state_machine_notifies_subscribers_and_refuses_illegal_moves():
 
 # ---- errors ---------------------------------------------------------------------------
 def test_errors_keep_their_fields_across_pickling():
-    err = CellError.from_failures({1: ("ValueError: bad", "Traceback...\nValueError: bad\n"), 0: ("ValueError: bad", "tb0")})
+    err = CellError.from_failures(
+        {1: ("ValueError: bad", "Traceback...\nValueError: bad\n"), 0: ("ValueError: bad", "tb0")}
+    )
     back = pickle.loads(pickle.dumps(err))
     assert back.ranks == [0, 1] and back.exc_type == "ValueError" and back.failures[0] == "tb0"
     assert "ranks 0, 1" in str(back)
@@ -129,7 +140,10 @@ def test_runtime_traceback_shows_user_code_only(runtime):
 
 
 def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
-    runtime.start_cell(1, "import time\nfrom rtnb._rank import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)")
+    runtime.start_cell(
+        1,
+        "import time\nfrom rtnb._rank import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)",
+    )
     time.sleep(0.1)
     runtime.request_stop()
     deadline = time.monotonic() + 5
@@ -155,7 +169,10 @@ def test_interrupt_breaks_a_pure_python_loop(runtime):
 
 
 def test_output_from_other_threads_is_captured(runtime):
-    update = _run(runtime, "import threading\nt = threading.Thread(target=lambda: print('from thread'))\nt.start(); t.join()")
+    update = _run(
+        runtime,
+        "import threading\nt = threading.Thread(target=lambda: print('from thread'))\nt.start(); t.join()",
+    )
     assert "from thread" in "".join(text for _s, text in update["output"])
 
 

@@ -1,0 +1,109 @@
+"""Start, stop, restart, scale and failures of the worker group, on real Ray."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import rtnb
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def session(ray_cluster, tmp_path):
+    s = rtnb.Session(workers=2, stop_grace_s=1.0, storage=str(tmp_path))
+    yield s
+    s.stop()
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+
+
+def _pids(session) -> list[int]:
+    return session.run("import os\nos.getpid()").values_list()
+
+
+def test_stop_frees_cpus_and_state_follows_the_lifecycle(session):
+    import ray
+
+    seen = []
+    session.on_state_change(lambda change: seen.append(str(change.new)))
+    session.start()
+    assert ray.available_resources().get("CPU", 0) <= CLUSTER_CPUS - 2
+    with pytest.raises(rtnb.SessionError, match="already started"):
+        session.start()
+    session.stop()
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+    assert seen == ["starting", "ready", "stopping", "stopped"]
+    with pytest.raises(rtnb.SessionError, match="%rtnb start"):
+        session.run("1")
+
+
+def test_restart_gives_fresh_ranks_and_scale_changes_the_world_size(session):
+    session.start()
+    before = _pids(session)
+    session.run("leftover = 1")
+    session.restart()
+    assert set(_pids(session)).isdisjoint(before)
+    with pytest.raises(rtnb.SessionError, match="not defined"):
+        session.pull("leftover")
+    session.scale(3)
+    value = session.run(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n(dist.get_world_size(), t.item())"
+    )
+    assert value == {0: (3, 3.0), 1: (3, 3.0), 2: (3, 3.0)}
+    with pytest.raises(rtnb.ConfigError):
+        session.scale(0)
+    assert session.world_size == 3
+
+
+def test_more_workers_than_cpus_is_refused_before_anything_is_held(ray_cluster):
+    import ray
+
+    free = ray.available_resources().get("CPU", 0)
+    start = time.monotonic()
+    with pytest.raises(rtnb.ClusterError, match=r"need 9 CPUs.*has 4") as info:
+        rtnb.Session(workers=9).start()
+    assert time.monotonic() - start < 5
+    assert "\n" not in str(info.value)
+    assert ray.available_resources().get("CPU", 0) == free
+
+
+def test_resources_held_elsewhere_time_out_with_a_clear_error(session):
+    session.start()
+    other = rtnb.Session(workers=3, placement_timeout_s=2)
+    start = time.monotonic()
+    with pytest.raises(rtnb.ClusterError, match="held by something else"):
+        other.start()
+    assert time.monotonic() - start < 10
+    assert session.run("1") == {0: 1, 1: 1}, "the first group is untouched"
+
+
+def test_a_rank_that_dies_fails_the_cell_and_the_group_is_rebuilt_empty(session):
+    session.start()
+    session.run("doomed_variable = 1")
+    before = _pids(session)
+    with pytest.raises(rtnb.WorkerGroupError, match=r"rank 1 died.*rebuilt") as info:
+        session.run(
+            "import os, signal, torch.distributed as dist, time\nif dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(2)"
+        )
+    assert "\n" not in str(info.value)
+    assert set(_pids(session)).isdisjoint(before)
+    with pytest.raises(rtnb.SessionError):
+        session.pull("doomed_variable")
+    assert session.run(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    ) == {0: 2.0, 1: 2.0}
+
+
+def test_timeout_stops_the_cell_and_keeps_the_group(session):
+    session.start()
+    start = time.monotonic()
+    with pytest.raises(rtnb.CellInterrupted, match="timed out after 1 s"):
+        session.run(
+            "import time, rtnb\nwhile True:\n    rtnb.report({'x': 1})\n    time.sleep(0.01)",
+            timeout=1,
+        )
+    assert time.monotonic() - start < 6
+    assert session.run("2") == {0: 2, 1: 2}

@@ -1,0 +1,83 @@
+"""Joining a `ray start --head` cluster on loopback: HOST:PORT, ray://, bad addresses,
+and what a kernel leaves behind when it shuts down."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests._kernel import Kernel
+from tests.conftest import CLUSTER_CPUS, free_port, wait_for_free_cpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+_CELL = (
+    "%%rtrain\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
+    "dist.all_reduce(t)\n(dist.get_world_size(), t.item())"
+)
+
+
+def _env_without_ray_address() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)  # rtnb must find the cluster's token by itself
+    return env
+
+
+@pytest.mark.parametrize("kind", ["gcs", "client"])
+def test_start_joins_a_remote_cluster_quietly(ray_cluster, tmp_path, kind):
+    address = ray_cluster.address if kind == "gcs" else ray_cluster.client_address
+    kernel = Kernel(cwd=str(tmp_path), env=_env_without_ray_address())
+    try:
+        run = kernel.execute(f"%load_ext rtnb\n%rtnb start --address {address}", timeout=120)
+        assert run.status == "ok", run.text + "\n".join(run.traceback)
+        assert "ready" in str(run.results)
+        noise = [line for line in run.text.splitlines() if line.strip()]
+        assert noise == [], f"Ray's connection chatter reached the cell: {noise}"
+        out = kernel.execute(_CELL, timeout=60)
+        assert out.results[-1]["text/plain"] == "[rank 0] (2, 2.0)\n[rank 1] (2, 2.0)"
+        assert kernel.execute("%rtnb stop").status == "ok"
+    finally:
+        kernel.shutdown()
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+
+
+def test_unreachable_address_fails_fast_with_one_line(tmp_path):
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import rtnb\ntry:\n    rtnb.Session(address='127.0.0.1:{port}').start()\n"
+            "except rtnb.ClusterError as e:\n    print('ERR', e)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env_without_ray_address(),
+        cwd=tmp_path,
+    )
+    assert time.monotonic() - start < 20
+    assert proc.stdout.startswith("ERR cannot reach a Ray cluster at 127.0.0.1:"), (
+        proc.stdout + proc.stderr
+    )
+    assert proc.stdout.count("\n") == 1
+
+
+def test_kernel_shutdown_leaves_no_ranks_behind(ray_cluster, tmp_path):
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        run = kernel.execute("%load_ext rtnb\n%rtnb start", timeout=120)
+        assert run.status == "ok", run.traceback
+        assert kernel.execute("%rtrain x = 1").status == "ok"
+        import ray
+
+        assert ray.available_resources().get("CPU", 0) <= CLUSTER_CPUS - 2
+    finally:
+        kernel.shutdown()
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
