@@ -6,6 +6,7 @@ available from Python through ``rtnb.Session``.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from IPython.core.error import UsageError
@@ -92,6 +93,10 @@ def _scale_args(line):
 def _wait_args(line):
     """%rtnb wait options."""
 
+
+_LEADING_OPTIONS = re.compile(
+    r"\s*(?:(?:--(?:background|quiet|no-live)|--(?:ranks|timeout)[ =]\S+)\s*)*"
+)
 
 _SUBCOMMANDS = ("start", "status", "stop", "restart", "scale", "wait", "pull", "push")
 
@@ -255,7 +260,6 @@ class RtnbMagics(Magics):
 
     @magic_arguments()
     @_cell_options
-    @argument("statement", nargs="*", help="one line of Python to run on every rank")
     @line_magic
     def rtrain_line(self, line: str):
         """Run one statement on every rank: ``%rtrain x = 1``.
@@ -265,17 +269,9 @@ class RtnbMagics(Magics):
             In [4]: %rtrain model.weight.sum().item()
         """
         # Options only at the start; everything after them is the statement, verbatim.
-        words = shlex.split(line, posix=True) if line.strip().startswith("--") else []
-        options: list[str] = []
-        while words and words[0].startswith("--"):
-            options.append(words.pop(0))
-            if options[-1] in ("--ranks", "--timeout") and words:
-                options.append(words.pop(0))
-        args = parse_argstring(self.rtrain_line, " ".join(shlex.quote(o) for o in options))
-        statement = line
-        for token in options:
-            statement = statement.split(token, 1)[1] if token in statement else statement
-        statement = statement.strip()
+        match = _LEADING_OPTIONS.match(line)
+        options, statement = match.group(0), line[match.end() :].strip()
+        args = parse_argstring(self.rtrain_line, options)
         if not statement:
             raise UsageError("%rtrain needs a statement, e.g. `%rtrain x = 1`")
         return self._run(statement, args)

@@ -17,6 +17,11 @@ __all__ = ["RankActor", "ACTOR_CONCURRENCY"]
 
 # One long-poll, one control call and one pull/push can be in flight at once.
 ACTOR_CONCURRENCY = 4
+# A rank answers a long-poll as soon as something happens; this is only the
+# longest a quiet rank holds one call open.
+POLL_WAIT_S = 0.25
+# Output and reports are held this long on the rank to batch them per round trip.
+BATCH_S = 0.02
 
 
 class RankActor:
@@ -89,13 +94,13 @@ class RankActor:
             dist.destroy_process_group()
 
     # ---- cells -------------------------------------------------------------------------
-    def run(self, cell_id: int, code: str, wait_s: float, batch_s: float) -> dict:
+    def run(self, cell_id: int, code: str) -> dict:
         """Start a cell and long-poll once, so a short cell costs one round trip."""
         self.runtime.start_cell(cell_id, code)
-        return self.runtime.wait(wait_s, batch_s)
+        return self.runtime.wait(POLL_WAIT_S, BATCH_S)
 
-    def poll(self, wait_s: float, batch_s: float) -> dict:
-        return self.runtime.wait(wait_s, batch_s)
+    def poll(self) -> dict:
+        return self.runtime.wait(POLL_WAIT_S, BATCH_S)
 
     def request_stop(self) -> int:
         return self.runtime.request_stop()

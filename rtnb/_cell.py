@@ -31,11 +31,6 @@ __all__ = ["CellHandle", "OutputSink", "print_sink"]
 
 OutputSink = Callable[[int, str, str], None]
 
-# A rank answers a long-poll as soon as something happens; this is only the
-# longest a quiet rank holds one call open.
-_POLL_WAIT_S = 0.25
-# Output and reports are held this long on the rank to batch them per round trip.
-_BATCH_S = 0.02
 # How often the driver loop wakes to check stop deadlines and Ctrl-C.
 _TICK_S = 0.1
 # When some ranks have paused for a stop while others still run, give the others
@@ -191,7 +186,7 @@ class CellHandle:
     def _dispatch(self) -> None:
         actors = self.session._require_group().actors
         for rank in self.ranks:
-            ref = actors[rank].run.remote(self.cell_id, self.code, _POLL_WAIT_S, _BATCH_S)
+            ref = actors[rank].run.remote(self.cell_id, self.code)
             self._pending[ref] = rank
 
     def _loop(self) -> None:
@@ -202,19 +197,15 @@ class CellHandle:
             while len(self._finished) + len(self._dead) < len(self.ranks):
                 self._ensure_polled(actors)
                 refs = list(self._pending)
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_TICK_S)
-                for ref in ready:
-                    rank = self._pending[ref]
-                    try:
-                        update = ray.get(ref)
-                    except ray.exceptions.RayError as exc:
-                        self._pending.pop(ref, None)
-                        self._dead[rank] = _one_line(exc)
+                ready, updates = _wait_and_get(ray, refs)
+                for ref, update in zip(ready, updates):
+                    rank = self._pending.pop(ref)
+                    if isinstance(update, BaseException):
+                        self._dead[rank] = _one_line(update)
                         continue
-                    self._pending.pop(ref, None)
                     self._apply(update)
                     if update["state"] == "running":
-                        self._pending[actors[rank].poll.remote(_POLL_WAIT_S, _BATCH_S)] = rank
+                        self._pending[actors[rank].poll.remote()] = rank
                     else:
                         self._finished[rank] = update
                 if self._dead:
@@ -241,7 +232,7 @@ class CellHandle:
         polled = set(self._pending.values())
         for rank in self.ranks:
             if rank not in polled and rank not in self._finished and rank not in self._dead:
-                self._pending[actors[rank].poll.remote(_POLL_WAIT_S, _BATCH_S)] = rank
+                self._pending[actors[rank].poll.remote()] = rank
 
     def _apply(self, update: dict) -> None:
         rank = update["rank"]
@@ -394,6 +385,39 @@ class CellHandle:
                 callback(self)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _wait_and_get(ray, refs: list) -> tuple[list, list]:
+    """Whatever ``refs`` are ready within one tick, with their results.
+
+    A short cell usually answers on every rank within the first call, so try a
+    single ``ray.get`` of all first: one driver call instead of wait + get.
+    """
+    try:
+        return refs, ray.get(refs, timeout=_TICK_S)
+    except ray.exceptions.GetTimeoutError:
+        pass
+    except ray.exceptions.RayError:
+        return refs, _get_each(ray, refs)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return ready, _get_each(ray, ready)
+
+
+def _get_each(ray, refs: list) -> list:
+    """Results of ``refs`` in one call when all succeed (the common, fast case); a
+    failed ref (its rank died) yields its exception instead of losing the others."""
+    if not refs:
+        return []
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError:
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                results.append(exc)
+        return results
 
 
 def _one_line(exc: BaseException) -> str:

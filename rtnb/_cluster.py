@@ -124,7 +124,9 @@ def _init_with_retry(ray, target: str | None, kwargs: dict, timeout_s: float) ->
     # A Ray Client server spawns one "specific server" per connection; shortly after
     # the head starts, that spawn can fail ("Initialization failure from server")
     # and succeed a second later. Retry only that, within the connect timeout.
-    deadline = time.monotonic() + timeout_s
+    # A failed spawn is only reported when Ray's proxy gives up on it (~30 s), so
+    # allow time for one retry after that.
+    deadline = time.monotonic() + max(timeout_s, 75.0)
     while True:
         try:
             ray.init(address=target, **kwargs)

@@ -24,6 +24,7 @@ from rtnb._cluster import ClusterConnection, connect
 from rtnb._config import SessionConfig, parse_ranks
 from rtnb._group import WorkerGroup
 from rtnb._metrics import MetricsStore
+from rtnb._rundir import RunDirectory
 from rtnb._state import GroupState, StateChange, StateMachine
 from rtnb._status import GroupStatus, RankStatus
 from rtnb._values import PerRank, from_portable
@@ -57,6 +58,7 @@ class Session:
         except TypeError as exc:
             raise ConfigError(f"unknown Session option: {exc}") from None
         self.run_name = self.config.name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.run_dir = RunDirectory(self.config.storage_path, self.run_name)
         self.state_machine = StateMachine()
         self.metrics = MetricsStore()
         self.history: list[str] = []
@@ -88,6 +90,7 @@ class Session:
                 )
             self.state_machine.to(GroupState.STARTING)
             try:
+                self.run_dir.ensure_writable()
                 if self.connection is None:
                     self.connection = self._connector(
                         self.config.address,
@@ -101,7 +104,22 @@ class Session:
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise SessionError(f"starting the worker group failed: {exc}") from None
             self.state_machine.to(GroupState.READY)
+            self._write_run_json()
         return self
+
+    def _write_run_json(self) -> None:
+        group = self._group
+        ranks = [vars(r) for r in group.ranks] if group is not None else []
+        self.run_dir.write_json(
+            "run.json",
+            {
+                "run_name": self.run_name,
+                "status": str(self.state),
+                "config": self.config.to_dict(),
+                "ranks": ranks,
+                "updated": time.time(),
+            },
+        )
 
     def _new_group(self) -> WorkerGroup:
         group = self._group_factory(self.config, self.run_name, self.config.storage_path)
@@ -125,6 +143,10 @@ class Session:
                 self.connection.shutdown()
                 self.connection = None
             self.state_machine.to(GroupState.STOPPED)
+            try:
+                self._write_run_json()
+            except Exception:  # noqa: BLE001 - stopping must not fail on a storage hiccup
+                pass
 
     def restart(self) -> Session:
         """A fresh group with the same options; rank variables are dropped."""
@@ -159,6 +181,7 @@ class Session:
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
             self.state_machine.to(GroupState.READY, reason)
+            self._write_run_json()
 
     def _require_group(self) -> WorkerGroup:
         if self._group is None or self.state not in (GroupState.READY, GroupState.RUNNING):

@@ -107,3 +107,31 @@ def test_timeout_stops_the_cell_and_keeps_the_group(session):
         )
     assert time.monotonic() - start < 6
     assert session.run("2") == {0: 2, 1: 2}
+
+
+def test_run_json_records_config_ranks_and_status(session, tmp_path):
+    import json
+
+    session.start()
+    record = json.loads((tmp_path / session.run_name / "run.json").read_text())
+    assert record["status"] == "ready" and record["config"]["workers"] == 2
+    assert sorted(r["rank"] for r in record["ranks"]) == [0, 1]
+    session.stop()
+    assert json.loads((tmp_path / session.run_name / "run.json").read_text())["status"] == "stopped"
+
+
+def test_unwritable_storage_is_refused_before_any_rank_starts(ray_cluster, tmp_path):
+    import ray
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    free = ray.available_resources().get("CPU", 0)
+    with pytest.raises(rtnb.ConfigError, match="not writable"):
+        rtnb.Session(storage=str(blocker / "runs")).start()
+    assert ray.available_resources().get("CPU", 0) == free
+
+
+def test_checkpoint_options_are_refused_until_checkpoints_exist():
+    for options in ({"max_failures": 2}, {"keep": 3}, {"score": "loss"}):
+        with pytest.raises(rtnb.ConfigError, match="checkpoint support"):
+            rtnb.Session(**options)

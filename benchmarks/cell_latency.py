@@ -1,0 +1,182 @@
+"""Cell latency of rtnb against its peers, measured in one run of this script.
+
+(a) a warm trivial %%rtrain cell vs a plain Ray actor exec round trip (2 ranks);
+(b) a 20-step DDP SGD loop re-run as a warm cell vs a warm TorchTrainer.fit() of the
+    same loop, at Ray Train defaults and with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1;
+(c) cold start of an rtnb group to ready vs the first TorchTrainer.fit().
+
+Each side runs in its own fresh process with an embedded 2-CPU Ray (Ray Train's
+health-check interval is read when Ray starts), then the ratios are printed.
+
+    .venv/bin/python benchmarks/cell_latency.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _ray_init():
+    import ray
+
+    t0 = time.perf_counter()
+    ray.init(
+        num_cpus=2,
+        object_store_memory=300_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    return time.perf_counter() - t0
+
+
+def phase_rtnb(repeats: int) -> dict:
+    import ray
+    from _loop import LOOP_SOURCE
+
+    import rtnb
+
+    ray_init_s = _ray_init()
+    t0 = time.perf_counter()
+    session = rtnb.Session(workers=2).start()
+    start_s = time.perf_counter() - t0
+    quiet = lambda *a: None  # noqa: E731
+    t0 = time.perf_counter()
+    session.run(LOOP_SOURCE, output=quiet)
+    first_loop_s = time.perf_counter() - t0
+    loop_s = []
+    for _ in range(max(5, repeats // 20)):
+        t0 = time.perf_counter()
+        session.run(LOOP_SOURCE, output=quiet)
+        loop_s.append(time.perf_counter() - t0)
+    for _ in range(20):
+        session.run("1", output=quiet)
+    trivial = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        session.run("1", output=quiet)
+        trivial.append(time.perf_counter() - t0)
+    session.stop()
+
+    @ray.remote(num_cpus=1)
+    class Plain:
+        def __init__(self):
+            self.ns = {}
+
+        def exec(self, code):
+            return eval(compile(code, "<plain>", "eval"), self.ns)
+
+    actors = [Plain.remote() for _ in range(2)]
+    ray.get([a.exec.remote("1") for a in actors])
+    for _ in range(20):
+        ray.get([a.exec.remote("1") for a in actors])
+    plain = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ray.get([a.exec.remote("1") for a in actors])
+        plain.append(time.perf_counter() - t0)
+    return {
+        "ray_init_s": ray_init_s,
+        "start_s": start_s,
+        "first_loop_s": first_loop_s,
+        "loop_s": statistics.median(loop_s),
+        "trivial_s": statistics.median(trivial),
+        "plain_s": statistics.median(plain),
+    }
+
+
+def phase_trainer(fits: int) -> dict:
+    from _loop import train_loop_per_worker
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray_init_s = _ray_init()
+    storage = tempfile.mkdtemp(prefix="rtnb-bench-")
+    times = []
+    for i in range(fits):
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+            run_config=RunConfig(name=f"fit{i}", storage_path=storage),
+        )
+        t0 = time.perf_counter()
+        trainer.fit()
+        times.append(time.perf_counter() - t0)
+    return {"ray_init_s": ray_init_s, "first_fit_s": times[0], "warm_fit_s": times[-1]}
+
+
+def _run_phase(name: str, env_extra: dict[str, str], arg: int) -> dict:
+    env = {**os.environ, **env_extra, "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--phase", name, "--arg", str(arg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"phase {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", default=None)
+    parser.add_argument("--arg", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="skip the slow Ray Train defaults fit")
+    args = parser.parse_args()
+    if args.phase == "rtnb":
+        print("RESULT " + json.dumps(phase_rtnb(args.arg)))
+        return
+    if args.phase == "trainer":
+        print("RESULT " + json.dumps(phase_trainer(args.arg)))
+        return
+
+    print(
+        "cell_latency: 2 ranks, gloo, CPU; each side in a fresh process with embedded Ray (2 CPUs)"
+    )
+    r = _run_phase("rtnb", {}, 300)
+    tuned = _run_phase("trainer", {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}, 2)
+    default = None if args.quick else _run_phase("trainer", {}, 2)
+
+    print()
+    print(
+        f"(a) warm trivial cell        rtnb {r['trivial_s'] * 1e3:7.2f} ms   plain Ray actors {r['plain_s'] * 1e3:7.2f} ms"
+        f"   ratio {r['trivial_s'] / r['plain_s']:.2f}x  (goal <= 1.5x)"
+    )
+    print(f"(b) warm 20-step DDP loop    rtnb {r['loop_s'] * 1e3:7.1f} ms")
+    if default is not None:
+        print(
+            f"    vs TorchTrainer.fit() defaults      {default['warm_fit_s']:7.2f} s   rtnb is "
+            f"{default['warm_fit_s'] / r['loop_s']:.0f}x faster  (goal >= 200x)"
+        )
+    print(
+        f"    vs TorchTrainer.fit() interval 0.1  {tuned['warm_fit_s']:7.2f} s   rtnb is "
+        f"{tuned['warm_fit_s'] / r['loop_s']:.0f}x faster  (goal >= 50x)"
+    )
+    first_fit = (default or tuned)["first_fit_s"]
+    print(
+        f"(c) cold start to ready      rtnb {r['start_s']:6.2f} s   first TorchTrainer.fit() {first_fit:6.2f} s"
+        f"   ratio {r['start_s'] / first_fit:.2f}x  (goal <= 0.25x)"
+    )
+    print(
+        f"    (rtnb start + first loop cell {r['start_s'] + r['first_loop_s']:.2f} s; ray.init excluded on both "
+        f"sides: {r['ray_init_s']:.1f} s / {tuned['ray_init_s']:.1f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

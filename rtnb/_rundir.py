@@ -1,0 +1,57 @@
+"""The run directory ``{storage}/{run}/`` on a local path or any pyarrow-supported URI.
+
+Holds ``run.json`` (config, ranks, status) now; metrics and checkpoints go under it.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from typing import Any
+
+from rtnb.errors import ConfigError
+
+__all__ = ["RunDirectory"]
+
+
+class RunDirectory:
+    def __init__(self, storage: str, run_name: str) -> None:
+        from pyarrow import fs as pafs
+
+        self.uri = f"{storage.rstrip('/')}/{run_name}"
+        try:
+            self.fs, self.path = pafs.FileSystem.from_uri(
+                self.uri if "://" in self.uri else f"file://{self.uri}"
+            )
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types
+            raise ConfigError(
+                f"--storage {storage!r} is not a path or URI rtnb can use: {exc}"
+            ) from None
+
+    def ensure_writable(self) -> None:
+        """Create the directory and prove it takes a file, before any rank starts."""
+        try:
+            self.fs.create_dir(self.path, recursive=True)
+            probe = posixpath.join(self.path, ".rtnb-write-probe")
+            with self.fs.open_output_stream(probe) as out:
+                out.write(b"ok")
+            self.fs.delete_file(probe)
+        except Exception as exc:  # noqa: BLE001
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"storage {self.uri!r} is not writable ({reason}); pass --storage a directory "
+                "or bucket you can write to"
+            ) from None
+
+    def write_json(self, name: str, payload: dict[str, Any]) -> None:
+        # Write-then-rename so a reader never sees half a file.
+        target = posixpath.join(self.path, name)
+        tmp = f"{target}.tmp-{time.time_ns()}"
+        with self.fs.open_output_stream(tmp) as out:
+            out.write(json.dumps(payload, indent=2, default=str).encode())
+        self.fs.move(tmp, target)
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        with self.fs.open_input_stream(posixpath.join(self.path, name)) as src:
+            return json.loads(src.read())
