@@ -13,9 +13,17 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
+from rtnb.widgets import (
+    LiveMetrics,
+    ProgressLines,
+    RankLog,
+    has_live_frontend,
+    static_figure_bundle,
+)
 
 from rtnb import Session
-from rtnb._config import BACKENDS, STRATEGIES
+from rtnb._config import BACKENDS, STRATEGIES, SessionConfig
+from rtnb._result import list_runs
 from rtnb.errors import ConfigError
 
 __all__ = ["RtnbMagics"]
@@ -37,6 +45,7 @@ def _cell_options(func):
             argument("--timeout", type=float, default=None, help="stop the cell after S seconds"),
             argument("--quiet", action="store_true", help="do not show the ranks' output"),
             argument("--no-live", action="store_true", help="no live widget (plain output)"),
+            argument("--steps", type=int, default=None, help="total steps, for progress and ETA"),
             _ranks_option,
         ]
     ):
@@ -94,11 +103,22 @@ def _wait_args(line):
     """%rtnb wait options."""
 
 
+@magic_arguments()
+@argument(
+    "storage",
+    nargs="?",
+    default=None,
+    help="storage path or URI (default: the session's, else ./rtnb_runs)",
+)
+def _runs_args(line):
+    """%rtnb runs options."""
+
+
 _LEADING_OPTIONS = re.compile(
-    r"\s*(?:(?:--(?:background|quiet|no-live)|--(?:ranks|timeout)[ =]\S+)\s*)*"
+    r"\s*(?:(?:--(?:background|quiet|no-live)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
 
-_SUBCOMMANDS = ("start", "status", "stop", "restart", "scale", "wait", "pull", "push")
+_SUBCOMMANDS = ("start", "status", "stop", "restart", "scale", "wait", "pull", "push", "runs")
 
 
 @magics_class
@@ -108,6 +128,7 @@ class RtnbMagics(Magics):
     def __init__(self, shell=None, **kwargs) -> None:
         super().__init__(shell=shell, **kwargs)
         self.session: Session | None = None
+        self.last_view = None  # the widget of the latest cell, for inspection
 
     def shutdown(self) -> None:
         if self.session is not None:
@@ -132,6 +153,7 @@ class RtnbMagics(Magics):
             %rtnb wait [--timeout S]   the result of the last --background cell
             %rtnb pull NAME [--ranks 0,1]   a rank variable -> list in the notebook
             %rtnb push NAME [NAME ...]      notebook variables -> every rank
+            %rtnb runs [STORAGE]    runs found in the storage path
 
         Example::
 
@@ -189,6 +211,7 @@ class RtnbMagics(Magics):
             score=args.score,
             mode=args.mode,
             stop_grace_s=args.stop_grace,
+            tensorboard=args.tensorboard,
         )
         session.start()
         self.session = session
@@ -228,6 +251,13 @@ class RtnbMagics(Magics):
         if missing:
             raise UsageError(f"{missing[0]!r} is not defined in the notebook")
         self._require().push({n: namespace[n] for n in args.names}, ranks=args.ranks)
+
+    def _rtnb_runs(self, rest: str):
+        args = parse_argstring(_runs_args, rest)
+        storage = args.storage or (
+            self.session.config.storage_path if self.session else SessionConfig().storage_path
+        )
+        return list_runs(storage)
 
     @staticmethod
     def _no_args(sub: str, rest: str) -> None:
@@ -278,18 +308,42 @@ class RtnbMagics(Magics):
 
     def _run(self, code: str, args):
         session = self._require()
+        live = not args.no_live and has_live_frontend()
         try:
             if args.background:
-                handle = session.run_background(code, ranks=args.ranks, timeout=args.timeout)
+                handle = session.run_background(
+                    code, ranks=args.ranks, timeout=args.timeout, total_steps=args.steps
+                )
                 if not args.quiet:
-                    from rtnb.widgets import RankLog
-
-                    display(RankLog(handle))
+                    self.last_view = LiveMetrics(session.metrics, handle) if live else RankLog(handle)
+                    display(self.last_view)
                 return None
-            output = (lambda rank, stream, text: None) if args.quiet else None
-            return _shown(session.run(code, ranks=args.ranks, timeout=args.timeout, output=output))
+            quiet_sink = (lambda rank, stream, text: None) if (args.quiet or live) else None
+            handle = session.begin_cell(
+                code,
+                ranks=args.ranks,
+                timeout=args.timeout,
+                total_steps=args.steps,
+                output=quiet_sink,
+            )
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
+        reports_before = session.metrics.count()
+        progress = None
+        if live and not args.quiet:
+            self.last_view = LiveMetrics(session.metrics, handle)
+            display(self.last_view)
+        elif not args.quiet:
+            progress = ProgressLines(session.metrics, handle)
+        try:
+            return _shown(handle.run_here())
+        finally:
+            if progress is not None:
+                progress.close()
+                if session.metrics.count() > reports_before:
+                    bundle = static_figure_bundle(session.metrics, title=f"run {session.run_name}")
+                    if bundle is not None:
+                        display(bundle, raw=True)
 
 
 # IPython names magics after the methods; %rtrain and %%rtrain share one name.

@@ -169,6 +169,10 @@ class CellHandle:
         return f"<rtnb cell {self.cell_id} on ranks {self.ranks}: {state}, {self.elapsed_s:.1f} s>"
 
     # ---- driving -----------------------------------------------------------------------
+    def run_here(self) -> PerRank:
+        """Drive the cell in this thread until it ends (Ctrl-C stops it on every rank)."""
+        return self._run_foreground()
+
     def _run_foreground(self) -> PerRank:
         self._dispatch()
         while not self._done.is_set():

@@ -38,6 +38,7 @@ class SessionConfig:
     mode: str = "min"
     # Seconds an interrupted cell gets to stop at a report() boundary before rtnb
     # raises inside the ranks, and again before it rebuilds the group.
+    tensorboard: bool = False
     stop_grace_s: float = 3.0
     connect_timeout_s: float = 15.0
     placement_timeout_s: float = 30.0

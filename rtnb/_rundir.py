@@ -29,6 +29,15 @@ class RunDirectory:
                 f"--storage {storage!r} is not a path or URI rtnb can use: {exc}"
             ) from None
 
+    @property
+    def is_local(self) -> bool:
+        return type(self.fs).__name__ == "LocalFileSystem"
+
+    def exists(self, name: str) -> bool:
+        from pyarrow import fs as pafs
+
+        return self.fs.get_file_info(posixpath.join(self.path, name)).type != pafs.FileType.NotFound
+
     def ensure_writable(self) -> None:
         """Create the directory and prove it takes a file, before any rank starts."""
         try:

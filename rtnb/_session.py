@@ -24,9 +24,12 @@ from rtnb._cluster import ClusterConnection, connect
 from rtnb._config import SessionConfig, parse_ranks
 from rtnb._group import WorkerGroup
 from rtnb._metrics import MetricsStore
+from rtnb._metricslog import MetricsLog
+from rtnb._result import Result, mean_of_last
 from rtnb._rundir import RunDirectory
 from rtnb._state import GroupState, StateChange, StateMachine
 from rtnb._status import GroupStatus, RankStatus
+from rtnb._tensorboard import TensorBoardExporter
 from rtnb._values import PerRank, from_portable
 from rtnb.errors import CellError, ConfigError, RtnbError, SessionError
 
@@ -69,6 +72,7 @@ class Session:
         self._cell_ids = itertools.count(1)
         self._active: CellHandle | None = None
         self._last_background: CellHandle | None = None
+        self._last_error: BaseException | None = None
         self._lock = threading.RLock()
         _LIVE.add(self)
 
@@ -91,6 +95,7 @@ class Session:
             self.state_machine.to(GroupState.STARTING)
             try:
                 self.run_dir.ensure_writable()
+                self._attach_metrics_outputs()
                 if self.connection is None:
                     self.connection = self._connector(
                         self.config.address,
@@ -106,6 +111,30 @@ class Session:
             self.state_machine.to(GroupState.READY)
             self._write_run_json()
         return self
+
+    def _attach_metrics_outputs(self) -> None:
+        if self.metrics.log is None:
+            self.metrics.log = MetricsLog(self.run_dir)
+        if self.config.tensorboard and self.metrics.exporter is None:
+            if not self.run_dir.is_local:
+                raise ConfigError(
+                    "--tensorboard writes event files next to the run: it needs a local --storage"
+                )
+            self.metrics.exporter = TensorBoardExporter(f"{self.run_dir.path}/tensorboard")
+
+    def result(self) -> Result:
+        """The run so far as an :class:`rtnb.Result` (metrics, dataframe, path)."""
+        self.metrics.flush()
+        per_rank = {
+            r: dict(rep.metrics, step=rep.step) for r, rep in sorted(self.metrics.last.items())
+        }
+        return Result(
+            path=self.run_dir.uri,
+            metrics=mean_of_last(per_rank),
+            metrics_per_rank=per_rank,
+            error=self._last_error,
+            run_name=self.run_name,
+        )
 
     def _write_run_json(self) -> None:
         group = self._group
@@ -142,6 +171,10 @@ class Session:
             if self.connection is not None:
                 self.connection.shutdown()
                 self.connection = None
+            self.metrics.flush()
+            if self.metrics.exporter is not None:
+                self.metrics.exporter.close()
+                self.metrics.exporter = None
             self.state_machine.to(GroupState.STOPPED)
             try:
                 self._write_run_json()
@@ -210,6 +243,7 @@ class Session:
         timeout: float | None,
         background: bool,
         config: Any = None,
+        total_steps: int | None = None,
     ) -> CellHandle:
         with self._lock:
             group = self._require_group()
@@ -230,7 +264,10 @@ class Session:
             check_syntax(code, cell_id)
             if timeout is not None and timeout <= 0:
                 raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
+            if total_steps is not None and total_steps < 1:
+                raise ConfigError(f"--steps must be ≥ 1, got {total_steps}")
             handle = CellHandle(self, cell_id, code, rank_list, timeout, background)
+            self.metrics.begin(rank_list, total_steps)
             self._active = handle
             self.state_machine.to(GroupState.RUNNING, f"cell {cell_id}")
             return handle
@@ -247,6 +284,7 @@ class Session:
         timeout: float | None = None,
         config: Any = None,
         output: OutputSink | None = None,
+        total_steps: int | None = None,
     ) -> PerRank:
         """Run ``code`` (or ``fn()``/``fn(config)``) on the ranks and wait for it.
 
@@ -254,9 +292,27 @@ class Session:
         printed with a ``[rank N]`` tag). Returns the last expression's value per
         rank. Ctrl-C stops the cell on every rank (see :class:`CellHandle`).
         """
-        handle = self._begin(code, ranks, timeout, background=False, config=config)
+        handle = self._begin(
+            code, ranks, timeout, background=False, config=config, total_steps=total_steps
+        )
         handle.add_sink(output or print_sink())
         return handle._run_foreground()
+
+    def begin_cell(
+        self,
+        code: str | Callable,
+        *,
+        ranks: Iterable[int] | str | None = None,
+        timeout: float | None = None,
+        total_steps: int | None = None,
+        output: OutputSink | None = None,
+    ) -> CellHandle:
+        """A foreground cell's handle before it runs, so views can subscribe to it
+        first; run it with :meth:`CellHandle.run_here`. Output is printed unless
+        ``output`` says otherwise."""
+        handle = self._begin(code, ranks, timeout, background=False, total_steps=total_steps)
+        handle.add_sink(output or print_sink())
+        return handle
 
     def run_background(
         self,
@@ -266,9 +322,12 @@ class Session:
         timeout: float | None = None,
         config: Any = None,
         output: OutputSink | None = None,
+        total_steps: int | None = None,
     ) -> CellHandle:
         """Start ``code`` on the ranks and return its :class:`CellHandle` at once."""
-        handle = self._begin(code, ranks, timeout, background=True, config=config)
+        handle = self._begin(
+            code, ranks, timeout, background=True, config=config, total_steps=total_steps
+        )
         if output is not None:
             handle.add_sink(output)
         self._last_background = handle
@@ -290,6 +349,8 @@ class Session:
 
     def _cell_ended(self, handle: CellHandle) -> None:
         with self._lock:
+            self.metrics.flush()
+            self._last_error = handle.error
             if handle.error is None:
                 self.history.append(handle.code)
             if self.state is GroupState.RUNNING and self._active is handle:

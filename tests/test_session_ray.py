@@ -95,21 +95,21 @@ def test_background_cell_allows_status_and_pull_while_it_runs(group):
         group.run("1")
     assert group.wait(30) == {0: "finished", 1: "finished"}
     assert group.status().state == "ready"
-    assert max(r.step for r in group.metrics.reports if r.rank == 1) >= 30
+    assert group.metrics.last[1].step >= 30
 
 
 def test_reports_are_recorded_per_rank(group):
     before = group.metrics.count()
     group.run(
-        "import rtnb, torch.distributed as dist\nfor s in range(5):\n    rtnb.report({'loss': 1.0 / (s + 1), 'rank': dist.get_rank()})"
+        "import rtnb, torch.distributed as dist\nfor s in range(5):\n    rtnb.report({'per_rank_loss': 1.0 / (s + 1) + dist.get_rank()})"
     )
-    new = group.metrics.reports[before:]
-    assert len(new) == 10
+    assert group.metrics.count() - before == 10
+    frame = group.result().metrics_dataframe
+    mine = frame.dropna(subset=["per_rank_loss"])
     for rank in (0, 1):
-        mine = [r for r in new if r.rank == rank]
-        assert [r.metrics["loss"] for r in mine] == [1.0, 0.5, 1 / 3, 0.25, 0.2]
-        assert all(r.metrics["rank"] == rank for r in mine)
-        assert [b.step - a.step for a, b in zip(mine, mine[1:])] == [1, 1, 1, 1]
+        rows = mine[mine["rank"] == rank]
+        assert rows["per_rank_loss"].tolist() == [1.0 + rank, 0.5 + rank, 1 / 3 + rank, 0.25 + rank, 0.2 + rank]
+        assert rows["step"].diff().dropna().tolist() == [1, 1, 1, 1]
 
 
 def test_push_sends_notebook_values_to_every_rank(group):
@@ -168,4 +168,5 @@ def test_ray_train_loop_code_runs_unchanged(group):
         0: ("DistributedDataParallel", 2, None),
         1: ("DistributedDataParallel", 2, None),
     }
-    assert {r.rank for r in group.metrics.reports if "from_ray_train" in r.metrics} == {0, 1}
+    frame = group.result().metrics_dataframe
+    assert sorted(frame.dropna(subset=["from_ray_train"])["rank"].tolist()) == [0, 1]

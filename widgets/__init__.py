@@ -1,7 +1,10 @@
-"""ipywidgets views of an rtnb session; they subscribe to engine callbacks and never call Ray."""
+"""ipywidgets/plotly views of an rtnb session; they subscribe to engine callbacks and never call Ray."""
 
 from __future__ import annotations
 
+from rtnb.widgets._frontend import has_live_frontend
+from rtnb.widgets._live import LiveMetrics
 from rtnb.widgets._logs import RankLog
+from rtnb.widgets._static import ProgressLines, static_figure_bundle
 
-__all__ = ["RankLog"]
+__all__ = ["LiveMetrics", "ProgressLines", "RankLog", "has_live_frontend", "static_figure_bundle"]

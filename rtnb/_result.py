@@ -1,0 +1,153 @@
+"""The outcome of a run, shaped like Ray Train's ``Result``."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from rtnb._metricslog import read_metrics, to_number
+from rtnb._rundir import RunDirectory
+from rtnb.errors import ConfigError
+
+__all__ = ["Result", "RunSummary", "list_runs"]
+
+
+@dataclass
+class Result:
+    """``metrics``: the mean over ranks of each metric's last value (flat, as in Ray
+    Train); ``metrics_per_rank``: each rank's last report; ``metrics_dataframe``:
+    every report of every rank, read from the run directory."""
+
+    path: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics_per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+    checkpoint: Any = None
+    best_checkpoints: list = field(default_factory=list)
+    error: BaseException | None = None
+    run_name: str = ""
+
+    @property
+    def metrics_dataframe(self):
+        import pandas as pd
+
+        rows = read_metrics(_run_dir(self.path))
+        frame = pd.DataFrame(rows)
+        if frame.empty:
+            return frame
+        first = [c for c in ("rank", "step", "timestamp") if c in frame.columns]
+        return frame[first + [c for c in frame.columns if c not in first]]
+
+    @classmethod
+    def from_path(cls, path: str) -> Result:
+        """Reload a run's result from its run directory (local path or URI)."""
+        run_dir = _run_dir(path)
+        if not run_dir.exists("run.json"):
+            raise ConfigError(f"{path!r} is not an rtnb run directory (no run.json)")
+        record = run_dir.read_json("run.json")
+        last: dict[int, dict] = {}
+        for row in read_metrics(run_dir):
+            last[int(row["rank"])] = row
+        per_rank = {
+            r: {k: v for k, v in row.items() if k not in ("rank", "timestamp")}
+            for r, row in last.items()
+        }
+        return cls(
+            path=path,
+            metrics=mean_of_last(per_rank),
+            metrics_per_rank=per_rank,
+            run_name=record.get("run_name", ""),
+        )
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.metrics.items()
+        )
+        return f"Result(run={self.run_name!r}, metrics={{{shown}}}, path={self.path!r}, error={self.error!r})"
+
+
+def mean_of_last(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    names = sorted({k for m in per_rank.values() for k in m})
+    out: dict[str, Any] = {}
+    for name in names:
+        values = [to_number(m[name]) for m in per_rank.values() if name in m]
+        numbers = [v for v in values if v is not None]
+        if numbers and len(numbers) == len(values):
+            out[name] = statistics.fmean(numbers)
+    return out
+
+
+def _run_dir(path: str) -> RunDirectory:
+    base, _, name = path.rstrip("/").rpartition("/")
+    return RunDirectory(base or "/", name)
+
+
+@dataclass
+class RunSummary:
+    name: str
+    status: str
+    workers: int
+    updated: float
+    path: str
+
+
+@dataclass
+class RunTable:
+    storage: str
+    runs: list[RunSummary]
+
+    def __str__(self) -> str:
+        import time
+
+        if not self.runs:
+            return f"no rtnb runs in {self.storage}"
+        rows = [["run", "status", "workers", "updated", "path"]] + [
+            [
+                r.name,
+                r.status,
+                str(r.workers),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.updated)),
+                r.path,
+            ]
+            for r in self.runs
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows
+        )
+
+    __repr__ = __str__
+
+
+def list_runs(storage: str) -> RunTable:
+    """Every run directory (with a run.json) directly under ``storage``, newest first."""
+    from pyarrow import fs as pafs
+
+    probe = RunDirectory(storage, "_")
+    base = posixpath_dirname(probe.path)
+    runs: list[RunSummary] = []
+    infos = probe.fs.get_file_info(pafs.FileSelector(base, recursive=False, allow_not_found=True))
+    for info in infos:
+        if info.type != pafs.FileType.Directory:
+            continue
+        run_dir = RunDirectory(storage, info.base_name)
+        if not run_dir.exists("run.json"):
+            continue
+        record = run_dir.read_json("run.json")
+        runs.append(
+            RunSummary(
+                name=record.get("run_name", info.base_name),
+                status=record.get("status", "?"),
+                workers=int(record.get("config", {}).get("workers", 0)),
+                updated=float(record.get("updated", 0)),
+                path=run_dir.uri,
+            )
+        )
+    runs.sort(key=lambda r: r.updated, reverse=True)
+    return RunTable(storage, runs)
+
+
+def posixpath_dirname(path: str) -> str:
+    import posixpath
+
+    return posixpath.dirname(path.rstrip("/"))

@@ -1,0 +1,217 @@
+"""``LiveMetrics``: the live per-rank plot, header and log panel of a running cell."""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections import deque
+
+import ipywidgets as w
+from rtnb.widgets._plot import build_figure, series_xy, trace_keys
+
+__all__ = ["LiveMetrics", "format_header"]
+
+_MAX_LOG_LINES = 2000
+_SHOWN_LOG_LINES = 200
+
+
+def _fmt_s(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else f"{seconds // 60:02d}:{seconds % 60:02d}"
+    )
+
+
+def format_header(progress, state: str, cell_id: int | None = None) -> str:
+    """One line: state, step (of total), ETA, steps/s, elapsed, stragglers."""
+    parts = [f"<b>{html.escape(state)}</b>"]
+    if cell_id is not None:
+        parts.insert(0, f"cell {cell_id}")
+    step = f"step {progress.step}"
+    if progress.total_steps:
+        step += f"/{progress.total_steps}"
+    parts.append(step)
+    if progress.eta_s is not None and state == "running":
+        parts.append(f"ETA {_fmt_s(progress.eta_s)}")
+    parts.append(f"{progress.rate:.1f} steps/s")
+    parts.append(f"{_fmt_s(progress.elapsed_s)} elapsed")
+    if progress.stragglers:
+        ranks = ", ".join(str(r) for r in progress.stragglers)
+        parts.append(f'<span style="color:#c0392b">⚠ straggler: rank {ranks}</span>')
+    return " · ".join(parts)
+
+
+class LiveMetrics(w.VBox):
+    """One subplot per metric, one trace per rank plus the mean; redrawn at most
+    ``max_hz`` times a second from a bounded snapshot of ``store``.
+
+    ``handle`` (an :class:`rtnb.CellHandle`, optional) supplies state and output.
+    The widget never calls Ray: it only reads the store and subscribes to callbacks.
+    """
+
+    def __init__(self, store, handle=None, *, max_hz: float = 10.0, max_points: int = 1000) -> None:
+        self.store = store
+        self.handle = handle
+        self.max_points = max_points
+        self._period = 1.0 / max_hz
+        self._header = w.HTML(value="starting…")
+        self._x_axis = w.Dropdown(
+            options=[("step", "step"), ("wall time", "time")],
+            value="step",
+            description="x",
+            layout=w.Layout(width="160px"),
+        )
+        self._smoothing = w.FloatSlider(
+            value=0.0,
+            min=0.0,
+            max=0.99,
+            step=0.01,
+            description="EMA",
+            readout_format=".2f",
+            layout=w.Layout(width="240px"),
+        )
+        self._log_y = w.Checkbox(
+            value=False, description="log y", indent=False, layout=w.Layout(width="80px")
+        )
+        self._ranks = w.SelectMultiple(
+            options=[], description="ranks", rows=2, layout=w.Layout(width="180px")
+        )
+        self._controls = w.HBox([self._x_axis, self._smoothing, self._log_y, self._ranks])
+        self._plot_box = w.Box()
+        self._log_filter = w.Dropdown(
+            options=[("all ranks", -1)], value=-1, description="log", layout=w.Layout(width="180px")
+        )
+        self._log_view = w.HTML(layout=w.Layout(max_height="240px", overflow="auto"))
+        self._logs: deque[tuple[int, str]] = deque(maxlen=_MAX_LOG_LINES)
+        self._log_partial: dict[int, str] = {}
+        super().__init__(
+            [
+                self._header,
+                self._controls,
+                self._plot_box,
+                w.HBox([self._log_filter]),
+                self._log_view,
+            ]
+        )
+        self.figure = None
+        self._keys: list = []
+        self._drawn_generation = -1
+        self._dirty_controls = True
+        self._logs_dirty = False
+        self.redraws = 0
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        for control in (self._x_axis, self._smoothing, self._log_y, self._ranks):
+            control.observe(self._on_control, names="value")
+        self._log_filter.observe(lambda _change: self._mark_logs(), names="value")
+        if handle is not None:
+            handle.add_sink(self._on_output)
+            handle.add_done_callback(lambda _h: self._finish())
+        self._thread = threading.Thread(target=self._loop, name="rtnb-live-metrics", daemon=True)
+        self._thread.start()
+
+    # ---- inputs ------------------------------------------------------------------------
+    def _on_control(self, _change) -> None:
+        self._dirty_controls = True
+
+    def _mark_logs(self) -> None:
+        self._logs_dirty = True
+
+    def _on_output(self, rank: int, stream: str, text: str) -> None:
+        text = self._log_partial.pop(rank, "") + text
+        lines = text.split("\n")
+        self._log_partial[rank] = lines.pop()
+        for line in lines:
+            self._logs.append((rank, line))
+        self._logs_dirty = True
+
+    # ---- drawing -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            try:
+                self.redraw()
+            except Exception:  # noqa: BLE001 - a drawing error must not kill the loop
+                pass
+            self._stopped.wait(max(0.0, self._period - (time.monotonic() - started)))
+
+    def _finish(self) -> None:
+        for rank, rest in list(self._log_partial.items()):
+            if rest:
+                self._logs.append((rank, rest))
+        self._log_partial.clear()
+        self._logs_dirty = True
+        self._stopped.set()
+        self.redraw()
+
+    def close(self) -> None:
+        self._stopped.set()
+        super().close()
+
+    def _state(self) -> str:
+        h = self.handle
+        if h is None:
+            return "live"
+        if not h.done():
+            return "running"
+        return "done" if h.error is None else f"{type(h.error).__name__}"
+
+    def redraw(self) -> None:
+        with self._lock:
+            store = self.store
+            progress = store.progress()
+            self._header.value = format_header(
+                progress, self._state(), getattr(self.handle, "cell_id", None)
+            )
+            if self._logs_dirty:
+                self._logs_dirty = False
+                self._render_logs()
+            ranks = store.ranks()
+            if list(self._ranks.options) != ranks:
+                selected = set(self._ranks.value) | (set(ranks) - set(self._ranks.options))
+                self._ranks.options = ranks
+                self._ranks.value = tuple(r for r in ranks if r in selected)
+                self._log_filter.options = [("all ranks", -1)] + [(f"rank {r}", r) for r in ranks]
+            if store.generation == self._drawn_generation and not self._dirty_controls:
+                return
+            self._drawn_generation = store.generation
+            self._dirty_controls = False
+            keys = trace_keys(store, sorted(self._ranks.value))
+            if not keys:
+                return
+            if keys != self._keys or self.figure is None:
+                self._keys = keys
+                self.figure = build_figure(
+                    store,
+                    keys,
+                    widget=True,
+                    x_axis=self._x_axis.value,
+                    weight=self._smoothing.value,
+                    log_y=self._log_y.value,
+                    max_points=self.max_points,
+                )
+                self._plot_box.children = (self.figure,)
+            else:
+                with self.figure.batch_update():
+                    for trace, key in zip(self.figure.data, keys):
+                        xs, ys = series_xy(
+                            store, key, self._x_axis.value, self._smoothing.value, self.max_points
+                        )
+                        trace.x, trace.y = xs, ys
+                    self.figure.update_yaxes(type="log" if self._log_y.value else "linear")
+                    self.figure.update_xaxes(title_text=None)
+            self.redraws += 1
+
+    def _render_logs(self) -> None:
+        wanted = self._log_filter.value
+        lines = [f"[rank {r}] {line}" for r, line in self._logs if wanted == -1 or r == wanted][
+            -_SHOWN_LOG_LINES:
+        ]
+        self._log_view.value = (
+            '<pre style="margin:0;font-size:12px;line-height:1.3">'
+            + html.escape("\n".join(lines))
+            + "</pre>"
+        )
