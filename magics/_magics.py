@@ -70,6 +70,7 @@ def _cell_options(func):
 @argument("--keep", type=int, default=None, help="checkpoints to keep")
 @argument("--score", default=None, help="metric that ranks checkpoints")
 @argument("--mode", default="min", help="min|max for --score")
+@argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
 @argument(
     "--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase"
 )

@@ -20,7 +20,9 @@ from __future__ import annotations
 from rtnb._cell import CellHandle
 from rtnb._config import SessionConfig
 from rtnb._metrics import MetricsStore, Report
+from rtnb._metrics import Progress
 from rtnb._rank import CellStopped, RankContext
+from rtnb._result import Result, list_runs
 from rtnb._session import Session
 from rtnb._state import GroupState, StateChange
 from rtnb._status import GroupStatus
@@ -59,8 +61,10 @@ __all__ = [
     "GroupStatus",
     "MetricsStore",
     "PerRank",
+    "Progress",
     "RankContext",
     "Report",
+    "Result",
     "RtnbError",
     "Session",
     "SessionConfig",
@@ -71,6 +75,7 @@ __all__ = [
     "get_context",
     "get_device",
     "get_devices",
+    "list_runs",
     "load_ipython_extension",
     "prepare_data_loader",
     "prepare_model",

@@ -1,0 +1,119 @@
+"""Metrics without Ray: bounded series, the store, the on-disk record, Result, views."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rtnb._metrics import MetricsStore
+from rtnb._metricslog import MetricsLog
+from rtnb._result import Result, list_runs
+from rtnb._rundir import RunDirectory
+from rtnb._series import BoundedSeries
+
+
+def test_bounded_series_keeps_few_evenly_spread_points_and_the_latest():
+    series = BoundedSeries(capacity=100)
+    for step in range(1, 100_001):
+        series.append(step, float(step), step * 2.0)
+    steps, _times, values = series.snapshot()
+    assert len(steps) <= 101
+    assert steps[0] == 1 and steps[-1] == 100_000 and values[-1] == 200_000.0
+    gaps = {b - a for a, b in zip(steps[:-2], steps[1:-1])}
+    assert len(gaps) == 1, "points are evenly spaced"
+    assert len(series.snapshot(max_points=10)[0]) <= 11
+
+
+def _store(tmp_path, name="run-a"):
+    run_dir = RunDirectory(str(tmp_path), name)
+    run_dir.ensure_writable()
+    run_dir.write_json("run.json", {"run_name": name, "status": "ready", "config": {"workers": 2}, "updated": 1.0})
+    return MetricsStore(log=MetricsLog(run_dir), capacity=64), run_dir
+
+
+def test_store_keeps_per_rank_series_the_mean_and_writes_every_report(tmp_path):
+    store, run_dir = _store(tmp_path)
+    store.begin([0, 1])
+    for step in range(1, 501):
+        store.add(0, [(step, 1000.0 + step, {"loss": 1.0, "note": "text"})])
+        store.add(1, [(step, 1000.0 + step, {"loss": 3.0})])
+    store.flush()
+    assert store.metric_names() == ["loss"], "non-numeric values are not plotted"
+    steps, _t, values = store.series("loss", 1)
+    assert len(steps) <= 65 and set(values) == {3.0}
+    assert set(store.mean_series("loss")[2]) == {2.0}
+    result = Result.from_path(run_dir.uri)
+    frame = result.metrics_dataframe
+    assert len(frame) == 1000 and list(frame.columns[:3]) == ["rank", "step", "timestamp"]
+    assert frame[frame["rank"] == 0]["step"].tolist() == list(range(1, 501))
+    assert result.metrics["loss"] == 2.0 and result.metrics_per_rank[1]["loss"] == 3.0
+    assert [r.name for r in list_runs(str(tmp_path)).runs] == ["run-a"]
+
+
+def test_progress_flags_a_rank_clearly_slower_than_the_median(tmp_path):
+    store, _ = _store(tmp_path)
+    store.begin([0, 1, 2], total_steps=1000)
+    now = 5000.0
+    for i in range(50):
+        t = now - 4 + i * 0.08
+        store.add(0, [(i * 10, t, {"x": 1})])
+        store.add(1, [(i * 10, t, {"x": 1})])
+        store.add(2, [(i * 3, t, {"x": 1})])
+    progress = store.progress(now=now)
+    assert progress.stragglers == [2]
+    assert progress.step == 147 and progress.total_steps == 1000 and progress.eta_s is not None
+
+
+def test_reports_with_tensors_and_non_finite_values_are_kept_readably(tmp_path):
+    torch = pytest.importorskip("torch")
+    store, run_dir = _store(tmp_path, "run-b")
+    store.begin([0])
+    store.add(0, [(1, 1.0, {"loss": torch.tensor(0.5), "bad": float("nan"), "obj": object()})])
+    store.flush()
+    row = json.loads((tmp_path / "run-b" / "metrics" / "rank-0.jsonl").read_text().splitlines()[0])
+    assert row["loss"] == 0.5 and row["bad"] == "nan" and row["obj"].startswith("<object")
+    assert store.series("loss", 0)[2] == [0.5]
+
+
+def test_live_widget_draws_one_trace_per_rank_plus_mean_and_stays_bounded(tmp_path):
+    from rtnb.widgets import LiveMetrics
+
+    store, _ = _store(tmp_path)
+    store.begin([0, 1])
+    view = LiveMetrics(store, max_points=200)
+    try:
+        for step in range(1, 5001):
+            store.add(0, [(step, float(step), {"loss": 1.0 / step, "acc": 0.5})])
+            store.add(1, [(step, float(step), {"loss": 2.0 / step, "acc": 0.7})])
+        view.redraw()
+        names = [(t.name, t.yaxis) for t in view.figure.data]
+        assert sorted(names) == sorted(
+            [("rank 0", "y"), ("rank 1", "y"), ("mean", "y"), ("rank 0", "y2"), ("rank 1", "y2"), ("mean", "y2")]
+        )
+        for trace in view.figure.data:
+            assert 2 <= len(trace.y) <= 201
+        loss_rank1 = next(t for t in view.figure.data if t.name == "rank 1" and t.yaxis == "y2")
+        assert loss_rank1.y[-1] == pytest.approx(2.0 / 5000) and loss_rank1.x[-1] == 5000
+        view._log_y.value = True
+        view._smoothing.value = 0.9
+        view.redraw()
+        assert view.figure.layout.yaxis.type == "log"
+        assert "step 5000" in view._header.value
+    finally:
+        view.close()
+
+
+def test_static_figure_is_plain_plotly_json_with_few_points(tmp_path):
+    from rtnb.widgets import static_figure_bundle
+
+    store, _ = _store(tmp_path)
+    store.begin([0, 1])
+    for step in range(1, 20001):
+        store.add(0, [(step, float(step), {"loss": 1.0})])
+        store.add(1, [(step, float(step), {"loss": 2.0})])
+    bundle = static_figure_bundle(store, max_points=300)
+    figure = bundle["application/vnd.plotly.v1+json"]
+    assert [t["name"] for t in figure["data"]] == ["rank 0", "rank 1", "mean"]
+    assert all(len(t["y"]) <= 301 for t in figure["data"])
+    assert len(json.dumps(bundle)) < 100_000
