@@ -316,7 +316,9 @@ class RtnbMagics(Magics):
                     code, ranks=args.ranks, timeout=args.timeout, total_steps=args.steps
                 )
                 if not args.quiet:
-                    self.last_view = LiveMetrics(session.metrics, handle) if live else RankLog(handle)
+                    self.last_view = (
+                        LiveMetrics(session.metrics, handle) if live else RankLog(handle)
+                    )
                     display(self.last_view)
                 return None
             quiet_sink = (lambda rank, stream, text: None) if (args.quiet or live) else None

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from rtnb._cell import CellHandle
 from rtnb._config import SessionConfig
-from rtnb._metrics import MetricsStore, Report
-from rtnb._metrics import Progress
+from rtnb._metrics import MetricsStore, Progress, Report
 from rtnb._rank import CellStopped, RankContext
 from rtnb._result import Result, list_runs
 from rtnb._session import Session

@@ -28,7 +28,9 @@ def test_bounded_series_keeps_few_evenly_spread_points_and_the_latest():
 def _store(tmp_path, name="run-a"):
     run_dir = RunDirectory(str(tmp_path), name)
     run_dir.ensure_writable()
-    run_dir.write_json("run.json", {"run_name": name, "status": "ready", "config": {"workers": 2}, "updated": 1.0})
+    run_dir.write_json(
+        "run.json", {"run_name": name, "status": "ready", "config": {"workers": 2}, "updated": 1.0}
+    )
     return MetricsStore(log=MetricsLog(run_dir), capacity=64), run_dir
 
 
@@ -89,7 +91,14 @@ def test_live_widget_draws_one_trace_per_rank_plus_mean_and_stays_bounded(tmp_pa
         view.redraw()
         names = [(t.name, t.yaxis) for t in view.figure.data]
         assert sorted(names) == sorted(
-            [("rank 0", "y"), ("rank 1", "y"), ("mean", "y"), ("rank 0", "y2"), ("rank 1", "y2"), ("mean", "y2")]
+            [
+                ("rank 0", "y"),
+                ("rank 1", "y"),
+                ("mean", "y"),
+                ("rank 0", "y2"),
+                ("rank 1", "y2"),
+                ("mean", "y2"),
+            ]
         )
         for trace in view.figure.data:
             assert 2 <= len(trace.y) <= 201

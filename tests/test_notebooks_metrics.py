@@ -19,11 +19,17 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 
 def _execute(cells: list[str], tmp_path, name: str):
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     env_live = os.environ.pop("RTNB_LIVE", None)
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
     finally:
         if env_live is not None:
             os.environ["RTNB_LIVE"] = env_live
@@ -87,7 +93,9 @@ def test_saved_batch_notebook_of_a_long_run_stays_small(ray_cluster, tmp_path):
 def test_live_widget_in_a_kernel_shows_every_rank_and_the_reported_values(ray_cluster, tmp_path):
     kernel = Kernel(cwd=str(tmp_path), env={**os.environ, "RTNB_LIVE": "1"})
     try:
-        assert kernel.execute(f"%load_ext rtnb\n%rtnb start --storage {tmp_path}/runs").status == "ok"
+        assert (
+            kernel.execute(f"%load_ext rtnb\n%rtnb start --storage {tmp_path}/runs").status == "ok"
+        )
         run = kernel.execute(
             "%%rtrain --steps 3000\nimport rtnb, torch.distributed as dist\nfor s in range(1, 3001):\n"
             "    rtnb.report({'loss': s * (dist.get_rank() + 1)})\nprint('printed to the log panel')"

@@ -108,7 +108,13 @@ def test_reports_are_recorded_per_rank(group):
     mine = frame.dropna(subset=["per_rank_loss"])
     for rank in (0, 1):
         rows = mine[mine["rank"] == rank]
-        assert rows["per_rank_loss"].tolist() == [1.0 + rank, 0.5 + rank, 1 / 3 + rank, 0.25 + rank, 0.2 + rank]
+        assert rows["per_rank_loss"].tolist() == [
+            1.0 + rank,
+            0.5 + rank,
+            1 / 3 + rank,
+            0.25 + rank,
+            0.2 + rank,
+        ]
         assert rows["step"].diff().dropna().tolist() == [1, 1, 1, 1]
 
 

@@ -1,0 +1,140 @@
+"""What ``rtnb.report()`` costs, measured in one run of this script (2 ranks, gloo, CPU):
+
+1. a ~1 kHz training loop with a report every step vs the same loop without;
+2. the most reports per second one rank sustains (every one reaching the driver);
+3. report -> driver latency, p50/p95, at 100 reports/s per rank;
+4. for contrast, Ray Train's ``ray.train.report()`` per call, at its defaults.
+
+    .venv/bin/python benchmarks/report_overhead.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+LOOP = """
+import time, torch, rtnb
+torch.set_num_threads(1)
+a = torch.randn(96, 96)
+def step_work():
+    # ~1 ms of compute, like a small training step
+    t = a
+    for _ in range({inner}):
+        t = torch.tanh(t @ a) * 0.5
+    return t
+def run(steps, with_report):
+    t0 = time.perf_counter()
+    for s in range(steps):
+        step_work()
+        if with_report:
+            rtnb.report({{"loss": 0.5, "lr": 0.1}})
+    return time.perf_counter() - t0
+"""
+
+
+def main() -> None:
+    import ray
+
+    import rtnb
+
+    ray.init(
+        num_cpus=2,
+        object_store_memory=300_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    session = rtnb.Session(workers=2, storage=tempfile.mkdtemp(prefix="rtnb-bench-")).start()
+    quiet = lambda *a: None  # noqa: E731
+
+    # Calibrate the inner loop to ~1 ms per step on this machine.
+    inner = 1
+    session.run(LOOP.format(inner=inner), output=quiet)
+    per = max(session.run("run(200, False) / 200", output=quiet).values())
+    inner = max(1, round(inner * 1e-3 / per))
+    session.run(LOOP.format(inner=inner), output=quiet)
+    steps = 3000
+    ratios, base_ms = [], []
+    for _ in range(3):
+        without = max(session.run(f"run({steps}, False)", output=quiet).values())
+        with_report = max(session.run(f"run({steps}, True)", output=quiet).values())
+        ratios.append(with_report / without)
+        base_ms.append(without / steps * 1e3)
+
+    # Max sustained rate: report as fast as possible for 2 s; all must reach the driver.
+    before = {r: session.metrics.count(r) for r in (0, 1)}
+    sent = session.run(
+        "import time, rtnb\nn = 0\nend = time.perf_counter() + 2.0\n"
+        "while time.perf_counter() < end:\n    rtnb.report({'x': 1.0})\n    n += 1\nn",
+        output=quiet,
+    )
+    received = {r: session.metrics.count(r) - before[r] for r in (0, 1)}
+    rate = min(sent.values()) / 2.0
+
+    # Latency: the record's wall time on the rank vs its arrival at the driver.
+    latencies: list[float] = []
+    unsubscribe = session.metrics.subscribe(
+        lambda rank, batch: latencies.extend(time.time() - r.time for r in batch)
+    )
+    session.run(
+        "import time, rtnb\nfor i in range(300):\n    rtnb.report({'y': i})\n    time.sleep(0.01)",
+        output=quiet,
+    )
+    unsubscribe()
+    session.stop()
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2]
+    p95 = latencies[int(len(latencies) * 0.95)]
+
+    # Ray Train's report at defaults, same machine, same run.
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cost_file = tempfile.mktemp(prefix="rtnb-raytrain-cost-")
+
+    def loop(config):
+        import time as _t
+
+        import ray.train as rt
+
+        costs = []
+        for i in range(4):
+            t0 = _t.perf_counter()
+            rt.report({"i": i})
+            costs.append(_t.perf_counter() - t0)
+        if rt.get_context().get_world_rank() == 0:
+            with open(config["cost_file"], "w") as out:
+                out.write(str(sum(costs) / len(costs)))
+
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config={"cost_file": cost_file},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp()),
+    )
+    trainer.fit()
+    with open(cost_file) as src:
+        ray_train_cost = float(src.read())
+
+    print("report_overhead: 2 ranks, gloo, CPU, embedded Ray (2 CPUs)")
+    print(
+        f"1. ~1 kHz loop ({statistics.median(base_ms):.2f} ms/step), report every step: "
+        f"{statistics.median(ratios):.3f}x the loop without (runs: {', '.join(f'{r:.3f}' for r in ratios)}; goal <= 1.03x)"
+    )
+    print(
+        f"2. sustained reports/s per rank: {rate:,.0f} (goal >= 20,000); "
+        f"sent {dict(sent)} received {received}"
+    )
+    print(
+        f"3. report -> driver latency: p50 {p50 * 1e3:.0f} ms, p95 {p95 * 1e3:.0f} ms (goal p95 <= 150 ms), n={len(latencies)}"
+    )
+    print(
+        f"4. Ray Train report() at defaults, same run: {ray_train_cost * 1e3:,.0f} ms per call "
+        f"(rtnb at the sustained rate: {1e6 / rate:.1f} us per call)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""What a person sees: JupyterLab in Debian's headless Chromium, driven by Playwright.
+
+A `%%rtrain` cell that reports for a few seconds must show a plot whose per-rank
+traces grow while the cell is still running. Skipped where Chromium or
+JupyterLab/Playwright are not installed (`.ci/run` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+TOKEN = "rtnb-browser-test"
+
+
+def _require_tools() -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api")
+    if shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("jupyterlab is not installed in this environment")
+
+
+@pytest.fixture
+def lab(ray_cluster, tmp_path):
+    _require_tools()
+    port = free_port()
+    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    root = tmp_path / "nb"
+    root.mkdir()
+    cmd = [
+        str(Path(sys.executable).parent / "jupyter-lab"),
+        "--no-browser",
+        "--allow-root",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        "--ServerApp.ip=127.0.0.1",
+        f"--IdentityProvider.token={TOKEN}",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+    ]
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ}
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-2000:]}")
+    try:
+        yield url, root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _notebook(root: Path, cells: list[str]) -> str:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, root / "live.ipynb")
+    return "live.ipynb"
+
+
+def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, root = lab
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {tmp_path / 'runs'}",
+            "%%rtrain --steps 300\nimport time, rtnb, torch.distributed as dist\n"
+            "for s in range(1, 301):\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
+            "%rtnb stop",
+        ],
+    )
+    samples: list[list[int]] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+            ],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/lab/tree/{name}?token={TOKEN}")
+            page.wait_for_selector(
+                ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000
+            )
+            first = page.locator(".jp-Cell").first
+            first.click()
+            page.keyboard.press("Shift+Enter")  # start the group
+            try:
+                page.wait_for_selector(".jp-OutputArea-output:has-text('gloo')", timeout=90_000)
+            except Exception:
+                page.screenshot(path=str(tmp_path / "start_failed.png"), full_page=True)
+                raise
+            page.keyboard.press("Shift+Enter")  # the reporting cell
+            page.wait_for_selector(".js-plotly-plot", timeout=60_000)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                lengths = page.evaluate(
+                    "() => { const el = document.querySelector('.js-plotly-plot');"
+                    " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }"
+                )
+                busy = page.evaluate(
+                    "() => document.querySelector('.jp-Notebook-ExecutionIndicator')?.getAttribute('data-status')"
+                )
+                if lengths:
+                    samples.append(lengths)
+                if busy == "idle":
+                    break
+                time.sleep(0.5)
+            page.screenshot(path=str(tmp_path / "live_plot.png"), full_page=True)
+            header = page.locator(".widget-html-content").first.inner_text()
+        finally:
+            browser.close()
+    assert len(samples) >= 3, f"plot seen too rarely: {samples}"
+    assert len(samples[0]) >= 2, "one trace per rank (plus the mean)"
+    growing = [s[0] for s in samples]
+    assert growing[-1] > growing[0], f"traces did not grow while the cell ran: {growing}"
+    assert any(a < b for a, b in zip(growing, growing[1:]))
+    assert "step" in header
+    assert (tmp_path / "live_plot.png").stat().st_size > 10_000
