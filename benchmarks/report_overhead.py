@@ -50,14 +50,16 @@ def main() -> None:
     quiet = lambda *a: None  # noqa: E731
 
     # Calibrate the inner loop to ~1 ms per step on this machine.
-    inner = 1
-    session.run(LOOP.format(inner=inner), output=quiet)
-    per = max(session.run("run(200, False) / 200", output=quiet).values())
-    inner = max(1, round(inner * 1e-3 / per))
+    inner = 4
+    for _ in range(3):
+        session.run(LOOP.format(inner=inner), output=quiet)
+        session.run("run(100, False)", output=quiet)  # warm up
+        per = max(session.run("run(300, False) / 300", output=quiet).values())
+        inner = max(1, round(inner * 1e-3 / per))
     session.run(LOOP.format(inner=inner), output=quiet)
     steps = 3000
     ratios, base_ms = [], []
-    for _ in range(3):
+    for _ in range(5):
         without = max(session.run(f"run({steps}, False)", output=quiet).values())
         with_report = max(session.run(f"run({steps}, True)", output=quiet).values())
         ratios.append(with_report / without)

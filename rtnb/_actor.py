@@ -21,7 +21,7 @@ ACTOR_CONCURRENCY = 4
 # longest a quiet rank holds one call open.
 POLL_WAIT_S = 0.25
 # Output and reports are held this long on the rank to batch them per round trip.
-BATCH_S = 0.02
+BATCH_S = 0.1
 
 
 class RankActor:
