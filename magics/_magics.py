@@ -119,7 +119,18 @@ _LEADING_OPTIONS = re.compile(
     r"\s*(?:(?:--(?:background|quiet|no-live)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
 
-_SUBCOMMANDS = ("start", "status", "stop", "restart", "scale", "wait", "pull", "push", "runs")
+_SUBCOMMANDS = (
+    "start",
+    "status",
+    "stop",
+    "restart",
+    "scale",
+    "wait",
+    "pull",
+    "push",
+    "runs",
+    "result",
+)
 
 
 @magics_class
@@ -155,6 +166,7 @@ class RtnbMagics(Magics):
             %rtnb pull NAME [--ranks 0,1]   a rank variable -> list in the notebook
             %rtnb push NAME [NAME ...]      notebook variables -> every rank
             %rtnb runs [STORAGE]    runs found in the storage path
+            %rtnb result            the run so far as an rtnb.Result (metrics, dataframe)
 
         Example::
 
@@ -252,6 +264,10 @@ class RtnbMagics(Magics):
         if missing:
             raise UsageError(f"{missing[0]!r} is not defined in the notebook")
         self._require().push({n: namespace[n] for n in args.names}, ranks=args.ranks)
+
+    def _rtnb_result(self, rest: str):
+        self._no_args("result", rest)
+        return self._require().result()
 
     def _rtnb_runs(self, rest: str):
         args = parse_argstring(_runs_args, rest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import keyword
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,9 @@ def run_notebook(
         raise ConfigError(f"{str(src)!r} is not a .ipynb notebook")
     dst = Path(output) if output else src.with_name(src.stem + ".output.ipynb")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    # The kernel runs in the notebook's folder (relative paths in it keep working),
+    # but its runs land under the caller's ./rtnb_runs unless told otherwise.
+    os.environ.setdefault("RTNB_STORAGE", str(Path("rtnb_runs").resolve()))
     try:
         papermill.execute_notebook(
             str(src),

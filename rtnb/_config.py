@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,9 +91,10 @@ class SessionConfig:
 
     @property
     def storage_path(self) -> str:
-        """Where run directories go: --storage, else ``./rtnb_runs`` made absolute."""
+        """Where run directories go: --storage, else ``$RTNB_STORAGE``, else
+        ``./rtnb_runs`` made absolute."""
         if self.storage is None:
-            return str(Path("rtnb_runs").resolve())
+            return os.environ.get("RTNB_STORAGE") or str(Path("rtnb_runs").resolve())
         if "://" in self.storage:
             return self.storage
         return str(Path(self.storage).expanduser().resolve())

@@ -20,9 +20,8 @@ from rtnb._series import BoundedSeries
 
 __all__ = ["MetricsStore", "Progress", "Report"]
 
-# Pending per-step values for the cross-rank mean are dropped once they are this
-# many steps behind the newest step (a rank that never reports that step).
-_MEAN_WINDOW = 1000
+# Hard cap on steps waiting for every rank's value before their mean is plotted.
+_MEAN_PENDING_CAP = 200_000
 # Step rates are measured over this many seconds of recent reports.
 _RATE_WINDOW_S = 5.0
 # A rank is a straggler when its step rate is below this share of the median rank's.
@@ -115,6 +114,7 @@ class MetricsStore:
             last_step, last_t, last_metrics = records[-1]
             self.last[rank] = Report(rank, last_step, last_t, last_metrics)
             self.counts[rank] = self.counts.get(rank, 0) + len(records)
+            self._prune_means()
             self.generation += 1
             if self.log is not None:
                 self.log.add(rank, records)
@@ -140,11 +140,25 @@ class MetricsStore:
             if mean is None:
                 mean = self._means[name] = BoundedSeries(self.capacity)
             mean.append(step, t, sum(at_step.values()) / len(at_step))
-        if len(pending) > 2 * _MEAN_WINDOW:
-            # Amortised: drop the oldest half (dicts keep insertion order, and steps
-            # arrive mostly in order).
-            for old in list(pending)[:_MEAN_WINDOW]:
+        if len(pending) > _MEAN_PENDING_CAP:
+            # Only reached when steps do not increase (a user-supplied step that
+            # restarts): drop the oldest half, amortised O(1).
+            for old in list(pending)[: _MEAN_PENDING_CAP // 2]:
                 del pending[old]
+
+    def _prune_means(self) -> None:
+        # Ranks report increasing steps, so a step below every expected rank's last
+        # step can never complete: drop it. This bounds the pending steps by the
+        # skew between ranks, however long the run.
+        if len(self.expected_ranks) <= 1 or any(r not in self.last for r in self.expected_ranks):
+            return
+        floor = min(self.last[r].step for r in self.expected_ranks)
+        for pending in self._pending_mean.values():
+            while pending:
+                oldest = next(iter(pending))
+                if oldest >= floor:
+                    break
+                del pending[oldest]
 
     def flush(self) -> None:
         with self._lock:

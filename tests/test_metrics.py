@@ -126,3 +126,13 @@ def test_static_figure_is_plain_plotly_json_with_few_points(tmp_path):
     assert [t["name"] for t in figure["data"]] == ["rank 0", "rank 1", "mean"]
     assert all(len(t["y"]) <= 301 for t in figure["data"])
     assert len(json.dumps(bundle)) < 100_000
+
+
+def test_mean_survives_ranks_that_deliver_whole_runs_in_one_batch(tmp_path):
+    store, _ = _store(tmp_path, "run-skew")
+    store.begin([0, 1])
+    store.add(0, [(s, float(s), {"v": 1.0}) for s in range(1, 50_001)])
+    store.add(1, [(s, float(s), {"v": 3.0}) for s in range(1, 50_001)])
+    steps, _t, values = store.mean_series("v")
+    assert steps[-1] == 50_000 and set(values) == {2.0}
+    assert sum(len(p) for p in store._pending_mean.values()) == 0, "nothing left pending"
