@@ -135,3 +135,32 @@ def test_checkpoint_options_are_refused_until_checkpoints_exist():
     for options in ({"max_failures": 2}, {"keep": 3}, {"score": "loss"}):
         with pytest.raises(rtnb.ConfigError, match="checkpoint support"):
             rtnb.Session(**options)
+
+
+def _read_scalars(folder):
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    values = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                values.append((value.tag, event.step, value.simple_value))
+    return values
+
+
+def test_tensorboard_export_writes_every_report_per_rank(ray_cluster, tmp_path):
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="tb", tensorboard=True) as session:
+        session.run(
+            "import rtnb, torch.distributed as dist\nfor s in range(1, 6):\n    rtnb.report({'loss': s * 10 + dist.get_rank()})"
+        )
+    for rank in (0, 1):
+        scalars = _read_scalars(tmp_path / "tb" / "tensorboard" / f"rank_{rank}")
+        assert [(t, v) for t, _s, v in scalars] == [("loss", s * 10 + rank) for s in range(1, 6)]
+        assert [s for _t, s, _v in scalars] == [1, 2, 3, 4, 5]
