@@ -18,6 +18,8 @@ ipywidgets or plotly; the magics and widgets live in ``rtnb.magics`` and
 from __future__ import annotations
 
 from rtnb._cell import CellHandle
+from rtnb._checkpoint import Checkpoint
+from rtnb._checkpoints import CheckpointInfo
 from rtnb._config import SessionConfig
 from rtnb._metrics import MetricsStore, Progress, Report
 from rtnb._rank import CellStopped, RankContext
@@ -53,6 +55,8 @@ __all__ = [
     "CellHandle",
     "CellInterrupted",
     "CellStopped",
+    "Checkpoint",
+    "CheckpointInfo",
     "CheckpointError",
     "ClusterError",
     "ConfigError",

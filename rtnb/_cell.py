@@ -214,6 +214,7 @@ class CellHandle:
                         self._finished[rank] = update
                 if self._dead:
                     raise _Restart()
+                self.session._commit_checkpoints(self)
                 self._check_timeout()
                 self._advance_stop(actors)
         except _Restart:
@@ -245,6 +246,8 @@ class CellHandle:
         self.states[rank] = "paused" if update.get("paused_at") is not None else update["state"]
         if update["reports"]:
             self.session.metrics.add(rank, update["reports"])
+        for step, timestamp, metrics, files in update.get("checkpoints", ()):
+            self.session.checkpoints.offer(rank, step, timestamp, metrics, files)
         for stream, text in update["output"]:
             if len(self.log) < _LOG_LIMIT:
                 self.log.append((rank, stream, text))
@@ -373,6 +376,10 @@ class CellHandle:
         self._finish(error=error)
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
+        try:
+            self.session._commit_checkpoints(self)
+        except Exception:  # noqa: BLE001 - a storage error must not hide the cell's outcome
+            pass
         for sink in self._sinks:
             flush = getattr(sink, "flush", None)
             if flush is not None:

@@ -75,17 +75,12 @@ class SessionConfig:
             raise ConfigError(f"--keep must be ≥ 1, got {self.keep}")
         if self.mode not in ("min", "max"):
             raise ConfigError(f"--mode must be 'min' or 'max', got {self.mode!r}")
-        # These shape checkpointing and recovery, which this version does not have
-        # yet; accepting them silently would promise what does not happen.
-        for flag, value, default in (
-            ("--max-failures", self.max_failures, 0),
-            ("--keep", self.keep, None),
-            ("--score", self.score, None),
-        ):
-            if value != default:
-                raise ConfigError(
-                    f"{flag} needs checkpoint support, which this version of rtnb does not have yet"
-                )
+        # Automatic recovery is not built yet; accepting the flag silently would
+        # promise restarts that do not happen.
+        if self.max_failures:
+            raise ConfigError(
+                "--max-failures (automatic recovery) is not available in this version of rtnb yet"
+            )
         if self.stop_grace_s <= 0:
             raise ConfigError("stop_grace_s must be > 0")
 

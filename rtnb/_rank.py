@@ -149,6 +149,8 @@ class RankRuntime:
         self._output_chars = 0
         self._dropped_chars = 0
         self._reports: list[tuple[int, float, dict]] = []
+        self._checkpoints: list[tuple[int, float, dict, list]] = []
+        self._run_dir = None
         self.step = 0
         self.checkpoint = None
         # Cell state, guarded by _cond.
@@ -250,6 +252,7 @@ class RankRuntime:
             )
             self._dropped_chars = 0
         reports, self._reports = self._reports, []
+        checkpoints, self._checkpoints = self._checkpoints, []
         if self._paused_at is not None:
             self._pause_reported = True
         update = {
@@ -260,6 +263,7 @@ class RankRuntime:
             "paused_at": self._paused_at,
             "output": output,
             "reports": reports,
+            "checkpoints": checkpoints,
         }
         if self._state == "done":
             update["value"] = self._value
@@ -280,17 +284,39 @@ class RankRuntime:
             self._output_chars += len(text)
             self._cond.notify_all()
 
-    def report(self, metrics: dict, step: int | None = None) -> int:
-        """Record one report; it is also where a requested stop takes effect."""
-        self.step = int(step) if step is not None else self.step + 1
+    def report(self, metrics: dict, step: int | None = None, checkpoint=None) -> int:
+        """Record one report; it is also where a requested stop takes effect.
+
+        A checkpoint's files are uploaded to the run directory first (this rank's
+        part only); the driver commits the checkpoint once every rank has reported
+        this step.
+        """
+        step = int(step) if step is not None else self.step + 1
+        files = self._upload_checkpoint(step, checkpoint) if checkpoint is not None else None
+        self.step = step
         record = (self.step, time.time(), metrics)
         with self._cond:
             self._reports.append(record)
+            if files is not None:
+                self._checkpoints.append((step, record[1], metrics, files))
             if len(self._reports) == 1:
                 self._cond.notify_all()
             if self._stop_requested:
                 self._stop_at_boundary_locked()
         return self.step
+
+    def _upload_checkpoint(self, step: int, checkpoint) -> list:
+        from rtnb._checkpoint import Checkpoint, upload_directory
+        from rtnb._checkpoints import checkpoint_id
+        from rtnb._rundir import RunDirectory
+
+        if not isinstance(checkpoint, Checkpoint):
+            # ray.train.Checkpoint and look-alikes: a path plus a pyarrow filesystem.
+            checkpoint = Checkpoint(checkpoint.path, getattr(checkpoint, "filesystem", None))
+        if self._run_dir is None:
+            self._run_dir = RunDirectory(self.context.storage_path, self.context.run_name)
+        dest = f"{self._run_dir.path}/checkpoints/{checkpoint_id(step)}"
+        return upload_directory(checkpoint, self._run_dir.fs, dest)
 
     def _stop_at_boundary_locked(self) -> None:
         # Pause here and let the driver pick the step every rank stops at, so that

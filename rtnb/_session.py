@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rtnb._cell import CellHandle, OutputSink, print_sink
+from rtnb._checkpoint import Checkpoint
+from rtnb._checkpoints import CheckpointStore
 from rtnb._cluster import ClusterConnection, connect
 from rtnb._config import SessionConfig, parse_ranks
 from rtnb._group import WorkerGroup
@@ -62,6 +64,10 @@ class Session:
             raise ConfigError(f"unknown Session option: {exc}") from None
         self.run_name = self.config.name or time.strftime("run-%Y%m%d-%H%M%S")
         self.run_dir = RunDirectory(self.config.storage_path, self.run_name)
+        self.checkpoints = CheckpointStore(
+            self.run_dir, self.config.keep, self.config.score, self.config.mode
+        )
+        self._chosen_checkpoint: Checkpoint | None = None
         self.state_machine = StateMachine()
         self.metrics = MetricsStore()
         self.history: list[str] = []
@@ -110,6 +116,7 @@ class Session:
                 raise SessionError(f"starting the worker group failed: {exc}") from None
             self.state_machine.to(GroupState.READY)
             self._write_run_json()
+            self._push_checkpoint()
         return self
 
     def _attach_metrics_outputs(self) -> None:
@@ -122,16 +129,52 @@ class Session:
                 )
             self.metrics.exporter = TensorBoardExporter(f"{self.run_dir.path}/tensorboard")
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _commit_checkpoints(self, handle: CellHandle) -> None:
+        committed = self.checkpoints.commit_ready(dict(handle.steps), set(handle.ranks))
+        if committed and self._chosen_checkpoint is None:
+            self._push_checkpoint()
+
+    def _push_checkpoint(self) -> None:
+        """Make ``rtnb.get_checkpoint()`` on every rank return the chosen checkpoint,
+        else the latest committed one (a new kernel resumes a named run from it)."""
+        group = self._group
+        if group is None:
+            return
+        checkpoint = self._chosen_checkpoint
+        if checkpoint is None:
+            latest = self.checkpoints.latest()
+            checkpoint = self.checkpoints.get(latest.id) if latest is not None else None
+        for actor in group.actors:
+            actor.set_checkpoint.remote(checkpoint)
+
+    def load(self, checkpoint_id: str = "latest") -> Checkpoint:
+        """Make ``rtnb.get_checkpoint()`` return this checkpoint on every rank, without
+        running anything (the browser's Load button)."""
+        checkpoint = self.checkpoints.get(checkpoint_id)
+        checkpoint.verify()
+        self._chosen_checkpoint = checkpoint
+        self._push_checkpoint()
+        return checkpoint
+
+    def list_checkpoints(self, include_incomplete: bool = False):
+        return self.checkpoints.list(include_incomplete)
+
     def result(self) -> Result:
         """The run so far as an :class:`rtnb.Result` (metrics, dataframe, path)."""
         self.metrics.flush()
         per_rank = {
             r: dict(rep.metrics, step=rep.step) for r, rep in sorted(self.metrics.last.items())
         }
+        latest = self.checkpoints.latest()
         return Result(
             path=self.run_dir.uri,
             metrics=mean_of_last(per_rank),
             metrics_per_rank=per_rank,
+            checkpoint=self.checkpoints.get(latest.id) if latest is not None else None,
+            best_checkpoints=[
+                (self.checkpoints.get(c.id), c.metrics) for c in self.checkpoints.list()
+            ],
             error=self._last_error,
             run_name=self.run_name,
         )
@@ -215,6 +258,7 @@ class Session:
                 raise
             self.state_machine.to(GroupState.READY, reason)
             self._write_run_json()
+            self._push_checkpoint()
 
     def _require_group(self) -> WorkerGroup:
         if self._group is None or self.state not in (GroupState.READY, GroupState.RUNNING):

@@ -66,18 +66,19 @@ def report(
     runtime = _runtime("report")
     if not isinstance(metrics, Mapping):
         raise TypeError(f"rtnb.report() takes a dict of metrics, got {type(metrics).__name__}")
-    if checkpoint is not None:
-        raise RtnbError(
-            "rtnb.report(checkpoint=...) is not supported by this version of rtnb yet; "
-            "save with torch.save to a path of your own for now"
+    if checkpoint is not None and not hasattr(checkpoint, "path"):
+        raise TypeError(
+            "rtnb.report(checkpoint=...) takes an rtnb.Checkpoint (or ray.train.Checkpoint), e.g. "
+            "rtnb.Checkpoint.from_directory(d) or rtnb.Checkpoint.from_state({...})"
         )
     if step is None and isinstance(metrics.get("step"), int):
         step = metrics["step"]
-    runtime.report(dict(metrics), step)
+    runtime.report(dict(metrics), step, checkpoint)
 
 
 def get_checkpoint():
-    """The checkpoint chosen for resume on this rank, else None (as in Ray Train)."""
+    """The checkpoint chosen for resume (``%rtnb resume``/Load), else the latest
+    committed one of this run, else None (as Ray Train's ``get_checkpoint``)."""
     return _runtime("get_checkpoint").checkpoint
 
 

@@ -1,0 +1,223 @@
+"""Checkpoints: a directory of files, saved by ranks, committed by the driver.
+
+A rank's ``report(metrics, checkpoint=...)`` copies its files into
+``{run}/checkpoints/<id>/`` (every rank writes its own files in parallel, nothing is
+gathered) and tells the driver their sizes and SHA-256 hashes. The driver commits
+the checkpoint once every rank of the cell has reported that step, by writing
+``_manifest.json`` *last*. Only directories with a manifest are listed or loaded;
+files are verified against it before use. ``Checkpoint`` mirrors
+``ray.train.Checkpoint`` (``from_directory``, ``to_directory``, ``as_directory``,
+``path``, ``filesystem``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import posixpath
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from rtnb.errors import CheckpointError
+
+__all__ = ["MANIFEST", "Checkpoint", "upload_directory"]
+
+MANIFEST = "_manifest.json"
+_STATE_FILE = "state.pt"
+_CHUNK = 4 * 1024 * 1024
+
+
+def _filesystem_for(path: str):
+    from pyarrow import fs as pafs
+
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+class Checkpoint:
+    """A checkpoint directory on a local path or in storage (as ``ray.train.Checkpoint``).
+
+    ``manifest`` is set for checkpoints rtnb committed; their files are checked
+    against it before they are handed out.
+    """
+
+    def __init__(self, path: str, filesystem=None, manifest: dict | None = None) -> None:
+        if filesystem is None:
+            filesystem, path = _filesystem_for(path)
+        self.path = path
+        self.filesystem = filesystem
+        self.manifest = manifest
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
+        path = os.fspath(path)
+        if "://" not in path and not os.path.isdir(path):
+            raise CheckpointError(f"Checkpoint.from_directory: {path!r} is not a directory")
+        return cls(path)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Checkpoint:
+        """A checkpoint of ``state`` (e.g. ``{"model": m.state_dict(), "optimizer": ...,
+        "step": s}``) saved with ``torch.save``; load it back with :meth:`load_state`."""
+        import torch
+
+        folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
+        torch.save(state, os.path.join(folder, _STATE_FILE))
+        return cls(folder)
+
+    @property
+    def id(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+    @property
+    def is_local(self) -> bool:
+        return type(self.filesystem).__name__ == "LocalFileSystem"
+
+    def _files(self) -> list[str]:
+        from pyarrow import fs as pafs
+
+        infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, recursive=True))
+        return sorted(
+            posixpath.relpath(i.path, self.path) for i in infos if i.type == pafs.FileType.File
+        )
+
+    def verify(self) -> None:
+        """Raise CheckpointError unless every file in the manifest is there, intact."""
+        if self.manifest is None:
+            raise CheckpointError(
+                f"{self.path!r} has no rtnb manifest, so its completeness and integrity cannot "
+                "be checked; pass trusted=True to load it anyway"
+            )
+        for entry in self.manifest["files"]:
+            full = posixpath.join(self.path, entry["path"])
+            try:
+                digest, size = _hash(self.filesystem, full)
+            except (FileNotFoundError, OSError):
+                raise CheckpointError(
+                    f"checkpoint {self.id}: file {entry['path']!r} is missing"
+                ) from None
+            if size != entry["size"] or digest != entry["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint {self.id}: file {entry['path']!r} does not match its manifest "
+                    "(changed or truncated since it was committed)"
+                )
+
+    def to_directory(self, path: str | None = None, trusted: bool = False) -> str:
+        """Copy the files to local ``path`` (a new temp dir by default) and return it."""
+        if not trusted:
+            self.verify()
+        target = path or tempfile.mkdtemp(prefix="rtnb-ckpt-")
+        os.makedirs(target, exist_ok=True)
+        for rel in self._files():
+            if rel == MANIFEST:
+                continue
+            dest = os.path.join(target, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with (
+                self.filesystem.open_input_stream(posixpath.join(self.path, rel)) as src,
+                open(dest, "wb") as out,
+            ):
+                shutil.copyfileobj(src, out, _CHUNK)
+        return target
+
+    @contextlib.contextmanager
+    def as_directory(self, trusted: bool = False) -> Iterator[str]:
+        """A local directory with the files: the checkpoint itself when local."""
+        if not trusted:
+            self.verify()
+        if self.is_local:
+            yield self.path
+            return
+        folder = self.to_directory(trusted=True)
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def load_state(
+        self, weights_only: bool = True, trusted: bool = False, map_location: Any = None
+    ) -> Any:
+        """``torch.load`` of the state saved by :meth:`from_state`; ``weights_only`` by
+        default, so a planted pickle payload is refused, not executed."""
+        import torch
+
+        with self.as_directory(trusted=trusted) as folder:
+            try:
+                return torch.load(
+                    os.path.join(folder, _STATE_FILE),
+                    weights_only=weights_only,
+                    map_location=map_location,
+                )
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"checkpoint {self.id} has no {_STATE_FILE} (not saved with from_state)"
+                ) from None
+            except Exception as exc:  # noqa: BLE001 - torch's unpickler errors
+                if weights_only and "weights_only" in str(exc):
+                    raise CheckpointError(
+                        f"checkpoint {self.id}: {_STATE_FILE} holds objects that are not plain "
+                        "tensors/containers and was not loaded (weights_only=True). Load with "
+                        "weights_only=False only if you trust where it came from"
+                    ) from None
+                raise
+
+    def __repr__(self) -> str:
+        state = "committed" if self.manifest else "unverified"
+        return f"Checkpoint({self.path!r}, {state})"
+
+    def __reduce__(self):
+        return (_rebuild, (self.path if self.is_local else self.uri, self.manifest))
+
+    @property
+    def uri(self) -> str:
+        if self.is_local:
+            return self.path
+        scheme = type(self.filesystem).__name__.replace("FileSystem", "").lower()
+        return f"{scheme}://{self.path}" if scheme in ("s3", "gcs") else self.path
+
+
+def _rebuild(path: str, manifest: dict | None) -> Checkpoint:
+    return Checkpoint(path, manifest=manifest)
+
+
+def _hash(filesystem, path: str) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    with filesystem.open_input_stream(path) as src:
+        while True:
+            chunk = src.read(_CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
+    """Copy ``source``'s files into ``dest_path``, hashing on the way; the file list
+    (path, size, sha256) for the manifest."""
+    entries = []
+    for rel in source._files():
+        if rel == MANIFEST:
+            continue
+        digest = hashlib.sha256()
+        size = 0
+        target = posixpath.join(dest_path, rel)
+        dest_fs.create_dir(posixpath.dirname(target), recursive=True)
+        with (
+            source.filesystem.open_input_stream(posixpath.join(source.path, rel)) as src,
+            dest_fs.open_output_stream(target) as out,
+        ):
+            while True:
+                chunk = src.read(_CHUNK)
+                if not chunk:
+                    break
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+        entries.append({"path": rel, "size": size, "sha256": digest.hexdigest()})
+    return entries

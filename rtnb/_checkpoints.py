@@ -1,0 +1,215 @@
+"""The driver's side of checkpoints: commit, list, retention, choose for resume."""
+
+from __future__ import annotations
+
+import posixpath
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rtnb._checkpoint import MANIFEST, Checkpoint
+from rtnb._metricslog import to_number
+from rtnb._rundir import RunDirectory
+from rtnb.errors import CheckpointError
+
+__all__ = ["CheckpointInfo", "CheckpointStore", "checkpoint_id"]
+
+INDEX = "index.json"
+
+
+def checkpoint_id(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+@dataclass
+class CheckpointInfo:
+    id: str
+    step: int
+    time: float
+    metrics: dict[str, Any]
+    ranks: list[int]
+    files: list[dict] = field(default_factory=list)
+    status: str = "committed"
+
+    @property
+    def size(self) -> int:
+        return sum(f["size"] for f in self.files)
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        run_dir: RunDirectory,
+        keep: int | None = None,
+        score: str | None = None,
+        mode: str = "min",
+    ) -> None:
+        self.run_dir = run_dir
+        self.keep, self.score, self.mode = keep, score, mode
+        self.base = posixpath.join(run_dir.path, "checkpoints")
+        self._pending: dict[str, dict] = {}
+        self._lock = threading.RLock()
+        self._subscribers: list[Callable[[CheckpointInfo], None]] = []
+
+    def subscribe(self, callback: Callable[[CheckpointInfo], None]) -> Callable[[], None]:
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    # ---- commit ------------------------------------------------------------------------
+    def offer(
+        self, rank: int, step: int, timestamp: float, metrics: dict, files: list[dict]
+    ) -> None:
+        """A rank's files for the checkpoint at ``step`` are in storage."""
+        with self._lock:
+            entry = self._pending.setdefault(
+                checkpoint_id(step), {"step": step, "time": timestamp, "ranks": {}, "metrics": {}}
+            )
+            entry["ranks"][rank] = files
+            entry["metrics"][rank] = metrics
+            entry["time"] = max(entry["time"], timestamp)
+
+    def commit_ready(self, last_steps: dict[int, int], expected: set[int]) -> list[CheckpointInfo]:
+        """Commit every pending checkpoint whose step all expected ranks have passed
+        (so every rank that saves at that step has uploaded)."""
+        if not self._pending or not expected or any(r not in last_steps for r in expected):
+            return []
+        floor = min(last_steps[r] for r in expected)
+        committed = []
+        with self._lock:
+            for cid in sorted(self._pending):
+                if self._pending[cid]["step"] <= floor:
+                    committed.append(self._commit(cid, self._pending.pop(cid)))
+        return committed
+
+    def _commit(self, cid: str, entry: dict) -> CheckpointInfo:
+        per_rank = entry["metrics"]
+        names = sorted({k for m in per_rank.values() for k in m})
+        mean = {}
+        for name in names:
+            numbers = [to_number(m[name]) for m in per_rank.values() if name in m]
+            if numbers and all(v is not None for v in numbers):
+                mean[name] = sum(numbers) / len(numbers)
+        files = []
+        for rank, rank_files in sorted(entry["ranks"].items()):
+            files.extend({**f, "rank": rank} for f in rank_files)
+        info = CheckpointInfo(
+            id=cid,
+            step=entry["step"],
+            time=entry["time"],
+            metrics=mean,
+            ranks=sorted(entry["ranks"]),
+            files=files,
+        )
+        # The manifest is written last: its presence is what makes the checkpoint real.
+        self.run_dir.write_json(posixpath.join("checkpoints", cid, MANIFEST), asdict(info))
+        self._write_index()
+        self._apply_retention()
+        for callback in list(self._subscribers):
+            try:
+                callback(info)
+            except Exception:  # noqa: BLE001
+                pass
+        return info
+
+    # ---- listing -----------------------------------------------------------------------
+    def list(self, include_incomplete: bool = False) -> list[CheckpointInfo]:
+        from pyarrow import fs as pafs
+
+        fs = self.run_dir.fs
+        found: list[CheckpointInfo] = []
+        infos = fs.get_file_info(
+            pafs.FileSelector(self.base, recursive=False, allow_not_found=True)
+        )
+        for folder in sorted(
+            (i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.base_name
+        ):
+            try:
+                record = self.run_dir.read_json(
+                    posixpath.join("checkpoints", folder.base_name, MANIFEST)
+                )
+                found.append(CheckpointInfo(**record))
+            except (FileNotFoundError, OSError, ValueError):
+                if include_incomplete:
+                    found.append(
+                        CheckpointInfo(
+                            id=folder.base_name,
+                            step=-1,
+                            time=0.0,
+                            metrics={},
+                            ranks=[],
+                            status="incomplete",
+                        )
+                    )
+        return sorted(found, key=lambda c: (c.status != "committed", c.step))
+
+    def latest(self) -> CheckpointInfo | None:
+        committed = [c for c in self.list() if c.status == "committed"]
+        return committed[-1] if committed else None
+
+    def get(self, cid: str) -> Checkpoint:
+        if cid == "latest":
+            info = self.latest()
+            if info is None:
+                raise CheckpointError("this run has no committed checkpoint yet")
+            cid = info.id
+        try:
+            record = self.run_dir.read_json(posixpath.join("checkpoints", cid, MANIFEST))
+        except (FileNotFoundError, OSError, ValueError):
+            known = ", ".join(c.id for c in self.list()) or "none"
+            raise CheckpointError(
+                f"no committed checkpoint {cid!r} in this run (committed: {known})"
+            ) from None
+        return Checkpoint(posixpath.join(self.base, cid), self.run_dir.fs, manifest=record)
+
+    # ---- retention ---------------------------------------------------------------------
+    def _write_index(self) -> None:
+        self.run_dir.write_json(
+            posixpath.join("checkpoints", INDEX),
+            {"checkpoints": [asdict(c) for c in self.list()], "updated": time.time()},
+        )
+
+    def _apply_retention(self) -> None:
+        if self.keep is None:
+            return
+        committed = [c for c in self.list() if c.status == "committed"]
+        if len(committed) <= self.keep:
+            return
+        latest = committed[-1]
+        if self.score:
+            sign = 1 if self.mode == "min" else -1
+            ranked = sorted(
+                committed,
+                key=lambda c: (
+                    to_number(c.metrics.get(self.score)) is None,
+                    sign * (to_number(c.metrics.get(self.score)) or 0.0),
+                ),
+            )
+        else:
+            ranked = sorted(committed, key=lambda c: -c.step)
+        keep_ids = {c.id for c in ranked[: self.keep]} | {latest.id}
+        doomed = [c for c in committed if c.id not in keep_ids]
+        for info in doomed:
+            self.delete(info.id, _index=False)
+        self._write_index()
+
+    def delete(self, cid: str, _index: bool = True) -> None:
+        folder = posixpath.join(self.base, cid)
+        # Manifest first: a half-deleted checkpoint must never look committed.
+        try:
+            self.run_dir.fs.delete_file(posixpath.join(folder, MANIFEST))
+        except (FileNotFoundError, OSError):
+            pass
+        self.run_dir.fs.delete_dir(folder)
+        if _index:
+            self._write_index()
+
+    def cleanup_incomplete(self) -> list[str]:
+        """Delete checkpoint directories that never got a manifest (and are not pending)."""
+        removed = []
+        for info in self.list(include_incomplete=True):
+            if info.status == "incomplete" and info.id not in self._pending:
+                self.run_dir.fs.delete_dir(posixpath.join(self.base, info.id))
+                removed.append(info.id)
+        return removed

@@ -1,0 +1,109 @@
+"""Checkpoints on real ranks and real files: save, commit, verify, retention, load."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+import rtnb
+
+pytestmark = pytest.mark.ray
+
+SAVE_LOOP = (
+    "import torch, rtnb, torch.distributed as dist\n"
+    "model = torch.nn.Linear(4, 1)\n"
+    "for s in range({n}):\n"
+    "    loss = float({n} - s) + dist.get_rank()\n"
+    "    state = {{'model': model.state_dict(), 'rank': dist.get_rank(), 'i': s}}\n"
+    "    rtnb.report({{'loss': loss}}, checkpoint=rtnb.Checkpoint.from_state(state) if dist.get_rank() == 0 else None)\n"
+)
+
+
+@pytest.fixture
+def session(ray_cluster, tmp_path):
+    s = rtnb.Session(workers=2, storage=str(tmp_path), name="ck", keep=2, score="loss", mode="min")
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_checkpoints_commit_with_a_manifest_and_get_checkpoint_returns_the_latest(
+    session, tmp_path
+):
+    session.run(SAVE_LOOP.format(n=4))
+    listed = session.list_checkpoints()
+    assert [c.status for c in listed] == ["committed"] * 2, "keep=2"
+    latest = listed[-1]
+    manifest = json.loads(
+        (tmp_path / "ck" / "checkpoints" / latest.id / "_manifest.json").read_text()
+    )
+    assert manifest["ranks"] == [0] and manifest["files"][0]["path"] == "state.pt"
+    assert (
+        manifest["files"][0]["size"]
+        == (tmp_path / "ck" / "checkpoints" / latest.id / "state.pt").stat().st_size
+    )
+    assert manifest["metrics"]["loss"] == pytest.approx(1.0)
+    assert (tmp_path / "ck" / "checkpoints" / "index.json").exists()
+    value = session.run("ck = rtnb.get_checkpoint()\nst = ck.load_state()\n(ck.id, st['i'])")
+    assert value == {0: (latest.id, 3), 1: (latest.id, 3)}
+    result = session.result()
+    assert result.checkpoint.id == latest.id
+
+
+def test_retention_keeps_the_best_by_score_and_never_the_latest_away(session):
+    session.run(SAVE_LOOP.format(n=5))  # loss falls: 5,4,3,2,1 (+rank)
+    session.run(
+        "for s in range(2):\n"
+        "    rtnb.report({'loss': 100.0 + s}, checkpoint=rtnb.Checkpoint.from_state({'late': s}) if dist.get_rank() == 0 else None)"
+    )
+    ids = [c.id for c in session.list_checkpoints()]
+    steps = [c.step for c in session.list_checkpoints()]
+    assert len(ids) == 3, "the 2 best plus the latest"
+    assert steps[-1] == 7, "the latest (worst score) is kept"
+    assert steps[:2] == [4, 5], "the two lowest losses are kept"
+
+
+def test_tampered_or_unmanifested_checkpoints_are_refused(session, tmp_path):
+    session.run(SAVE_LOOP.format(n=1))
+    latest = session.checkpoints.latest()
+    path = tmp_path / "ck" / "checkpoints" / latest.id / "state.pt"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
+        session.checkpoints.get(latest.id).to_directory()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(rtnb.CheckpointError, match="trusted=True"):
+        rtnb.Checkpoint.from_directory(plain).to_directory()
+    with pytest.raises(rtnb.CheckpointError, match="no committed checkpoint 'step-nope'"):
+        session.load("step-nope")
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/rtnb-pwned",))
+
+
+def test_a_planted_pickle_payload_is_never_executed(tmp_path):
+    import os
+
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    (folder / "state.pt").write_bytes(pickle.dumps({"model": _Payload()}))
+    if os.path.exists("/tmp/rtnb-pwned"):
+        os.remove("/tmp/rtnb-pwned")
+    with pytest.raises(rtnb.CheckpointError, match="weights_only"):
+        rtnb.Checkpoint.from_directory(folder).load_state(trusted=True)
+    assert not os.path.exists("/tmp/rtnb-pwned")
+
+
+def test_a_new_session_with_the_same_name_resumes_from_the_latest(ray_cluster, tmp_path):
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="again") as first:
+        first.run(SAVE_LOOP.format(n=3))
+        saved = first.checkpoints.latest().id
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="again") as second:
+        value = second.run("import rtnb\nck = rtnb.get_checkpoint()\n(ck.id, ck.load_state()['i'])")
+    assert value == {0: (saved, 2), 1: (saved, 2)}
