@@ -14,6 +14,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 from rtnb.widgets import (
+    CheckpointBrowser,
     LiveMetrics,
     ProgressLines,
     RankLog,
@@ -106,6 +107,21 @@ def _wait_args(line):
 
 @magic_arguments()
 @argument(
+    "run", nargs="?", default=None, help="another run in the same storage (default: this one)"
+)
+def _checkpoints_args(line):
+    """%rtnb checkpoints options."""
+
+
+@magic_arguments()
+@argument("checkpoint", nargs="?", default="latest", help="latest or a checkpoint id")
+@argument("--run", default=None, help="take it from another run in the same storage")
+def _resume_args(line):
+    """%rtnb resume/load options."""
+
+
+@magic_arguments()
+@argument(
     "storage",
     nargs="?",
     default=None,
@@ -167,6 +183,9 @@ class RtnbMagics(Magics):
             %rtnb push NAME [NAME ...]      notebook variables -> every rank
             %rtnb runs [STORAGE]    runs found in the storage path
             %rtnb result            the run so far as an rtnb.Result (metrics, dataframe)
+            %rtnb checkpoints [RUN] the checkpoint browser (Resume / Load / Delete)
+            %rtnb resume [latest|ID] [--run RUN]   re-run the last training cell from it
+            %rtnb load [latest|ID] [--run RUN]     rtnb.get_checkpoint() returns it on every rank
 
         Example::
 
@@ -264,6 +283,40 @@ class RtnbMagics(Magics):
         if missing:
             raise UsageError(f"{missing[0]!r} is not defined in the notebook")
         self._require().push({n: namespace[n] for n in args.names}, ranks=args.ranks)
+
+    def _rtnb_checkpoints(self, rest: str):
+        args = parse_argstring(_checkpoints_args, rest)
+        session = self._require()
+        store = session.checkpoint_store(args.run)
+        self.last_view = CheckpointBrowser(
+            lambda: session.list_checkpoints(include_incomplete=True, run=args.run),
+            resume=lambda cid: _describe(session.resume(cid, run=args.run, background=True)),
+            load=lambda cid: (
+                f"rtnb.get_checkpoint() now returns {session.load(cid, run=args.run).id} on every rank"
+            ),
+            delete=store.delete,
+            subscribe=store.subscribe,
+            title=f"checkpoints of run {args.run or session.run_name!r}",
+        )
+        display(self.last_view)
+
+    def _rtnb_resume(self, rest: str):
+        args = parse_argstring(_resume_args, rest)
+        session = self._require()
+        code = session._last_training_code
+        checkpoint = session.load(args.checkpoint, run=args.run)
+        if code is None:
+            print(
+                f"rtnb: loaded {checkpoint.id}; the next training cell starts from it (rtnb.get_checkpoint())"
+            )
+            return None
+        print(f"rtnb: resuming the last training cell from {checkpoint.id}")
+        return self._run(code, parse_argstring(self.rtrain_cell, ""))
+
+    def _rtnb_load(self, rest: str):
+        args = parse_argstring(_resume_args, rest)
+        checkpoint = self._require().load(args.checkpoint, run=args.run)
+        print(f"rtnb: rtnb.get_checkpoint() now returns {checkpoint.id} on every rank")
 
     def _rtnb_result(self, rest: str):
         self._no_args("result", rest)
@@ -368,6 +421,14 @@ class RtnbMagics(Magics):
 # IPython names magics after the methods; %rtrain and %%rtrain share one name.
 RtnbMagics.magics["cell"]["rtrain"] = RtnbMagics.magics["cell"].pop("rtrain_cell")
 RtnbMagics.magics["line"]["rtrain"] = RtnbMagics.magics["line"].pop("rtrain_line")
+
+
+def _describe(outcome) -> str:
+    if outcome is None:
+        return "loaded; the next training cell starts from it"
+    return (
+        f"cell {outcome.cell_id} is running in the background from it (`%rtnb wait` for its value)"
+    )
 
 
 def _shown(value):

@@ -99,6 +99,7 @@ class CellHandle:
         self.steps: dict[int, int] = {r: 0 for r in ranks}
         self.states: dict[int, str] = {r: "running" for r in ranks}
         self.log: list[tuple[int, str, str]] = []
+        self.reported = False
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._done = threading.Event()
@@ -245,6 +246,7 @@ class CellHandle:
         self.steps[rank] = update["step"]
         self.states[rank] = "paused" if update.get("paused_at") is not None else update["state"]
         if update["reports"]:
+            self.reported = True
             self.session.metrics.add(rank, update["reports"])
         for step, timestamp, metrics, files in update.get("checkpoints", ()):
             self.session.checkpoints.offer(rank, step, timestamp, metrics, files)

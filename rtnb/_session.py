@@ -33,7 +33,7 @@ from rtnb._state import GroupState, StateChange, StateMachine
 from rtnb._status import GroupStatus, RankStatus
 from rtnb._tensorboard import TensorBoardExporter
 from rtnb._values import PerRank, from_portable
-from rtnb.errors import CellError, ConfigError, RtnbError, SessionError
+from rtnb.errors import CellError, CheckpointError, ConfigError, RtnbError, SessionError
 
 __all__ = ["Session"]
 
@@ -79,6 +79,7 @@ class Session:
         self._active: CellHandle | None = None
         self._last_background: CellHandle | None = None
         self._last_error: BaseException | None = None
+        self._last_training_code: str | None = None
         self._lock = threading.RLock()
         _LIVE.add(self)
 
@@ -148,17 +149,47 @@ class Session:
         for actor in group.actors:
             actor.set_checkpoint.remote(checkpoint)
 
-    def load(self, checkpoint_id: str = "latest") -> Checkpoint:
+    def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
+        """This run's checkpoints, or those of another run in the same storage."""
+        if run is None or run == self.run_name:
+            return self.checkpoints
+        other = RunDirectory(self.config.storage_path, run)
+        if not other.exists("run.json"):
+            raise CheckpointError(
+                f"no run {run!r} in {self.config.storage_path} (see `%rtnb runs`)"
+            )
+        return CheckpointStore(other)
+
+    def load(self, checkpoint_id: str = "latest", run: str | None = None) -> Checkpoint:
         """Make ``rtnb.get_checkpoint()`` return this checkpoint on every rank, without
         running anything (the browser's Load button)."""
-        checkpoint = self.checkpoints.get(checkpoint_id)
+        checkpoint = self.checkpoint_store(run).get(checkpoint_id)
         checkpoint.verify()
         self._chosen_checkpoint = checkpoint
         self._push_checkpoint()
         return checkpoint
 
-    def list_checkpoints(self, include_incomplete: bool = False):
-        return self.checkpoints.list(include_incomplete)
+    def list_checkpoints(self, include_incomplete: bool = False, run: str | None = None):
+        return self.checkpoint_store(run).list(include_incomplete)
+
+    def resume(
+        self, checkpoint_id: str = "latest", *, run: str | None = None, background: bool = False
+    ):
+        """Load a checkpoint and run the last training cell again from it (the
+        browser's Resume button), starting the group first if it is not running.
+
+        Returns the cell's value (or its handle with ``background``), or None when no
+        training cell ran yet: then the next one starts from the checkpoint.
+        """
+        if self.state in (GroupState.NEW, GroupState.STOPPED, GroupState.FAILED):
+            self.start()
+        self.load(checkpoint_id, run=run)
+        code = self._last_training_code
+        if code is None:
+            return None
+        if background:
+            return self.run_background(code)
+        return self.run(code)
 
     def result(self) -> Result:
         """The run so far as an :class:`rtnb.Result` (metrics, dataframe, path)."""
@@ -395,6 +426,8 @@ class Session:
         with self._lock:
             self.metrics.flush()
             self._last_error = handle.error
+            if handle.reported:
+                self._last_training_code = handle.code
             if handle.error is None:
                 self.history.append(handle.code)
             if self.state is GroupState.RUNNING and self._active is handle:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from rtnb.widgets._checkpoints import CheckpointBrowser
 from rtnb.widgets._frontend import has_live_frontend
 from rtnb.widgets._live import LiveMetrics
 from rtnb.widgets._logs import RankLog
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
 
-__all__ = ["LiveMetrics", "ProgressLines", "RankLog", "has_live_frontend", "static_figure_bundle"]
+__all__ = [
+    "CheckpointBrowser",
+    "LiveMetrics",
+    "ProgressLines",
+    "RankLog",
+    "has_live_frontend",
+    "static_figure_bundle",
+]

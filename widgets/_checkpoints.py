@@ -1,0 +1,133 @@
+"""``CheckpointBrowser``: a table of a run's checkpoints with Resume, Load and Delete."""
+
+from __future__ import annotations
+
+import html
+import time
+
+import ipywidgets as w
+
+__all__ = ["CheckpointBrowser"]
+
+
+class CheckpointBrowser(w.VBox):
+    """Lists committed (and incomplete) checkpoints: id, step, time, metrics, size,
+    ranks, status. Sortable by any metric. The buttons call the given actions:
+    ``resume(id)``, ``load(id)``, ``delete(id)``; ``list_checkpoints()`` returns
+    :class:`rtnb.CheckpointInfo` rows. It refreshes when ``subscribe`` reports a commit.
+    """
+
+    def __init__(
+        self,
+        list_checkpoints,
+        *,
+        resume=None,
+        load=None,
+        delete=None,
+        subscribe=None,
+        title: str = "",
+    ) -> None:
+        self._list = list_checkpoints
+        self._actions = {"Resume": resume, "Load": load, "Delete": delete}
+        self._title = w.HTML(f"<b>{html.escape(title)}</b>" if title else "")
+        self._sort = w.Dropdown(
+            options=[("step", "step")],
+            value="step",
+            description="sort by",
+            layout=w.Layout(width="220px"),
+        )
+        self._descending = w.Checkbox(value=True, description="descending", indent=False)
+        self._table = w.HTML()
+        self._choice = w.Dropdown(
+            options=[], description="checkpoint", layout=w.Layout(width="320px")
+        )
+        self._buttons = {
+            name: w.Button(description=name, disabled=action is None)
+            for name, action in self._actions.items()
+        }
+        self.message = w.HTML()
+        for name, button in self._buttons.items():
+            button.on_click(lambda _b, name=name: self._act(name))
+        self._sort.observe(lambda _c: self.refresh(), names="value")
+        self._descending.observe(lambda _c: self.refresh(), names="value")
+        super().__init__(
+            [
+                self._title,
+                w.HBox([self._sort, self._descending]),
+                self._table,
+                w.HBox([self._choice, *self._buttons.values()]),
+                self.message,
+            ]
+        )
+        if subscribe is not None:
+            subscribe(lambda _info: self.refresh())
+        self.refresh()
+
+    def rows(self):
+        rows = self._list()
+        key = self._sort.value
+        if key == "step":
+            rows = sorted(rows, key=lambda c: c.step, reverse=self._descending.value)
+        else:
+            present = [c for c in rows if isinstance(c.metrics.get(key), (int, float))]
+            missing = [c for c in rows if c not in present]
+            rows = (
+                sorted(present, key=lambda c: c.metrics[key], reverse=self._descending.value)
+                + missing
+            )
+        return rows
+
+    def refresh(self) -> None:
+        rows = self.rows()
+        metrics = sorted({k for c in rows for k in c.metrics})
+        options = [("step", "step")] + [(m, m) for m in metrics]
+        if list(self._sort.options) != options:
+            current = self._sort.value
+            self._sort.options = options
+            self._sort.value = current if current in dict(options).values() else "step"
+        head = "".join(
+            f"<th>{html.escape(h)}</th>"
+            for h in ["id", "step", "time", *metrics, "size", "ranks", "status"]
+        )
+        body = []
+        for c in rows:
+            cells = [
+                c.id,
+                str(c.step),
+                time.strftime("%H:%M:%S", time.localtime(c.time)) if c.time else "-",
+            ]
+            cells += [
+                f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
+                for m in metrics
+            ]
+            cells += [_size(c.size), ",".join(map(str, c.ranks)), c.status]
+            body.append("<tr>" + "".join(f"<td>{html.escape(x)}</td>" for x in cells) + "</tr>")
+        self._table.value = f'<table class="rtnb-checkpoints"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+        committed = [c.id for c in rows if c.status == "committed"]
+        chosen = self._choice.value
+        self._choice.options = committed
+        if chosen in committed:
+            self._choice.value = chosen
+
+    def _act(self, name: str) -> None:
+        action, cid = self._actions[name], self._choice.value
+        if action is None or not cid:
+            return
+        try:
+            outcome = action(cid)
+            self.message.value = html.escape(
+                f"{name}: {cid}" + (f" — {outcome}" if isinstance(outcome, str) else "")
+            )
+        except Exception as exc:  # noqa: BLE001 - shown to the user, one line
+            self.message.value = (
+                f'<span style="color:#c0392b">{html.escape(f"{name} {cid} failed: {exc}")}</span>'
+            )
+        self.refresh()
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
