@@ -120,5 +120,8 @@ class RankActor:
     def set_checkpoint(self, checkpoint) -> None:
         self.runtime.checkpoint = checkpoint
 
+    def set_step(self, step: int) -> None:
+        self.runtime.step = step
+
     def ping(self) -> str:
         return self.runtime.state

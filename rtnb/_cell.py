@@ -50,6 +50,9 @@ class _LinePrefixer:
         self._partial: dict[tuple[int, str], str] = {}
 
     def __call__(self, rank: int, stream: str, text: str) -> None:
+        if rank < 0:  # a note from rtnb itself, not a rank
+            (sys.stderr if stream == "stderr" else sys.stdout).write(text)
+            return
         key = (rank, stream)
         text = self._partial.pop(key, "") + text
         lines = text.split("\n")
@@ -100,6 +103,8 @@ class CellHandle:
         self.states: dict[int, str] = {r: "running" for r in ranks}
         self.log: list[tuple[int, str, str]] = []
         self.reported = False
+        self.recoveries = 0
+        self.replay = False  # a replayed cell during recovery: no bookkeeping, no recovery
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._done = threading.Event()
@@ -195,42 +200,105 @@ class CellHandle:
             self._pending[ref] = rank
 
     def _loop(self) -> None:
+        while True:
+            try:
+                self._drive()
+            except _Restart:
+                recovered = False
+                while (
+                    self._dead
+                    and self._stop_reason is None
+                    and not self.replay
+                    and self.session._can_recover()
+                ):
+                    try:
+                        self._recover()
+                        recovered = True
+                        break
+                    except _Restart:
+                        continue  # a rank died again while the cells were replayed
+                    except RtnbError as exc:
+                        self._finish(
+                            error=WorkerGroupError(
+                                f"{self._death_summary()}; recovery failed: {exc}"
+                            )
+                        )
+                        return
+                if recovered:
+                    continue
+                self._finish_with_restart()
+                return
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - never leave a handle hanging
+                self._finish(
+                    error=exc
+                    if isinstance(exc, RtnbError)
+                    else WorkerGroupError(f"lost contact with the ranks: {_one_line(exc)}")
+                )
+                return
+            self._finish_normally()
+            return
+
+    def _drive(self) -> None:
         import ray
 
         actors = self.session._require_group().actors
-        try:
-            while len(self._finished) + len(self._dead) < len(self.ranks):
-                self._ensure_polled(actors)
-                refs = list(self._pending)
-                ready, updates = _wait_and_get(ray, refs)
-                for ref, update in zip(ready, updates):
-                    rank = self._pending.pop(ref)
-                    if isinstance(update, BaseException):
-                        self._dead[rank] = _one_line(update)
-                        continue
-                    self._apply(update)
-                    if update["state"] == "running":
-                        self._pending[actors[rank].poll.remote()] = rank
-                    else:
-                        self._finished[rank] = update
-                if self._dead:
-                    raise _Restart()
+        while len(self._finished) + len(self._dead) < len(self.ranks):
+            self._ensure_polled(actors)
+            refs = list(self._pending)
+            ready, updates = _wait_and_get(ray, refs)
+            for ref, update in zip(ready, updates):
+                rank = self._pending.pop(ref)
+                if isinstance(update, BaseException):
+                    self._dead[rank] = _one_line(update)
+                    continue
+                self._apply(update)
+                if update["state"] == "running":
+                    self._pending[actors[rank].poll.remote()] = rank
+                else:
+                    self._finished[rank] = update
+            if self._dead:
+                raise _Restart()
+            if not self.replay:
                 self.session._commit_checkpoints(self)
-                self._check_timeout()
-                self._advance_stop(actors)
-        except _Restart:
-            self._finish_with_restart()
-            return
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never leave a handle hanging
-            self._finish(
-                error=exc
-                if isinstance(exc, RtnbError)
-                else WorkerGroupError(f"lost contact with the ranks: {_one_line(exc)}")
-            )
-            return
-        self._finish_normally()
+            self._check_timeout()
+            self._advance_stop(actors)
+
+    def _death_summary(self) -> str:
+        ranks = sorted(self._dead)
+        return (
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} died during "
+            f"cell {self.cell_id} ({self._dead[ranks[0]]})"
+        )
+
+    def _recover(self) -> None:
+        """Rebuild the group, replay the cells run so far, and run this cell again;
+        ``rtnb.get_checkpoint()`` returns the latest committed checkpoint, as when Ray
+        Train restarts ``train_loop_per_worker``."""
+        what = self._death_summary()
+        died_again = self.session._recover(what)
+        if died_again:
+            self._dead = died_again
+            raise _Restart()
+        self.recoveries += 1
+        latest = self.session.checkpoints.latest()
+        note = (
+            f"[rtnb] {what}; worker group rebuilt (recovery {self.session.failures}/"
+            f"{self.session.config.max_failures}), {len(self.session.history)} cell(s) replayed, "
+            f"cell {self.cell_id} restarted from {latest.id if latest else 'no checkpoint'}\n"
+        )
+        for sink in list(self._sinks):
+            try:
+                sink(-1, "stderr", note)
+            except Exception:  # noqa: BLE001
+                pass
+        self._pending.clear()
+        self._last.clear()
+        self._finished.clear()
+        self._dead.clear()
+        self.states = {r: "running" for r in self.ranks}
+        self._dispatch()
 
     def _ensure_polled(self, actors) -> None:
         # A Ctrl-C can land between taking an update and re-polling; make sure every
@@ -350,11 +418,9 @@ class CellHandle:
 
     def _finish_with_restart(self) -> None:
         if self._dead:
-            ranks = sorted(self._dead)
-            what = (
-                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} died during "
-                f"cell {self.cell_id} ({self._dead[ranks[0]]})"
-            )
+            what = self._death_summary()
+            if self.session.config.max_failures:
+                what += f" after {self.session.failures} recoveries (--max-failures {self.session.config.max_failures})"
             error_cls: type[RtnbError] = WorkerGroupError
         else:
             stuck = self._unfinished()
@@ -379,7 +445,8 @@ class CellHandle:
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
         try:
-            self.session._commit_checkpoints(self)
+            if not self.replay:
+                self.session._commit_checkpoints(self)
         except Exception:  # noqa: BLE001 - a storage error must not hide the cell's outcome
             pass
         for sink in self._sinks:
@@ -391,7 +458,8 @@ class CellHandle:
         for rank in self.ranks:
             if self.states.get(rank) in ("running", "paused"):
                 self.states[rank] = "stopped"
-        self.session._cell_ended(self)
+        if not self.replay:
+            self.session._cell_ended(self)
         self._done.set()
         for callback in self._done_callbacks:
             try:

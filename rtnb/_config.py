@@ -75,12 +75,6 @@ class SessionConfig:
             raise ConfigError(f"--keep must be ≥ 1, got {self.keep}")
         if self.mode not in ("min", "max"):
             raise ConfigError(f"--mode must be 'min' or 'max', got {self.mode!r}")
-        # Automatic recovery is not built yet; accepting the flag silently would
-        # promise restarts that do not happen.
-        if self.max_failures:
-            raise ConfigError(
-                "--max-failures (automatic recovery) is not available in this version of rtnb yet"
-            )
         if self.stop_grace_s <= 0:
             raise ConfigError("stop_grace_s must be > 0")
 

@@ -306,17 +306,24 @@ class RankRuntime:
         return self.step
 
     def _upload_checkpoint(self, step: int, checkpoint) -> list:
-        from rtnb._checkpoint import Checkpoint, upload_directory
+        from rtnb._checkpoint import MANIFEST, Checkpoint, upload_directory
         from rtnb._checkpoints import checkpoint_id
         from rtnb._rundir import RunDirectory
+        from rtnb.errors import CheckpointError
 
         if not isinstance(checkpoint, Checkpoint):
             # ray.train.Checkpoint and look-alikes: a path plus a pyarrow filesystem.
             checkpoint = Checkpoint(checkpoint.path, getattr(checkpoint, "filesystem", None))
         if self._run_dir is None:
             self._run_dir = RunDirectory(self.context.storage_path, self.context.run_name)
-        dest = f"{self._run_dir.path}/checkpoints/{checkpoint_id(step)}"
-        return upload_directory(checkpoint, self._run_dir.fs, dest)
+        cid = checkpoint_id(step)
+        if self._run_dir.exists(f"checkpoints/{cid}/{MANIFEST}"):
+            raise CheckpointError(
+                f"checkpoint {cid} is already committed; report the new checkpoint with a later step"
+            )
+        return upload_directory(
+            checkpoint, self._run_dir.fs, f"{self._run_dir.path}/checkpoints/{cid}"
+        )
 
     def _stop_at_boundary_locked(self) -> None:
         # Pause here and let the driver pick the step every rank stops at, so that

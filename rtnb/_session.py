@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rtnb._cell import CellHandle, OutputSink, print_sink
+from rtnb._cell import CellHandle, OutputSink, _Restart, print_sink
 from rtnb._checkpoint import Checkpoint
 from rtnb._checkpoints import CheckpointStore
 from rtnb._cluster import ClusterConnection, connect
@@ -33,7 +33,14 @@ from rtnb._state import GroupState, StateChange, StateMachine
 from rtnb._status import GroupStatus, RankStatus
 from rtnb._tensorboard import TensorBoardExporter
 from rtnb._values import PerRank, from_portable
-from rtnb.errors import CellError, CheckpointError, ConfigError, RtnbError, SessionError
+from rtnb.errors import (
+    CellError,
+    CheckpointError,
+    ConfigError,
+    RtnbError,
+    SessionError,
+    WorkerGroupError,
+)
 
 __all__ = ["Session"]
 
@@ -80,6 +87,7 @@ class Session:
         self._last_background: CellHandle | None = None
         self._last_error: BaseException | None = None
         self._last_training_code: str | None = None
+        self.failures = 0  # group rebuilds spent on --max-failures
         self._lock = threading.RLock()
         _LIVE.add(self)
 
@@ -262,6 +270,7 @@ class Session:
                 return self.start()
             self._rebuild("restart requested")
             self.history.clear()
+            self.failures = 0
         return self
 
     def scale(self, workers: int) -> Session:
@@ -290,6 +299,41 @@ class Session:
             self.state_machine.to(GroupState.READY, reason)
             self._write_run_json()
             self._push_checkpoint()
+
+    def _can_recover(self) -> bool:
+        return self.failures < self.config.max_failures
+
+    def _recover(self, reason: str) -> dict[int, str]:
+        """Rebuild after a rank died mid-cell and replay the cells run so far.
+
+        Returns the ranks that died during the replay (empty when it went through).
+        """
+        self.failures += 1
+        last_step = max((rep.step for rep in self.metrics.last.values()), default=0)
+        self._rebuild(reason)
+        group = self._require_group()
+        # New ranks continue the step count: metric series stay monotonic and a
+        # checkpoint id is never reused.
+        import ray
+
+        ray.get([a.set_step.remote(last_step) for a in group.actors], timeout=60)
+        self.state_machine.to(GroupState.RUNNING, f"recovering: {reason}")
+        for code in list(self.history):
+            replay = CellHandle(self, next(self._cell_ids), code, list(range(group.world_size)))
+            replay.replay = True
+            replay._dispatch()
+            try:
+                replay._drive()
+            except _Restart:
+                return dict(replay._dead)
+            failed = {r: u for r, u in replay._finished.items() if u["state"] != "done"}
+            if failed:
+                rank, update = next(iter(sorted(failed.items())))
+                summary = (update.get("error") or ("interrupted", ""))[0]
+                raise WorkerGroupError(
+                    f"replaying cell {replay.cell_id} failed on rank {rank}: {summary}"
+                )
+        return {}
 
     def _require_group(self) -> WorkerGroup:
         if self._group is None or self.state not in (GroupState.READY, GroupState.RUNNING):

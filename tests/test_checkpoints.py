@@ -124,7 +124,9 @@ RESUMABLE = (
 def test_resume_reruns_the_last_training_cell_from_the_chosen_checkpoint(ray_cluster, tmp_path):
     with rtnb.Session(workers=2, storage=str(tmp_path), name="resume") as session:
         assert session.run(RESUMABLE) == {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 2, 3, 4, 5]}
-        chosen = next(c for c in session.list_checkpoints() if c.metrics["loss"] == pytest.approx(8.0))
+        chosen = next(
+            c for c in session.list_checkpoints() if c.metrics["loss"] == pytest.approx(8.0)
+        )
         value = session.resume(chosen.id)
         assert value == {0: [3, 4, 5], 1: [3, 4, 5]}, "training continues after the chosen step"
         session.stop()
@@ -137,18 +139,34 @@ def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint()
     from rtnb.widgets import CheckpointBrowser
 
     rows = [
-        rtnb.CheckpointInfo(id="step-000000001", step=1, time=1.0, metrics={"loss": 3.0}, ranks=[0], files=[{"path": "a", "size": 2048, "sha256": "x"}]),
-        rtnb.CheckpointInfo(id="step-000000002", step=2, time=2.0, metrics={"loss": 1.0}, ranks=[0, 1]),
-        rtnb.CheckpointInfo(id="step-000000003", step=3, time=0.0, metrics={}, ranks=[], status="incomplete"),
+        rtnb.CheckpointInfo(
+            id="step-000000001",
+            step=1,
+            time=1.0,
+            metrics={"loss": 3.0},
+            ranks=[0],
+            files=[{"path": "a", "size": 2048, "sha256": "x"}],
+        ),
+        rtnb.CheckpointInfo(
+            id="step-000000002", step=2, time=2.0, metrics={"loss": 1.0}, ranks=[0, 1]
+        ),
+        rtnb.CheckpointInfo(
+            id="step-000000003", step=3, time=0.0, metrics={}, ranks=[], status="incomplete"
+        ),
     ]
     calls = []
-    browser = CheckpointBrowser(lambda: list(rows), load=lambda cid: calls.append(("load", cid)),
-                                resume=lambda cid: calls.append(("resume", cid)) or "resumed")
+    browser = CheckpointBrowser(
+        lambda: list(rows),
+        load=lambda cid: calls.append(("load", cid)),
+        resume=lambda cid: calls.append(("resume", cid)) or "resumed",
+    )
     assert [c.id for c in browser.rows()] == ["step-000000003", "step-000000002", "step-000000001"]
     browser._sort.value = "loss"
     browser._descending.value = False
     assert [c.id for c in browser.rows()][:2] == ["step-000000002", "step-000000001"]
-    assert list(browser._choice.options) == ["step-000000002", "step-000000001"], "incomplete ones are not offered"
+    assert list(browser._choice.options) == ["step-000000002", "step-000000001"], (
+        "incomplete ones are not offered"
+    )
     assert "2.0 KB" in browser._table.value and "incomplete" in browser._table.value
     browser._choice.value = "step-000000001"
     browser._buttons["Load"].click()

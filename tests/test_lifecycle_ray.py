@@ -131,11 +131,6 @@ def test_unwritable_storage_is_refused_before_any_rank_starts(ray_cluster, tmp_p
     assert ray.available_resources().get("CPU", 0) == free
 
 
-def test_max_failures_is_refused_until_recovery_exists():
-    with pytest.raises(rtnb.ConfigError, match="automatic recovery"):
-        rtnb.Session(max_failures=2)
-
-
 def _read_scalars(folder):
     import struct
 

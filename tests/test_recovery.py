@@ -1,0 +1,89 @@
+"""Automatic recovery (--max-failures): SIGKILLed ranks, replay, no checkpoint lost."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import rtnb
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+SETUP = "import time, rtnb, torch.distributed as dist\nSTEPS = {steps}"
+TRAIN = (
+    "ck = rtnb.get_checkpoint()\n"
+    "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
+    "while i < STEPS:\n"
+    "    time.sleep(0.05)\n"
+    "    rtnb.report({{'i': i}}, checkpoint=rtnb.Checkpoint.from_state({{'i': i}}) if dist.get_rank() == 0 else None)\n"
+    "    i += 1\n"
+    "i"
+)
+
+
+def _killer(session, kills: int, done: threading.Event, committed_seen: list, gap_s: float):
+    rng = random.Random(7)
+    killed = 0
+    while killed < kills and not done.is_set():
+        # Let the rebuilt group make progress (commit at least one more checkpoint).
+        before = len(session.checkpoints.list())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not done.is_set():
+            if session.state.value == "running" and len(session.checkpoints.list()) > before:
+                break
+            time.sleep(0.1)
+        time.sleep(gap_s)
+        if done.is_set():
+            return
+        committed_seen.extend(c.id for c in session.checkpoints.list())
+        group = session._group
+        if group is None or not group.ranks or session.state.value != "running":
+            continue
+        try:
+            os.kill(rng.choice([r.pid for r in group.ranks]), signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+
+
+def test_ten_kills_recover_without_losing_a_checkpoint_and_the_eleventh_fails_cleanly(
+    ray_cluster, tmp_path
+):
+    kills = 10
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="chaos", max_failures=kills, stop_grace_s=1.0
+    ) as session:
+        session.run(SETUP.format(steps=400))
+        done, seen = threading.Event(), []
+        killer = threading.Thread(
+            target=_killer, args=(session, kills, done, seen, 0.3), daemon=True
+        )
+        killer.start()
+        notes = []
+        try:
+            value = session.run(
+                TRAIN.format(),
+                output=lambda rank, stream, text: notes.append(text) if rank < 0 else None,
+            )
+        finally:
+            done.set()
+            killer.join(timeout=30)
+        assert session.failures == kills, f"{session.failures} recoveries"
+        assert value == {0: 400, 1: 400}, "the loop finished exactly at the requested step"
+        assert sum("worker group rebuilt" in n for n in notes) == kills
+        final = {c.id for c in session.checkpoints.list()}
+        assert set(seen) <= final, "no committed checkpoint was lost"
+        assert session.checkpoints.latest().step == max(c.step for c in session.checkpoints.list())
+        # Budget spent: the next death fails the cell with one line, the group comes back empty.
+        session.run("import os, signal, time")
+        with pytest.raises(rtnb.WorkerGroupError, match="after 10 recoveries") as info:
+            session.run(
+                "if dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(3)"
+            )
+        assert "\n" not in str(info.value)
+        assert session.run("1") == {0: 1, 1: 1}
