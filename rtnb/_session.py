@@ -154,8 +154,11 @@ class Session:
         if checkpoint is None:
             latest = self.checkpoints.latest()
             checkpoint = self.checkpoints.get(latest.id) if latest is not None else None
-        for actor in group.actors:
-            actor.set_checkpoint.remote(checkpoint)
+        import ray
+
+        # Waited for: calls to a threaded actor are not ordered, so a cell sent right
+        # after could otherwise still see the previous checkpoint.
+        ray.get([actor.set_checkpoint.remote(checkpoint) for actor in group.actors], timeout=60)
 
     def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
         """This run's checkpoints, or those of another run in the same storage."""
