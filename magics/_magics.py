@@ -73,6 +73,11 @@ def _cell_options(func):
 @argument("--mode", default="min", help="min|max for --score")
 @argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
 @argument(
+    "--allow-local-storage",
+    action="store_true",
+    help="a local --storage path is shared by all nodes",
+)
+@argument(
     "--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase"
 )
 def _start_args(line):
@@ -244,6 +249,7 @@ class RtnbMagics(Magics):
             mode=args.mode,
             stop_grace_s=args.stop_grace,
             tensorboard=args.tensorboard,
+            allow_local_storage=args.allow_local_storage,
         )
         session.start()
         self.session = session

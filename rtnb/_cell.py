@@ -267,6 +267,9 @@ class CellHandle:
 
     def _death_summary(self) -> str:
         ranks = sorted(self._dead)
+        if ranks == [-1]:
+            return f"a rank died while the group was rebuilt during cell {self.cell_id} ({self._dead[-1]})"
+        ranks = [r for r in ranks if r >= 0]
         return (
             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} died during "
             f"cell {self.cell_id} ({self._dead[ranks[0]]})"

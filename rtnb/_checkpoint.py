@@ -26,7 +26,6 @@ from rtnb.errors import CheckpointError
 __all__ = ["MANIFEST", "Checkpoint", "upload_directory"]
 
 MANIFEST = "_manifest.json"
-_STATE_FILE = "state.pt"
 _CHUNK = 4 * 1024 * 1024
 
 
@@ -62,11 +61,12 @@ class Checkpoint:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Checkpoint:
         """A checkpoint of ``state`` (e.g. ``{"model": m.state_dict(), "optimizer": ...,
-        "step": s}``) saved with ``torch.save``; load it back with :meth:`load_state`."""
+        "step": s}``) saved with ``torch.save`` as ``state-rank<R>.pt``, so every rank
+        can save its own shard into the same checkpoint; load with :meth:`load_state`."""
         import torch
 
         folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
-        torch.save(state, os.path.join(folder, _STATE_FILE))
+        torch.save(state, os.path.join(folder, _state_file(_this_rank())))
         return cls(folder)
 
     @property
@@ -146,20 +146,31 @@ class Checkpoint:
         import torch
 
         with self.as_directory(trusted=trusted) as folder:
+            shards = sorted(
+                f for f in os.listdir(folder) if f.startswith("state-rank") and f.endswith(".pt")
+            )
+            if not shards:
+                raise CheckpointError(
+                    f"checkpoint {self.id} has no state saved with Checkpoint.from_state"
+                )
+            # Each rank reads its own shard; when only some ranks saved (often rank 0
+            # alone), the others read the lowest rank's.
+            mine = _state_file(_this_rank())
+            chosen = (
+                mine
+                if mine in shards
+                else min(shards, key=lambda f: int(f[len("state-rank") : -3]))
+            )
             try:
                 return torch.load(
-                    os.path.join(folder, _STATE_FILE),
+                    os.path.join(folder, chosen),
                     weights_only=weights_only,
                     map_location=map_location,
                 )
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"checkpoint {self.id} has no {_STATE_FILE} (not saved with from_state)"
-                ) from None
             except Exception as exc:  # noqa: BLE001 - torch's unpickler errors
                 if weights_only and "weights_only" in str(exc):
                     raise CheckpointError(
-                        f"checkpoint {self.id}: {_STATE_FILE} holds objects that are not plain "
+                        f"checkpoint {self.id}: {chosen} holds objects that are not plain "
                         "tensors/containers and was not loaded (weights_only=True). Load with "
                         "weights_only=False only if you trust where it came from"
                     ) from None
@@ -170,7 +181,8 @@ class Checkpoint:
         return f"Checkpoint({self.path!r}, {state})"
 
     def __reduce__(self):
-        return (_rebuild, (self.path if self.is_local else self.uri, self.manifest))
+        # pyarrow filesystems pickle with their settings (endpoint, region, ...).
+        return (Checkpoint, (self.path, self.filesystem, self.manifest))
 
     @property
     def uri(self) -> str:
@@ -180,8 +192,26 @@ class Checkpoint:
         return f"{scheme}://{self.path}" if scheme in ("s3", "gcs") else self.path
 
 
-def _rebuild(path: str, manifest: dict | None) -> Checkpoint:
-    return Checkpoint(path, manifest=manifest)
+def _link(src: str, dst: str) -> bool:
+    try:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.exists(dst):
+            os.remove(dst)
+        os.link(src, dst)
+        return True
+    except OSError:  # another device, or links not supported: copy instead
+        return False
+
+
+def _this_rank() -> int:
+    from rtnb._rank import current_runtime
+
+    runtime = current_runtime()
+    return runtime.context.world_rank if runtime is not None else 0
+
+
+def _state_file(rank: int) -> str:
+    return f"state-rank{rank}.pt"
 
 
 def _hash(filesystem, path: str) -> tuple[str, int]:
@@ -201,8 +231,15 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
     """Copy ``source``'s files into ``dest_path``, hashing on the way; the file list
     (path, size, sha256) for the manifest."""
     entries = []
+    local_to_local = source.is_local and type(dest_fs).__name__ == "LocalFileSystem"
     for rel in source._files():
         if rel == MANIFEST:
+            continue
+        if local_to_local and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel)):
+            # Same disk: a hard link instead of a second write; the hash reads the
+            # file back from the page cache.
+            digest, size = _hash(dest_fs, posixpath.join(dest_path, rel))
+            entries.append({"path": rel, "size": size, "sha256": digest})
             continue
         digest = hashlib.sha256()
         size = 0

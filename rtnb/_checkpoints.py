@@ -205,11 +205,19 @@ class CheckpointStore:
         if _index:
             self._write_index()
 
+    def drop_pending(self) -> None:
+        """Forget half-offered checkpoints (their ranks died): they will never commit."""
+        with self._lock:
+            self._pending.clear()
+
     def cleanup_incomplete(self) -> list[str]:
         """Delete checkpoint directories that never got a manifest (and are not pending)."""
         removed = []
         for info in self.list(include_incomplete=True):
             if info.status == "incomplete" and info.id not in self._pending:
-                self.run_dir.fs.delete_dir(posixpath.join(self.base, info.id))
+                try:
+                    self.run_dir.fs.delete_dir(posixpath.join(self.base, info.id))
+                except (FileNotFoundError, OSError):
+                    continue
                 removed.append(info.id)
         return removed

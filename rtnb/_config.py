@@ -40,6 +40,8 @@ class SessionConfig:
     # Seconds an interrupted cell gets to stop at a report() boundary before rtnb
     # raises inside the ranks, and again before it rebuilds the group.
     tensorboard: bool = False
+    # Local --storage is refused when ranks span nodes unless it is declared shared.
+    allow_local_storage: bool = False
     stop_grace_s: float = 3.0
     connect_timeout_s: float = 15.0
     placement_timeout_s: float = 30.0

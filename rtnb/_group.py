@@ -12,9 +12,9 @@ from typing import Any
 
 from rtnb._actor import ACTOR_CONCURRENCY, RankActor
 from rtnb._config import SessionConfig
-from rtnb.errors import ClusterError, WorkerGroupError
+from rtnb.errors import ClusterError, ConfigError, WorkerGroupError
 
-__all__ = ["RankInfo", "WorkerGroup"]
+__all__ = ["RankInfo", "WorkerGroup", "check_storage_locality"]
 
 
 @dataclass
@@ -92,6 +92,7 @@ class WorkerGroup:
                 self.actors.append(actor)
             described = ray.get([a.describe.remote() for a in self.actors], timeout=120)
             self._assign_local_ranks(described)
+            check_storage_locality(self.node_count, self.storage_path, cfg.allow_local_storage)
             devices = ray.get(
                 [
                     a.set_placement.remote(
@@ -111,6 +112,9 @@ class WorkerGroup:
                 ],
                 timeout=120,
             )
+        except ConfigError:
+            self.shutdown()
+            raise
         except Exception as exc:  # noqa: BLE001
             self.shutdown()
             raise WorkerGroupError(f"the worker group failed to start: {_one_line(exc)}") from None
@@ -194,6 +198,18 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - dead: what we want
                     break
                 time.sleep(0.05)
+
+
+def check_storage_locality(node_count: int, storage_path: str, allowed: bool) -> None:
+    """Refuse a node-local storage path for ranks on several nodes: each node would
+    keep its own part of every checkpoint and metrics file, and lose it with the node."""
+    if node_count > 1 and "://" not in storage_path and not allowed:
+        raise ConfigError(
+            f"the ranks run on {node_count} nodes but --storage {storage_path!r} is a local path: "
+            "each node would write its own part of every checkpoint there, and it is lost with "
+            "the node. Use shared storage (s3://..., gs://...) or, if that path is a filesystem "
+            "shared by all nodes, pass --allow-local-storage"
+        )
 
 
 def _one_line(exc: BaseException) -> str:

@@ -78,8 +78,9 @@ def mean_of_last(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run_dir(path: str) -> RunDirectory:
-    base, _, name = path.rstrip("/").rpartition("/")
-    return RunDirectory(base or "/", name)
+    location, _, query = path.partition("?")
+    base, _, name = location.rstrip("/").rpartition("/")
+    return RunDirectory((base or "/") + (f"?{query}" if query else ""), name)
 
 
 @dataclass

@@ -19,7 +19,11 @@ class RunDirectory:
     def __init__(self, storage: str, run_name: str) -> None:
         from pyarrow import fs as pafs
 
-        self.uri = f"{storage.rstrip('/')}/{run_name}"
+        # Query parameters (e.g. s3://b/p?endpoint_override=...&scheme=http) configure
+        # the filesystem; the run name goes into the path before them.
+        base, _, query = storage.partition("?")
+        self.storage = storage
+        self.uri = f"{base.rstrip('/')}/{run_name}" + (f"?{query}" if query else "")
         try:
             self.fs, self.path = pafs.FileSystem.from_uri(
                 self.uri if "://" in self.uri else f"file://{self.uri}"

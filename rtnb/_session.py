@@ -111,6 +111,7 @@ class Session:
             try:
                 self.run_dir.ensure_writable()
                 self._attach_metrics_outputs()
+                self.checkpoints.cleanup_incomplete()
                 if self.connection is None:
                     self.connection = self._connector(
                         self.config.address,
@@ -158,7 +159,10 @@ class Session:
 
         # Waited for: calls to a threaded actor are not ordered, so a cell sent right
         # after could otherwise still see the previous checkpoint.
-        ray.get([actor.set_checkpoint.remote(checkpoint) for actor in group.actors], timeout=60)
+        try:
+            ray.get([actor.set_checkpoint.remote(checkpoint) for actor in group.actors], timeout=60)
+        except ray.exceptions.RayError:
+            pass  # a rank just died: the cell's poll reports it, and a rebuilt group gets this push
 
     def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
         """This run's checkpoints, or those of another run in the same storage."""
@@ -311,9 +315,29 @@ class Session:
 
         Returns the ranks that died during the replay (empty when it went through).
         """
+        import ray
+
         self.failures += 1
         last_step = max((rep.step for rep in self.metrics.last.values()), default=0)
+        try:
+            return self._rebuild_and_replay(reason, last_step)
+        except (ray.exceptions.RayError, WorkerGroupError) as exc:
+            # A rank of the new group died while it was being set up: that is
+            # another failure, retried while --max-failures allows.
+            if self.state is GroupState.FAILED:
+                self.state_machine.to(GroupState.RESTARTING, "retrying after a failed rebuild")
+                self.state_machine.to(GroupState.READY)
+            return {
+                -1: str(exc).strip().splitlines()[0][:200]
+                if str(exc).strip()
+                else type(exc).__name__
+            }
+
+    def _rebuild_and_replay(self, reason: str, last_step: int) -> dict[int, str]:
         self._rebuild(reason)
+        # Files a dead rank left half-written never got a manifest: drop them.
+        self.checkpoints.drop_pending()
+        self.checkpoints.cleanup_incomplete()
         group = self._require_group()
         # New ranks continue the step count: metric series stay monotonic and a
         # checkpoint id is never reused.

@@ -39,10 +39,10 @@ def test_checkpoints_commit_with_a_manifest_and_get_checkpoint_returns_the_lates
     manifest = json.loads(
         (tmp_path / "ck" / "checkpoints" / latest.id / "_manifest.json").read_text()
     )
-    assert manifest["ranks"] == [0] and manifest["files"][0]["path"] == "state.pt"
+    assert manifest["ranks"] == [0] and manifest["files"][0]["path"] == "state-rank0.pt"
     assert (
         manifest["files"][0]["size"]
-        == (tmp_path / "ck" / "checkpoints" / latest.id / "state.pt").stat().st_size
+        == (tmp_path / "ck" / "checkpoints" / latest.id / "state-rank0.pt").stat().st_size
     )
     assert manifest["metrics"]["loss"] == pytest.approx(1.0)
     assert (tmp_path / "ck" / "checkpoints" / "index.json").exists()
@@ -68,7 +68,7 @@ def test_retention_keeps_the_best_by_score_and_never_the_latest_away(session):
 def test_tampered_or_unmanifested_checkpoints_are_refused(session, tmp_path):
     session.run(SAVE_LOOP.format(n=1))
     latest = session.checkpoints.latest()
-    path = tmp_path / "ck" / "checkpoints" / latest.id / "state.pt"
+    path = tmp_path / "ck" / "checkpoints" / latest.id / "state-rank0.pt"
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
         session.checkpoints.get(latest.id).to_directory()
@@ -92,7 +92,7 @@ def test_a_planted_pickle_payload_is_never_executed(tmp_path):
 
     folder = tmp_path / "evil"
     folder.mkdir()
-    (folder / "state.pt").write_bytes(pickle.dumps({"model": _Payload()}))
+    (folder / "state-rank0.pt").write_bytes(pickle.dumps({"model": _Payload()}))
     if os.path.exists("/tmp/rtnb-pwned"):
         os.remove("/tmp/rtnb-pwned")
     with pytest.raises(rtnb.CheckpointError, match="weights_only"):

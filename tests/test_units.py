@@ -187,3 +187,13 @@ def test_rank_api_outside_a_rank_says_where_to_call_it():
     finally:
         _rank._CURRENT = saved
     assert threading.current_thread() is threading.main_thread()
+
+
+def test_node_local_storage_is_refused_for_ranks_on_several_nodes():
+    from rtnb._group import check_storage_locality
+
+    check_storage_locality(1, "/data/runs", allowed=False)
+    check_storage_locality(3, "s3://bucket/runs", allowed=False)
+    check_storage_locality(3, "/shared/nfs/runs", allowed=True)
+    with pytest.raises(ConfigError, match="2 nodes.*--allow-local-storage"):
+        check_storage_locality(2, "/data/runs", allowed=False)

@@ -29,7 +29,8 @@ class RankLog(w.VBox):
         handle.add_done_callback(self._on_done)
 
     def _on_output(self, rank: int, stream: str, text: str) -> None:
-        tagged = "".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True))
+        tag = f"[rank {rank}] " if rank >= 0 else ""
+        tagged = "".join(f"{tag}{line}" for line in text.splitlines(keepends=True))
         with self._lock:
             if stream == "stderr":
                 self._out.append_stderr(tagged)

@@ -1,0 +1,84 @@
+"""Checkpoint save/restore through rtnb vs plain torch.save/torch.load, same disk, one run.
+
+Each of 2 ranks holds a state of ``--mb`` MB (default 150, so ~300 MB in all).
+Plain: every rank torch.save()s its state to the storage directory, then
+torch.load()s it. rtnb: every rank reports it as a checkpoint (its shard uploaded
+and hashed in parallel, the driver commits the manifest), then loads it back
+through ``rtnb.get_checkpoint().load_state()`` (files verified against the
+manifest first). Times are the wall time of the cell on the driver.
+
+    .venv/bin/python benchmarks/checkpoint_io.py [--mb 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mb", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import ray
+
+    import rtnb
+
+    ray.init(
+        num_cpus=2,
+        object_store_memory=300_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    storage = tempfile.mkdtemp(prefix="rtnb-ckpt-bench-", dir="/tmp")
+    session = rtnb.Session(workers=2, storage=storage, name="io").start()
+    quiet = lambda *a: None  # noqa: E731
+    session.run(
+        f"import torch, os, rtnb, torch.distributed as dist\n"
+        f"state = {{'w': torch.randn({args.mb} * 1024 * 1024 // 4), 'rank': dist.get_rank()}}\n"
+        f"plain_dir = os.path.join({storage!r}, 'plain')\nos.makedirs(plain_dir, exist_ok=True)\n"
+        "step = 0",
+        output=quiet,
+    )
+
+    def timed(code: str) -> float:
+        t0 = time.perf_counter()
+        session.run(code, output=quiet)
+        return time.perf_counter() - t0
+
+    plain_save, plain_load, rtnb_save, rtnb_load = [], [], [], []
+    for _ in range(args.repeats):
+        plain_save.append(
+            timed(
+                "p = os.path.join(plain_dir, f'rank{dist.get_rank()}.pt')\ntorch.save(state, p)\nos.sync()"
+            )
+        )
+        plain_load.append(timed("back = torch.load(p, weights_only=True)"))
+        rtnb_save.append(
+            timed(
+                "step += 1\nrtnb.report({'step': step}, checkpoint=rtnb.Checkpoint.from_state(state))\nos.sync()"
+            )
+        )
+        rtnb_load.append(timed("back = rtnb.get_checkpoint().load_state()"))
+    checked = session.run(
+        "bool(back['w'].equal(state['w'])) if back['rank'] == dist.get_rank() else 'shard of another rank'",
+        output=quiet,
+    )
+    session.stop()
+    ps, pl, rs, rl = (statistics.median(x) for x in (plain_save, plain_load, rtnb_save, rtnb_load))
+    print(f"checkpoint_io: 2 ranks x {args.mb} MB, local disk, median of {args.repeats}")
+    print(
+        f"save     rtnb {rs:6.2f} s   plain torch.save {ps:6.2f} s   ratio {rs / ps:.2f}x (goal <= 1.2x)"
+    )
+    print(
+        f"restore  rtnb {rl:6.2f} s   plain torch.load {pl:6.2f} s   ratio {rl / pl:.2f}x (goal <= 1.2x)"
+    )
+    print(f"round trip ratio {(rs + rl) / (ps + pl):.2f}x; restored state checked: {dict(checked)}")
+
+
+if __name__ == "__main__":
+    main()
