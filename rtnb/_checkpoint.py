@@ -18,6 +18,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -145,7 +146,9 @@ class Checkpoint:
         default, so a planted pickle payload is refused, not executed."""
         import torch
 
-        with self.as_directory(trusted=trusted) as folder:
+        if not trusted and self.manifest is None:
+            self.verify()  # raises: no manifest
+        with self.as_directory(trusted=True) as folder:
             shards = sorted(
                 f for f in os.listdir(folder) if f.startswith("state-rank") and f.endswith(".pt")
             )
@@ -161,12 +164,10 @@ class Checkpoint:
                 if mine in shards
                 else min(shards, key=lambda f: int(f[len("state-rank") : -3]))
             )
+            path = os.path.join(folder, chosen)
+            check = None if trusted else self._start_check(chosen, path)
             try:
-                return torch.load(
-                    os.path.join(folder, chosen),
-                    weights_only=weights_only,
-                    map_location=map_location,
-                )
+                state = torch.load(path, weights_only=weights_only, map_location=map_location)
             except Exception as exc:  # noqa: BLE001 - torch's unpickler errors
                 if weights_only and "weights_only" in str(exc):
                     raise CheckpointError(
@@ -175,6 +176,21 @@ class Checkpoint:
                         "weights_only=False only if you trust where it came from"
                     ) from None
                 raise
+            finally:
+                if check is not None:
+                    check.join()
+            if check is not None and check.problem:
+                raise CheckpointError(f"checkpoint {self.id}: {check.problem}")
+            return state
+
+    def _start_check(self, rel: str, local_path: str) -> _HashCheck:
+        """Hash the file against the manifest in a thread while torch.load reads it
+        (hashlib releases the GIL), so verification costs little extra time. The
+        state is only returned once the hash matched."""
+        entry = next((f for f in self.manifest["files"] if f["path"] == rel), None)
+        check = _HashCheck(local_path, entry, rel)
+        check.start()
+        return check
 
     def __repr__(self) -> str:
         state = "committed" if self.manifest else "unverified"
@@ -201,6 +217,30 @@ def _link(src: str, dst: str) -> bool:
         return True
     except OSError:  # another device, or links not supported: copy instead
         return False
+
+
+class _HashCheck(threading.Thread):
+    def __init__(self, path: str, entry: dict | None, rel: str) -> None:
+        super().__init__(daemon=True)
+        self.path, self.entry, self.rel = path, entry, rel
+        self.problem = ""
+
+    def run(self) -> None:
+        if self.entry is None:
+            self.problem = f"{self.rel} is not in its manifest"
+            return
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with open(self.path, "rb") as src:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            self.problem = f"{self.rel} cannot be read ({exc})"
+            return
+        if size != self.entry["size"] or digest.hexdigest() != self.entry["sha256"]:
+            self.problem = f"file {self.rel!r} does not match its manifest (changed or truncated since it was committed)"
 
 
 def _this_rank() -> int:
