@@ -27,31 +27,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def _ray_init():
-    import ray
-
-    t0 = time.perf_counter()
-    ray.init(
-        num_cpus=2,
-        object_store_memory=300_000_000,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
-    return time.perf_counter() - t0
-
-
 def phase_rtnb(repeats: int) -> dict:
     import ray
+    from _common import embedded_ray, quiet
     from _loop import LOOP_SOURCE
 
     import rtnb
 
-    ray_init_s = _ray_init()
+    ray_init_s = embedded_ray()
     t0 = time.perf_counter()
     session = rtnb.Session(workers=2).start()
     start_s = time.perf_counter() - t0
-    quiet = lambda *a: None  # noqa: E731
     t0 = time.perf_counter()
     session.run(LOOP_SOURCE, output=quiet)
     first_loop_s = time.perf_counter() - t0
@@ -97,11 +83,12 @@ def phase_rtnb(repeats: int) -> dict:
 
 
 def phase_trainer(fits: int) -> dict:
+    from _common import embedded_ray
     from _loop import train_loop_per_worker
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray_init_s = _ray_init()
+    ray_init_s = embedded_ray()
     storage = tempfile.mkdtemp(prefix="rtnb-bench-")
     times = []
     for i in range(fits):

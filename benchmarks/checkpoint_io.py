@@ -23,20 +23,14 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    import ray
+
+    from _common import embedded_ray, quiet
 
     import rtnb
 
-    ray.init(
-        num_cpus=2,
-        object_store_memory=300_000_000,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    embedded_ray()
     storage = tempfile.mkdtemp(prefix="rtnb-ckpt-bench-", dir="/tmp")
     session = rtnb.Session(workers=2, storage=storage, name="io").start()
-    quiet = lambda *a: None  # noqa: E731
     session.run(
         f"import torch, os, rtnb, torch.distributed as dist\n"
         f"state = {{'w': torch.randn({args.mb} * 1024 * 1024 // 4), 'rank': dist.get_rank()}}\n"

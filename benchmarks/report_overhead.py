@@ -35,19 +35,13 @@ def run(steps, with_report):
 
 
 def main() -> None:
-    import ray
+
+    from _common import embedded_ray, quiet
 
     import rtnb
 
-    ray.init(
-        num_cpus=2,
-        object_store_memory=300_000_000,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    embedded_ray()
     session = rtnb.Session(workers=2, storage=tempfile.mkdtemp(prefix="rtnb-bench-")).start()
-    quiet = lambda *a: None  # noqa: E731
 
     # Calibrate the inner loop to ~1 ms per step on this machine.
     inner = 4

@@ -114,6 +114,9 @@ def _wait_args(line):
 @argument(
     "run", nargs="?", default=None, help="another run in the same storage (default: this one)"
 )
+@argument(
+    "--list", action="store_true", help="return the committed checkpoints instead of the browser"
+)
 def _checkpoints_args(line):
     """%rtnb checkpoints options."""
 
@@ -294,6 +297,8 @@ class RtnbMagics(Magics):
         args = parse_argstring(_checkpoints_args, rest)
         session = self._require()
         store = session.checkpoint_store(args.run)
+        if args.list:
+            return session.list_checkpoints(run=args.run)
         self.last_view = CheckpointBrowser(
             lambda: session.list_checkpoints(include_incomplete=True, run=args.run),
             resume=lambda cid: _describe(session.resume(cid, run=args.run, background=True)),

@@ -51,6 +51,7 @@ class Checkpoint:
         self.path = path
         self.filesystem = filesystem
         self.manifest = manifest
+        self._temporary = False
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
@@ -68,7 +69,9 @@ class Checkpoint:
 
         folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
         torch.save(state, os.path.join(folder, _state_file(_this_rank())))
-        return cls(folder)
+        checkpoint = cls(folder)
+        checkpoint._temporary = True  # removed once reported (the upload keeps the data)
+        return checkpoint
 
     @property
     def id(self) -> str:
@@ -229,17 +232,14 @@ class _HashCheck(threading.Thread):
         if self.entry is None:
             self.problem = f"{self.rel} is not in its manifest"
             return
-        digest = hashlib.sha256()
-        size = 0
+        from pyarrow import fs as pafs
+
         try:
-            with open(self.path, "rb") as src:
-                while chunk := src.read(_CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
+            digest, size = _hash(pafs.LocalFileSystem(), self.path)
         except OSError as exc:
             self.problem = f"{self.rel} cannot be read ({exc})"
             return
-        if size != self.entry["size"] or digest.hexdigest() != self.entry["sha256"]:
+        if size != self.entry["size"] or digest != self.entry["sha256"]:
             self.problem = f"file {self.rel!r} does not match its manifest (changed or truncated since it was committed)"
 
 
@@ -297,4 +297,6 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
                 size += len(chunk)
                 out.write(chunk)
         entries.append({"path": rel, "size": size, "sha256": digest.hexdigest()})
+    if source._temporary:
+        shutil.rmtree(source.path, ignore_errors=True)
     return entries

@@ -125,9 +125,32 @@ class Session:
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise SessionError(f"starting the worker group failed: {exc}") from None
             self.state_machine.to(GroupState.READY)
+            self._continue_step_count()
             self._write_run_json()
             self._push_checkpoint()
         return self
+
+    def last_step(self) -> int:
+        """The highest step reported in this run so far, in any session."""
+        steps = [rep.step for rep in self.metrics.last.values()]
+        if self.run_dir.exists("run.json"):
+            steps.append(int(self.run_dir.read_json("run.json").get("last_step", 0)))
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            steps.append(latest.step)
+        return max(steps, default=0)
+
+    def _continue_step_count(self) -> None:
+        # A run continued by a new session (same --name and storage) keeps counting
+        # steps: its series stay monotonic and its checkpoint ids are never reused.
+        import ray
+
+        step = self.last_step()
+        if step and self._group is not None:
+            try:
+                ray.get([a.set_step.remote(step) for a in self._group.actors], timeout=60)
+            except ray.exceptions.RayError:
+                pass  # a rank already died: the next cell's poll reports it
 
     def _attach_metrics_outputs(self) -> None:
         if self.metrics.log is None:
@@ -235,6 +258,7 @@ class Session:
                 "status": str(self.state),
                 "config": self.config.to_dict(),
                 "ranks": ranks,
+                "last_step": max((rep.step for rep in self.metrics.last.values()), default=0),
                 "updated": time.time(),
             },
         )
@@ -304,6 +328,7 @@ class Session:
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
             self.state_machine.to(GroupState.READY, reason)
+            self._continue_step_count()
             self._write_run_json()
             self._push_checkpoint()
 
@@ -318,9 +343,8 @@ class Session:
         import ray
 
         self.failures += 1
-        last_step = max((rep.step for rep in self.metrics.last.values()), default=0)
         try:
-            return self._rebuild_and_replay(reason, last_step)
+            return self._rebuild_and_replay(reason)
         except (ray.exceptions.RayError, WorkerGroupError) as exc:
             # A rank of the new group died while it was being set up: that is
             # another failure, retried while --max-failures allows.
@@ -333,17 +357,12 @@ class Session:
                 else type(exc).__name__
             }
 
-    def _rebuild_and_replay(self, reason: str, last_step: int) -> dict[int, str]:
+    def _rebuild_and_replay(self, reason: str) -> dict[int, str]:
         self._rebuild(reason)
         # Files a dead rank left half-written never got a manifest: drop them.
         self.checkpoints.drop_pending()
         self.checkpoints.cleanup_incomplete()
         group = self._require_group()
-        # New ranks continue the step count: metric series stay monotonic and a
-        # checkpoint id is never reused.
-        import ray
-
-        ray.get([a.set_step.remote(last_step) for a in group.actors], timeout=60)
         self.state_machine.to(GroupState.RUNNING, f"recovering: {reason}")
         for code in list(self.history):
             replay = CellHandle(self, next(self._cell_ids), code, list(range(group.world_size)))

@@ -41,7 +41,55 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--kernel", default=None, help="kernel name (default: the notebook's, in this Python)"
     )
+    runs = sub.add_parser("runs", help="list the runs in a storage path")
+    runs.add_argument("storage", nargs="?", default=None)
+
+    ckpts = sub.add_parser("checkpoints", help="list a run's checkpoints")
+    ckpts.add_argument("run")
+    ckpts.add_argument("--storage", default=None)
+    ckpts.add_argument("--all", action="store_true", help="also show incomplete ones")
     return parser
+
+
+def _storage(value: str | None) -> str:
+    from rtnb._config import SessionConfig
+
+    return SessionConfig(storage=value).storage_path
+
+
+def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
+    import time
+
+    from rtnb._checkpoints import CheckpointStore
+    from rtnb._rundir import RunDirectory
+    from rtnb.errors import ConfigError
+
+    run_dir = RunDirectory(storage, run)
+    if not run_dir.exists("run.json"):
+        raise ConfigError(f"no run {run!r} in {storage} (see `rtnb runs {storage}`)")
+    rows = CheckpointStore(run_dir).list(include_incomplete)
+    if not rows:
+        print(f"run {run!r} has no checkpoints")
+        return 0
+    metrics = sorted({k for c in rows for k in c.metrics})
+    table = [["id", "step", "time", *metrics, "MB", "ranks", "status"]]
+    for c in rows:
+        table.append(
+            [
+                c.id,
+                str(c.step),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-",
+            ]
+            + [
+                f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
+                for m in metrics
+            ]
+            + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     from rtnb._batch import parse_parameters, run_notebook
 
     try:
+        if args.command == "runs":
+            from rtnb._result import list_runs
+
+            print(list_runs(_storage(args.storage)))
+            return 0
+        if args.command == "checkpoints":
+            return _print_checkpoints(args.run, _storage(args.storage), args.all)
         if args.command == "demo":
             notebook = _REPO_NOTEBOOKS / "quickstart.ipynb"
             output = Path(

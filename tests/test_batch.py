@@ -94,3 +94,58 @@ def test_runs_land_under_the_callers_rtnb_runs(ray_cluster, tmp_path):
         and (runs[0] / "metrics" / "rank-0.jsonl").exists()
     )
     assert not (REPO / "notebooks" / "rtnb_runs").exists(), "nothing is written into the repository"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
+def test_every_example_notebook_runs_unattended(ray_cluster, tmp_path, name):
+    out = tmp_path / f"{name}.out.ipynb"
+    proc = _run(["run", str(REPO / "notebooks" / name), "-o", str(out)], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    nb = nbformat.read(out, as_version=4)
+    errors = [
+        o for cell in nb.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"
+    ]
+    assert not errors
+    assert out.stat().st_size < 1_000_000
+
+
+def test_batch_template_resumes_a_named_run_from_its_latest_checkpoint(ray_cluster, tmp_path):
+    template = str(REPO / "notebooks" / "batch_template.ipynb")
+    first = _run(
+        [
+            "run",
+            template,
+            "-o",
+            str(tmp_path / "1.ipynb"),
+            "-p",
+            "steps",
+            "20",
+            "-p",
+            "run_name",
+            "nightly",
+        ],
+        tmp_path,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = _run(
+        [
+            "run",
+            template,
+            "-o",
+            str(tmp_path / "2.ipynb"),
+            "-p",
+            "steps",
+            "30",
+            "-p",
+            "run_name",
+            "nightly",
+        ],
+        tmp_path,
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    text = "".join(
+        o.get("text", "")
+        for c in nbformat.read(tmp_path / "2.ipynb", as_version=4).cells
+        for o in c.get("outputs", [])
+    )
+    assert "resumed from step-000000020 at step 20" in text, text[-1500:]

@@ -72,6 +72,8 @@ def test_tampered_or_unmanifested_checkpoints_are_refused(session, tmp_path):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
         session.checkpoints.get(latest.id).to_directory()
+    with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
+        session.checkpoints.get(latest.id).load_state()
     plain = tmp_path / "plain"
     plain.mkdir()
     with pytest.raises(rtnb.CheckpointError, match="trusted=True"):
@@ -174,3 +176,43 @@ def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint()
     assert calls == [("load", "step-000000001"), ("resume", "step-000000001")]
     assert "resumed" in browser.message.value
     assert browser._buttons["Delete"].disabled
+
+
+def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_path):
+    import subprocess
+    import sys
+
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="cli-run") as session:
+        session.run(SAVE_LOOP.format(n=2))
+    runs = subprocess.run(
+        [sys.executable, "-m", "rtnb.cli", "runs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert runs.returncode == 0 and "cli-run" in runs.stdout and "stopped" in runs.stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "rtnb.cli", "checkpoints", "cli-run", "--storage", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = table.stdout.strip().splitlines()
+    assert lines[0].split()[:3] == ["id", "step", "time"] and "loss" in lines[0]
+    assert [line.split()[0] for line in lines[1:]] == ["step-000000001", "step-000000002"]
+    assert all(line.rstrip().endswith("committed") for line in lines[1:])
+    missing = subprocess.run(
+        [sys.executable, "-m", "rtnb.cli", "checkpoints", "nope", "--storage", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+
+def test_reported_state_checkpoints_leave_no_temporary_copies(session):
+    import glob
+
+    before = set(glob.glob("/tmp/rtnb-ckpt-*"))
+    session.run(SAVE_LOOP.format(n=5))
+    assert set(glob.glob("/tmp/rtnb-ckpt-*")) - before == set()
