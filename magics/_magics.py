@@ -154,6 +154,9 @@ _SUBCOMMANDS = (
     "push",
     "runs",
     "result",
+    "checkpoints",
+    "resume",
+    "load",
 )
 
 

@@ -115,9 +115,22 @@ def connect(
             f"could not start or join Ray ({target or 'embedded'}): {_first_line(exc)}"
         ) from None
     _quiet_ray_logging()
-    return ClusterConnection(
-        address=target or "embedded", owned=owned, client_mode=_in_client_mode()
-    )
+    client_mode = _in_client_mode()
+    if client_mode:
+        _mute_client_log_stream()
+    return ClusterConnection(address=target or "embedded", owned=owned, client_mode=client_mode)
+
+
+def _mute_client_log_stream() -> None:
+    # Ray Client streams every worker's and raylet's stdout to the driver (there is
+    # no log_to_driver switch in client mode); rtnb collects the ranks' output
+    # itself, so the stream is only noise in the cell (e.g. disk-space warnings).
+    try:
+        from ray.util.client import ray as client_ray
+
+        client_ray.worker.log_client.stdstream = lambda level, msg: None
+    except Exception:  # noqa: BLE001 - private API; worst case the chatter stays
+        pass
 
 
 def _init_with_retry(ray, target: str | None, kwargs: dict, timeout_s: float) -> None:
