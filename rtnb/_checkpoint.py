@@ -172,6 +172,12 @@ class Checkpoint:
             try:
                 state = torch.load(path, weights_only=weights_only, map_location=map_location)
             except Exception as exc:  # noqa: BLE001 - torch's unpickler errors
+                # A damaged file usually breaks torch.load first: report the integrity
+                # failure, which is the real cause, rather than the unpickler's error.
+                if check is not None:
+                    check.join()
+                    if check.problem:
+                        raise CheckpointError(f"checkpoint {self.id}: {check.problem}") from None
                 if weights_only and "weights_only" in str(exc):
                     raise CheckpointError(
                         f"checkpoint {self.id}: {chosen} holds objects that are not plain "
@@ -179,11 +185,10 @@ class Checkpoint:
                         "weights_only=False only if you trust where it came from"
                     ) from None
                 raise
-            finally:
-                if check is not None:
-                    check.join()
-            if check is not None and check.problem:
-                raise CheckpointError(f"checkpoint {self.id}: {check.problem}")
+            if check is not None:
+                check.join()
+                if check.problem:
+                    raise CheckpointError(f"checkpoint {self.id}: {check.problem}")
             return state
 
     def _start_check(self, rel: str, local_path: str) -> _HashCheck:
