@@ -259,14 +259,16 @@ def _state_file(rank: int) -> str:
     return f"state-rank{rank}.pt"
 
 
+def _chunks(stream) -> Iterator[bytes]:
+    while chunk := stream.read(_CHUNK):
+        yield chunk
+
+
 def _hash(filesystem, path: str) -> tuple[str, int]:
     digest = hashlib.sha256()
     size = 0
     with filesystem.open_input_stream(path) as src:
-        while True:
-            chunk = src.read(_CHUNK)
-            if not chunk:
-                break
+        for chunk in _chunks(src):
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
@@ -294,10 +296,7 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
             source.filesystem.open_input_stream(posixpath.join(source.path, rel)) as src,
             dest_fs.open_output_stream(target) as out,
         ):
-            while True:
-                chunk = src.read(_CHUNK)
-                if not chunk:
-                    break
+            for chunk in _chunks(src):
                 digest.update(chunk)
                 size += len(chunk)
                 out.write(chunk)

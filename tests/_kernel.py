@@ -7,7 +7,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import nbformat
 from jupyter_client.manager import KernelManager
+
+
+def new_notebook(cells: list[str]):
+    """A notebook of code cells whose kernelspec runs in this Python (no kernel dialog)."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    return nb
 
 
 @dataclass

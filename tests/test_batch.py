@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tests._kernel import new_notebook
+
 REPO = Path(__file__).resolve().parent.parent
 RTNB = [sys.executable, "-m", "rtnb.cli"]
 
@@ -39,20 +41,13 @@ def test_quickstart_runs_unattended_with_static_figure_and_metrics(ray_cluster, 
 
 
 def test_a_failing_cell_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_path):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells = [
-        nbformat.v4.new_code_cell(c)
-        for c in (
+    nb = new_notebook(
+        [
             "%load_ext rtnb\n%rtnb start",
             "%%rtrain\nraise RuntimeError('boom on the ranks')",
             "print('never')",
-        )
-    ]
+        ]
+    )
     src = tmp_path / "fails.ipynb"
     nbformat.write(nb, src)
     proc = _run(["run", str(src)], tmp_path)

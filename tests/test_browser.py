@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._kernel import new_notebook
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow]
@@ -88,14 +89,7 @@ def lab(ray_cluster, tmp_path):
 def _notebook(root: Path, cells: list[str]) -> str:
     import nbformat
 
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    nbformat.write(nb, root / "live.ipynb")
+    nbformat.write(new_notebook(cells), root / "live.ipynb")
     return "live.ipynb"
 
 

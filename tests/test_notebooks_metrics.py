@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests._kernel import Kernel
+from tests._kernel import Kernel, new_notebook
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -18,13 +18,7 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
 def _execute(cells: list[str], tmp_path, name: str):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nb = new_notebook(cells)
     env_live = os.environ.pop("RTNB_LIVE", None)
     try:
         NotebookClient(
