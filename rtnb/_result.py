@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +126,7 @@ def list_runs(storage: str) -> RunTable:
     from pyarrow import fs as pafs
 
     probe = RunDirectory(storage, "_")
-    base = posixpath_dirname(probe.path)
+    base = posixpath.dirname(probe.path.rstrip("/"))
     runs: list[RunSummary] = []
     infos = probe.fs.get_file_info(pafs.FileSelector(base, recursive=False, allow_not_found=True))
     for info in infos:
@@ -146,9 +147,3 @@ def list_runs(storage: str) -> RunTable:
         )
     runs.sort(key=lambda r: r.updated, reverse=True)
     return RunTable(storage, runs)
-
-
-def posixpath_dirname(path: str) -> str:
-    import posixpath
-
-    return posixpath.dirname(path.rstrip("/"))
