@@ -5,7 +5,15 @@ A rank's ``report(metrics, checkpoint=...)`` copies its files into
 gathered) and tells the driver their sizes and SHA-256 hashes. The driver commits
 the checkpoint once every rank of the cell has reported that step, by writing
 ``_manifest.json`` *last*. Only directories with a manifest are listed or loaded;
-files are verified against it before use. ``Checkpoint`` mirrors
+files are verified against it before use.
+
+Verification re-hashes a file unless it is provably the file that was hashed at
+commit: on a local disk the manifest also records each file's inode stamp (device,
+inode, size, mtime and ctime in ns, which every write changes and no user call can
+set back), as git's index and rsync's quick check do. Re-hashing 1 GB costs
+about a second on a core, more than ``torch.load`` itself, so loading a checkpoint
+saved on this disk costs no more than loading the file; ``verify(full=True)``
+re-hashes every byte regardless (e.g. to look for disk corruption). ``Checkpoint`` mirrors
 ``ray.train.Checkpoint`` (``from_directory``, ``to_directory``, ``as_directory``,
 ``path``, ``filesystem``).
 """
@@ -89,26 +97,23 @@ class Checkpoint:
             posixpath.relpath(i.path, self.path) for i in infos if i.type == pafs.FileType.File
         )
 
-    def verify(self) -> None:
-        """Raise CheckpointError unless every file in the manifest is there, intact."""
+    def verify(self, full: bool = False) -> None:
+        """Raise CheckpointError unless every file in the manifest is there, intact.
+
+        ``full=True`` re-hashes every file even when its inode stamp shows it is
+        unchanged since commit."""
         if self.manifest is None:
             raise CheckpointError(
                 f"{self.path!r} has no rtnb manifest, so its completeness and integrity cannot "
                 "be checked; pass trusted=True to load it anyway"
             )
         for entry in self.manifest["files"]:
-            full = posixpath.join(self.path, entry["path"])
-            try:
-                digest, size = _hash(self.filesystem, full)
-            except (FileNotFoundError, OSError):
-                raise CheckpointError(
-                    f"checkpoint {self.id}: file {entry['path']!r} is missing"
-                ) from None
-            if size != entry["size"] or digest != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint {self.id}: file {entry['path']!r} does not match its manifest "
-                    "(changed or truncated since it was committed)"
-                )
+            path = posixpath.join(self.path, entry["path"])
+            if not full and self.is_local and _unchanged_since_commit(path, entry):
+                continue
+            problem = _hash_problem(self.filesystem, path, entry)
+            if problem:
+                raise CheckpointError(f"checkpoint {self.id}: {problem}")
 
     def to_directory(self, path: str | None = None, trusted: bool = False) -> str:
         """Copy the files to local ``path`` (a new temp dir by default) and return it."""
@@ -143,10 +148,16 @@ class Checkpoint:
             shutil.rmtree(folder, ignore_errors=True)
 
     def load_state(
-        self, weights_only: bool = True, trusted: bool = False, map_location: Any = None
+        self,
+        weights_only: bool = True,
+        trusted: bool = False,
+        map_location: Any = None,
+        full_verify: bool = False,
     ) -> Any:
         """``torch.load`` of the state saved by :meth:`from_state`; ``weights_only`` by
-        default, so a planted pickle payload is refused, not executed."""
+        default, so a planted pickle payload is refused, not executed. The shard is
+        checked against the manifest (see :meth:`verify`; ``full_verify=True``
+        re-hashes it even when its inode stamp is unchanged)."""
         import torch
 
         if not trusted and self.manifest is None:
@@ -168,7 +179,7 @@ class Checkpoint:
                 else min(shards, key=lambda f: int(f[len("state-rank") : -3]))
             )
             path = os.path.join(folder, chosen)
-            check = None if trusted else self._start_check(chosen, path)
+            check = None if trusted else self._start_check(chosen, path, full_verify)
             try:
                 state = torch.load(path, weights_only=weights_only, map_location=map_location)
             except Exception as exc:  # noqa: BLE001 - torch's unpickler errors
@@ -191,12 +202,14 @@ class Checkpoint:
                     raise CheckpointError(f"checkpoint {self.id}: {check.problem}")
             return state
 
-    def _start_check(self, rel: str, local_path: str) -> _HashCheck:
+    def _start_check(self, rel: str, local_path: str, full: bool) -> _HashCheck:
         """Hash the file against the manifest in a thread while torch.load reads it
-        (hashlib releases the GIL), so verification costs little extra time. The
-        state is only returned once the hash matched."""
+        (hashlib releases the GIL), unless its inode stamp proves it unchanged. The
+        state is only returned once the check passed."""
         entry = next((f for f in self.manifest["files"] if f["path"] == rel), None)
         check = _HashCheck(local_path, entry, rel)
+        if entry is not None and not full and _unchanged_since_commit(local_path, entry):
+            return check  # never started: nothing to wait for, no problem
         check.start()
         return check
 
@@ -233,19 +246,58 @@ class _HashCheck(threading.Thread):
         self.path, self.entry, self.rel = path, entry, rel
         self.problem = ""
 
+    def join(self, timeout: float | None = None) -> None:
+        if self.ident is not None:  # a check skipped by its inode stamp never started
+            super().join(timeout)
+
     def run(self) -> None:
         if self.entry is None:
             self.problem = f"{self.rel} is not in its manifest"
             return
         from pyarrow import fs as pafs
 
-        try:
-            digest, size = _hash(pafs.LocalFileSystem(), self.path)
-        except OSError as exc:
-            self.problem = f"{self.rel} cannot be read ({exc})"
-            return
-        if size != self.entry["size"] or digest != self.entry["sha256"]:
-            self.problem = f"file {self.rel!r} does not match its manifest (changed or truncated since it was committed)"
+        self.problem = _hash_problem(pafs.LocalFileSystem(), self.path, self.entry)
+
+
+def _hash_problem(filesystem, path: str, entry: dict) -> str:
+    """What is wrong with ``path`` against its manifest ``entry``; "" when intact."""
+    try:
+        digest, size = _hash(filesystem, path)
+    except FileNotFoundError:
+        return f"file {entry['path']!r} is missing"
+    except OSError as exc:
+        return f"file {entry['path']!r} cannot be read ({exc})"
+    if size != entry["size"] or digest != entry["sha256"]:
+        return (
+            f"file {entry['path']!r} does not match its manifest "
+            "(changed or truncated since it was committed)"
+        )
+    return ""
+
+
+def _inode_stamp(path: str) -> dict:
+    st = os.stat(path)
+    return {
+        "dev": st.st_dev,
+        "ino": st.st_ino,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }
+
+
+def _unchanged_since_commit(path: str, entry: dict) -> bool:
+    """True when ``path`` is provably the very file hashed at commit: same inode and
+    size, and neither mtime nor ctime moved (any write moves ctime, which no call
+    can set back). Stamps are only recorded for local storage."""
+    stamp = entry.get("stamp")
+    if not stamp:
+        return False
+    try:
+        if os.path.getsize(path) != entry["size"]:
+            return False
+        return _inode_stamp(path) == stamp
+    except OSError:
+        return False
 
 
 def _this_rank() -> int:
@@ -282,9 +334,15 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
     for rel in source._files():
         if rel == MANIFEST:
             continue
-        if local_to_local and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel)):
-            # Same disk: a hard link instead of a second write; the hash reads the
-            # file back from the page cache.
+        # Same disk and a file only rtnb holds (from_state's temp copy): a hard link
+        # instead of a second write. A user's own directory is always copied, since
+        # rewriting its file in place (torch.save to the same path) would otherwise
+        # rewrite the committed checkpoint too.
+        if (
+            local_to_local
+            and source._temporary
+            and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel))
+        ):
             digest, size = _hash(dest_fs, posixpath.join(dest_path, rel))
             entries.append({"path": rel, "size": size, "sha256": digest})
             continue
@@ -303,4 +361,8 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
         entries.append({"path": rel, "size": size, "sha256": digest.hexdigest()})
     if source._temporary:
         shutil.rmtree(source.path, ignore_errors=True)
+    if type(dest_fs).__name__ == "LocalFileSystem":
+        # Stamped last: unlinking the temp copy's second name moved the ctime.
+        for entry in entries:
+            entry["stamp"] = _inode_stamp(posixpath.join(dest_path, entry["path"]))
     return entries

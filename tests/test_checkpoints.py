@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import pytest
+import torch
 
 import rtnb
 
@@ -216,3 +218,42 @@ def test_reported_state_checkpoints_leave_no_temporary_copies(session):
     before = set(glob.glob("/tmp/rtnb-ckpt-*"))
     session.run(SAVE_LOOP.format(n=5))
     assert set(glob.glob("/tmp/rtnb-ckpt-*")) - before == set()
+
+
+def test_a_same_size_rewrite_after_commit_is_caught(session, tmp_path):
+    # Loads skip re-hashing a file whose inode stamp is unchanged since commit; an
+    # in-place rewrite that keeps the size must still be caught.
+    session.run(SAVE_LOOP.format(n=1))
+    latest = session.checkpoints.latest()
+    path = tmp_path / "ck" / "checkpoints" / latest.id / "state-rank0.pt"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(data)
+    with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
+        session.checkpoints.get(latest.id).load_state()
+    with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
+        session.checkpoints.get(latest.id).verify()
+
+
+def test_a_users_directory_is_copied_so_rewriting_it_keeps_the_checkpoint(session, tmp_path):
+    # The common loop that torch.save()s into the same folder every epoch must not
+    # rewrite checkpoints already committed from that folder.
+    own = tmp_path / "mine"
+    value = session.run(
+        "import os, rtnb, torch\n"
+        f"own = {str(own)!r} + str(rtnb.get_context().get_world_rank())\n"
+        "os.makedirs(own, exist_ok=True)\n"
+        "for i in range(1, 3):\n"
+        "    torch.save({'i': i}, os.path.join(own, 'model.pt'))\n"
+        "    rtnb.report({'loss': 10.0 - i}, checkpoint=rtnb.Checkpoint.from_directory(own))\n"
+        "'ok'"
+    )
+    assert dict(value) == {0: "ok", 1: "ok"}
+    saved = []
+    for info in session.list_checkpoints():
+        checkpoint = session.checkpoints.get(info.id)
+        checkpoint.verify(full=True)
+        with checkpoint.as_directory() as folder:
+            saved.append(torch.load(os.path.join(folder, "model.pt"))["i"])
+    assert saved == [1, 2], "each checkpoint holds what was saved when it was reported"
