@@ -104,6 +104,8 @@ class CellHandle:
         self.log: list[tuple[int, str, str]] = []
         self.reported = False
         self.recoveries = 0
+        self.recovering = False  # the group is being rebuilt for this cell right now
+        self.restarted_from: str | None = None  # checkpoint id of the latest restart
         self.replay = False  # a replayed cell during recovery: no bookkeeping, no recovery
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
@@ -280,12 +282,17 @@ class CellHandle:
         ``rtnb.get_checkpoint()`` returns the latest committed checkpoint, as when Ray
         Train restarts ``train_loop_per_worker``."""
         what = self._death_summary()
-        died_again = self.session._recover(what)
+        self.recovering = True
+        try:
+            died_again = self.session._recover(what)
+        finally:
+            self.recovering = False
         if died_again:
             self._dead = died_again
             raise _Restart()
         self.recoveries += 1
         latest = self.session.checkpoints.latest()
+        self.restarted_from = latest.id if latest else None
         note = (
             f"[rtnb] {what}; worker group rebuilt (recovery {self.session.failures}/"
             f"{self.session.config.max_failures}), {len(self.session.history)} cell(s) replayed, "

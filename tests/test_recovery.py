@@ -137,7 +137,31 @@ def test_kills_during_shard_writes_never_leave_a_partial_checkpoint_listed(ray_c
             c.id for c in listed if c.status != "committed"
         ]
         for info in listed:
-            session.checkpoints.get(info.id).verify()
+            session.checkpoints.get(info.id).verify(full=True)
             assert info.ranks == [0, 1]
         folders = {p.name for p in (tmp_path / "torn" / "checkpoints").iterdir() if p.is_dir()}
         assert folders == {c.id for c in listed}, "half-written folders are cleaned up"
+
+
+def test_the_live_widget_shows_the_restart(ray_cluster, tmp_path):
+    from rtnb.widgets import LiveMetrics
+
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="shown", max_failures=1, stop_grace_s=1.0
+    ) as session:
+        session.run(SETUP.format(steps=80))
+        handle = session.run_background(TRAIN.format(), total_steps=80)
+        view = LiveMetrics(session.metrics, handle)
+        headers = []
+        view._header.observe(lambda change: headers.append(change["new"]), names="value")
+        deadline = time.monotonic() + 60
+        while not session.checkpoints.list() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(session._group.ranks[1].pid, signal.SIGKILL)
+        assert handle.wait(120) == {0: 80, 1: 80}
+        view.redraw()
+        assert any("<b>restarting</b>" in h for h in headers), "shown while the group is rebuilt"
+        restarted_from = handle.restarted_from
+        assert restarted_from is not None and restarted_from.startswith("step-")
+        assert f"restarted 1×, last from {restarted_from}" in view._header.value
+        view.close()

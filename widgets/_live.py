@@ -25,11 +25,22 @@ def _fmt_s(seconds: float) -> str:
     )
 
 
-def format_header(progress, state: str, cell_id: int | None = None) -> str:
-    """One line: state, step (of total), ETA, steps/s, elapsed, stragglers."""
+def format_header(
+    progress,
+    state: str,
+    cell_id: int | None = None,
+    restarts: int = 0,
+    restarted_from: str | None = None,
+) -> str:
+    """One line: state, restarts, step (of total), ETA, steps/s, elapsed, stragglers."""
     parts = [f"<b>{html.escape(state)}</b>"]
     if cell_id is not None:
         parts.insert(0, f"cell {cell_id}")
+    if restarts:
+        origin = f" from {html.escape(restarted_from)}" if restarted_from else " from scratch"
+        parts.append(
+            f'<span style="color:#d35400">↻ restarted {restarts}×, last{origin}</span>'
+        )
     step = f"step {progress.step}"
     if progress.total_steps:
         step += f"/{progress.total_steps}"
@@ -156,15 +167,20 @@ class LiveMetrics(w.VBox):
         if h is None:
             return "live"
         if not h.done():
-            return "running"
+            return "restarting" if getattr(h, "recovering", False) else "running"
         return "done" if h.error is None else f"{type(h.error).__name__}"
 
     def redraw(self) -> None:
         with self._lock:
             store = self.store
             progress = store.progress()
+            handle = self.handle
             self._header.value = format_header(
-                progress, self._state(), getattr(self.handle, "cell_id", None)
+                progress,
+                self._state(),
+                getattr(handle, "cell_id", None),
+                getattr(handle, "recoveries", 0),
+                getattr(handle, "restarted_from", None),
             )
             if self._logs_dirty:
                 self._logs_dirty = False

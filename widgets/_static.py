@@ -53,7 +53,14 @@ class ProgressLines:
     def _print(self, progress) -> None:
         import re
 
-        header = re.sub(r"<[^>]+>", "", format_header(progress, "running", self.handle.cell_id))
+        handle = self.handle
+        header = re.sub(
+            r"<[^>]+>",
+            "",
+            format_header(
+                progress, "running", handle.cell_id, handle.recoveries, handle.restarted_from
+            ),
+        )
         last = self.store.last
         metrics = ""
         if last:
