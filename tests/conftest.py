@@ -22,6 +22,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CPUS = 4  # logical CPUs: two 2-rank groups may coexist (kernel + this process)
+# The GCS declares a silent node dead after period x threshold (Ray's default 3 s x 5);
+# the node-loss test would otherwise wait 15 s for it.
+NODE_DEATH_DETECTION = {
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_failure_threshold": "4",
+}
 
 
 def free_port() -> int:
@@ -54,7 +61,11 @@ class HeadNode:
         ]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **NODE_DEATH_DETECTION},
             )
         deadline = time.monotonic() + 60
         for port in (self.port, self.client_port):
@@ -71,13 +82,62 @@ class HeadNode:
                 raise RuntimeError(f"ray head did not open port {port} within 60 s")
 
     def stop(self) -> None:
-        # ray start --block drains for up to 30 s on SIGTERM; its processes share our
-        # process group, so end them all directly.
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=3)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
+        end_process_group(self.proc)
+
+
+def end_process_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    # ray start --block drains for up to 30 s on SIGTERM; the node's processes (raylet,
+    # workers) share its process group, so end them all directly.
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+class WorkerNode:
+    """A second Ray node (its own raylet and object store) joined to the session's
+    head, so a test can lose a whole node without starting another cluster."""
+
+    def __init__(self, head: HeadNode, num_cpus: int, resources: dict[str, float]) -> None:
+        import json
+
+        self.log = Path(head.temp_dir) / f"worker-{time.monotonic_ns()}.log"
+        ray_bin = Path(sys.executable).parent / "ray"
+        cmd = [
+            str(ray_bin),
+            "start",
+            f"--address={head.address}",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            f"--resources={json.dumps(resources)}",
+            "--object-store-memory=100000000",
+        ]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_joined(self, resource: str, timeout: float = 60.0) -> None:
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray worker node failed:\n{self.log.read_text()[-3000:]}")
+            if ray.cluster_resources().get(resource):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"ray worker node did not join within {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """Lose the node at once: raylet, object store and every worker on it."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
