@@ -3,7 +3,6 @@ SPREAD over both, and the node is killed mid-cell (raylet, object store, ranks).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
