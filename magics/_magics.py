@@ -304,7 +304,7 @@ class RtnbMagics(Magics):
             return session.list_checkpoints(run=args.run)
         self.last_view = CheckpointBrowser(
             lambda: session.list_checkpoints(include_incomplete=True, run=args.run),
-            resume=lambda cid: _describe(session.resume(cid, run=args.run, background=True)),
+            resume=lambda cid: _resume_in_view(session, cid, args.run),
             load=lambda cid: (
                 f"rtnb.get_checkpoint() now returns {session.load(cid, run=args.run).id} on every rank"
             ),
@@ -437,11 +437,17 @@ RtnbMagics.magics["cell"]["rtrain"] = RtnbMagics.magics["cell"].pop("rtrain_cell
 RtnbMagics.magics["line"]["rtrain"] = RtnbMagics.magics["line"].pop("rtrain_line")
 
 
-def _describe(outcome) -> str:
-    if outcome is None:
+def _resume_in_view(session: Session, checkpoint_id: str, run: str | None):
+    """The browser's Resume: the last training cell runs again in the background, its
+    live view shown under the browser (the kernel stays free meanwhile)."""
+    handle = session.resume(checkpoint_id, run=run, background=True)
+    if handle is None:
         return "loaded; the next training cell starts from it"
+    # A button click reaches the kernel only through a live widget frontend.
+    view = LiveMetrics(session.metrics, handle)
     return (
-        f"cell {outcome.cell_id} is running in the background from it (`%rtnb wait` for its value)"
+        f"cell {handle.cell_id} is running in the background from it (`%rtnb wait` for its value)",
+        view,
     )
 
 

@@ -25,6 +25,10 @@ def checkpoint_id(step: int) -> str:
 
 @dataclass
 class CheckpointInfo:
+    """One row of a run's checkpoints. ``status``: ``committed`` (manifest written,
+    loadable), ``writing`` (this session is still collecting its shards) or
+    ``incomplete`` (no manifest: never offered for loading, removed by cleanup)."""
+
     id: str
     step: int
     time: float
@@ -132,14 +136,16 @@ class CheckpointStore:
                 found.append(CheckpointInfo(**record))
             except (FileNotFoundError, OSError, ValueError):
                 if include_incomplete:
+                    number = folder.base_name.removeprefix("step-")
                     found.append(
                         CheckpointInfo(
                             id=folder.base_name,
-                            step=-1,
+                            step=int(number) if number.isdigit() else -1,
                             time=0.0,
                             metrics={},
                             ranks=[],
-                            status="incomplete",
+                            # shards still uploading in this session, or left by a crash
+                            status="writing" if folder.base_name in self._pending else "incomplete",
                         )
                     )
         return sorted(found, key=lambda c: (c.status != "committed", c.step))
@@ -149,6 +155,12 @@ class CheckpointStore:
         return committed[-1] if committed else None
 
     def get(self, cid: str) -> Checkpoint:
+        """The committed checkpoint ``cid``: an id (``step-000000012``), a step
+        (``12`` or ``step-12``) or ``latest``."""
+        cid = str(cid)
+        number = cid.removeprefix("step-")
+        if number.isdigit():
+            cid = checkpoint_id(int(number))
         if cid == "latest":
             info = self.latest()
             if info is None:

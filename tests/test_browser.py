@@ -1,12 +1,14 @@
 """What a person sees: JupyterLab in Debian's headless Chromium, driven by Playwright.
 
 A `%%rtrain` cell that reports for a few seconds must show a plot whose per-rank
-traces grow while the cell is still running. Skipped where Chromium or
-JupyterLab/Playwright are not installed (`.ci/run` installs them).
+traces grow while the cell is still running; a click on Resume in the checkpoint
+browser must continue training from the chosen checkpoint. Skipped where Chromium
+or JupyterLab/Playwright are not installed (`.ci/run` installs them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -93,20 +95,11 @@ def _notebook(root: Path, cells: list[str]) -> str:
     return "live.ipynb"
 
 
-def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
+@contextlib.contextmanager
+def _opened(url: str, name: str, tmp_path: Path):
+    """The notebook open in headless Chromium with its first cell (`%rtnb start`) run."""
     from playwright.sync_api import sync_playwright
 
-    url, root = lab
-    name = _notebook(
-        root,
-        [
-            f"%load_ext rtnb\n%rtnb start --storage {tmp_path / 'runs'}",
-            "%%rtrain --steps 300\nimport time, rtnb, torch.distributed as dist\n"
-            "for s in range(1, 301):\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
-            "%rtnb stop",
-        ],
-    )
-    samples: list[list[int]] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
@@ -142,30 +135,106 @@ def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
                     )
                     if attempt == 3:
                         raise
-            page.keyboard.press("Shift+Enter")  # the reporting cell
-            page.wait_for_selector(".js-plotly-plot", timeout=60_000)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                lengths = page.evaluate(
-                    "() => { const el = document.querySelector('.js-plotly-plot');"
-                    " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }"
-                )
-                busy = page.evaluate(
-                    "() => document.querySelector('.jp-Notebook-ExecutionIndicator')?.getAttribute('data-status')"
-                )
-                if lengths:
-                    samples.append(lengths)
-                if busy == "idle":
-                    break
-                time.sleep(0.5)
-            page.screenshot(path=str(tmp_path / "live_plot.png"), full_page=True)
-            header = page.locator(".widget-html-content").first.inner_text()
+            yield page
         finally:
             browser.close()
+
+
+def _kernel_status(page) -> str | None:
+    return page.evaluate(
+        "() => document.querySelector('.jp-Notebook-ExecutionIndicator')?.getAttribute('data-status')"
+    )
+
+
+def _wait_idle(page, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    time.sleep(0.5)  # let the busy status arrive first
+    while _kernel_status(page) != "idle":
+        if time.monotonic() > deadline:
+            raise AssertionError("the kernel stayed busy")
+        time.sleep(0.2)
+
+
+def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
+    url, root = lab
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {tmp_path / 'runs'}",
+            "%%rtrain --steps 300\nimport time, rtnb, torch.distributed as dist\n"
+            "for s in range(1, 301):\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
+            "%rtnb stop",
+        ],
+    )
+    samples: list[list[int]] = []
+    with _opened(url, name, tmp_path) as page:
+        page.keyboard.press("Shift+Enter")  # the reporting cell
+        page.wait_for_selector(".js-plotly-plot", timeout=60_000)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            lengths = page.evaluate(
+                "() => { const el = document.querySelector('.js-plotly-plot');"
+                " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }"
+            )
+            if lengths:
+                samples.append(lengths)
+            if _kernel_status(page) == "idle":
+                break
+            time.sleep(0.5)
+        page.screenshot(path=str(tmp_path / "live_plot.png"), full_page=True)
+        header = page.locator(".widget-html-content").first.inner_text()
+        page.keyboard.press("Shift+Enter")  # %rtnb stop
+        _wait_idle(page)
     assert len(samples) >= 3, f"plot seen too rarely: {samples}"
-    assert len(samples[0]) >= 2, "one trace per rank (plus the mean)"
+    assert len(samples[-1]) >= 2, "one trace per rank (plus the mean)"
     growing = [s[0] for s in samples]
     assert growing[-1] > growing[0], f"traces did not grow while the cell ran: {growing}"
     assert any(a < b for a, b in zip(growing, growing[1:]))
     assert "step" in header
     assert (tmp_path / "live_plot.png").stat().st_size > 10_000
+
+
+def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_path):
+    url, root = lab
+    runs = tmp_path / "runs"
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {runs} --name clicked",
+            "%%rtrain\nimport time, rtnb, torch.distributed as dist\n"
+            "ck = rtnb.get_checkpoint()\n"
+            "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
+            "print(f'training from i={i}')\n"
+            "while i < 8:\n"
+            "    rtnb.report({'i': i}, checkpoint=rtnb.Checkpoint.from_state({'i': i}) if dist.get_rank() == 0 else None)\n"
+            "    i += 1\n"
+            "    time.sleep(0.05)",
+            "%rtnb checkpoints",
+            "%rtnb wait\n%rtnb stop",
+        ],
+    )
+    with _opened(url, name, tmp_path) as page:
+        page.keyboard.press("Shift+Enter")  # train i = 0..7, a checkpoint per step
+        _wait_idle(page)
+        page.keyboard.press("Shift+Enter")  # the checkpoint browser
+        browser_widget = page.locator(".jp-OutputArea-output:has(table.rtnb-checkpoints)")
+        browser_widget.wait_for(timeout=30_000)
+        # step 3 holds i=2 (reports are numbered from step 1)
+        browser_widget.locator(".widget-dropdown:has-text('checkpoint') select").select_option(
+            "step-000000003"
+        )
+        browser_widget.locator("button:has-text('Resume')").click()
+        page.wait_for_selector("text=training from i=3", timeout=60_000)
+        message = browser_widget.locator(".widget-html-content:has-text('Resume:')").inner_text()
+        page.screenshot(path=str(tmp_path / "resumed.png"), full_page=True)
+        page.locator(".jp-Cell").nth(3).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Shift+Enter")  # wait for the resumed cell, stop the group
+        page.wait_for_selector(".jp-OutputArea-output:has-text('stopped')", timeout=90_000)
+    assert "step-000000003" in message and "running in the background" in message
+    rows = [
+        json.loads(line)
+        for line in (runs / "clicked" / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    ]
+    values = [row["i"] for row in rows]
+    assert values == [*range(8), *range(3, 8)], "trained 0..7, then resumed at 3 up to 7"

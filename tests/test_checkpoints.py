@@ -52,6 +52,8 @@ def test_checkpoints_commit_with_a_manifest_and_get_checkpoint_returns_the_lates
     assert value == {0: (latest.id, 3), 1: (latest.id, 3)}
     result = session.result()
     assert result.checkpoint.id == latest.id
+    # a step number is enough to name a checkpoint
+    assert session.load(str(latest.step)).id == session.load(f"step-{latest.step}").id == latest.id
 
 
 def test_retention_keeps_the_best_by_score_and_never_the_latest_away(session):

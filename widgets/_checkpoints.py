@@ -15,6 +15,8 @@ class CheckpointBrowser(w.VBox):
     ranks, status. Sortable by any metric. The buttons call the given actions:
     ``resume(id)``, ``load(id)``, ``delete(id)``; ``list_checkpoints()`` returns
     :class:`rtnb.CheckpointInfo` rows. It refreshes when ``subscribe`` reports a commit.
+    An action returns a message, or a ``(message, widget)`` pair whose widget (e.g.
+    the resumed cell's live view) is shown under the buttons.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class CheckpointBrowser(w.VBox):
             for name, action in self._actions.items()
         }
         self.message = w.HTML()
+        self.activity = w.Box(layout=w.Layout(flex_flow="column"))
         for name, button in self._buttons.items():
             button.on_click(lambda _b, name=name: self._act(name))
         self._sort.observe(lambda _c: self.refresh(), names="value")
@@ -57,6 +60,7 @@ class CheckpointBrowser(w.VBox):
                 self._table,
                 w.HBox([self._choice, *self._buttons.values()]),
                 self.message,
+                self.activity,
             ]
         )
         if subscribe is not None:
@@ -115,6 +119,11 @@ class CheckpointBrowser(w.VBox):
             return
         try:
             outcome = action(cid)
+            if isinstance(outcome, tuple):
+                outcome, view = outcome
+                for old in self.activity.children:
+                    old.close()
+                self.activity.children = (view,)
             self.message.value = html.escape(
                 f"{name}: {cid}" + (f" — {outcome}" if isinstance(outcome, str) else "")
             )

@@ -38,9 +38,7 @@ def format_header(
         parts.insert(0, f"cell {cell_id}")
     if restarts:
         origin = f" from {html.escape(restarted_from)}" if restarted_from else " from scratch"
-        parts.append(
-            f'<span style="color:#d35400">↻ restarted {restarts}×, last{origin}</span>'
-        )
+        parts.append(f'<span style="color:#d35400">↻ restarted {restarts}×, last{origin}</span>')
     step = f"step {progress.step}"
     if progress.total_steps:
         step += f"/{progress.total_steps}"
