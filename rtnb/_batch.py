@@ -1,14 +1,27 @@
-"""Running a notebook unattended with papermill (``rtnb run`` / ``rtnb demo``)."""
+"""Running a notebook unattended with papermill (``rtnb run`` / ``rtnb demo``).
+
+Stopping is graceful in every case: a cell past ``--timeout``, and the first SIGTERM
+or Ctrl-C, interrupt the kernel, which stops the ranks at a common step as a
+notebook interrupt does (committed checkpoints stay; nothing half-written is
+listed); papermill then saves the output notebook and shuts the kernel down, whose
+exit stops the worker group. A second signal stops without waiting.
+"""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import json
 import keyword
 import os
+import signal
 import sys
-from dataclasses import dataclass
+import tempfile
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from rtnb._rundir import BATCH_RUNS_ENV, RunDirectory
 from rtnb.errors import CellError, ConfigError
 
 __all__ = ["BatchResult", "parse_parameters", "run_notebook"]
@@ -20,6 +33,98 @@ class BatchResult:
     output_path: Path
     ok: bool
     message: str = ""
+    exit_code: int = 0
+    kept_in: list[str] = field(default_factory=list)  # copies under the run directories
+
+
+_INTERRUPTED = ("CellInterrupted", "KeyboardInterrupt", "CellStopped")
+
+
+class _Terminator:
+    """First SIGTERM/SIGINT: interrupt the kernel (a graceful stop of the cell and its
+    ranks); a second one, or ``grace_s`` without the run ending (a kernel that ignores
+    interrupts, or a signal that fell between two cells): stop waiting
+    (KeyboardInterrupt here; papermill then shuts the kernel down)."""
+
+    def __init__(self, grace_s: float = 60.0) -> None:
+        self.grace_s = grace_s
+        self.signal: int | None = None
+        self._finished = threading.Event()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Terminator:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._finished.set()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        name = signal.Signals(signum).name
+        print(
+            f"rtnb: {name}: stopping the running cell and its worker group "
+            "(committed checkpoints are kept; send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in _kernel_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        threading.Thread(target=self._give_up_later, daemon=True).start()
+
+    def _give_up_later(self) -> None:
+        import _thread
+
+        if not self._finished.wait(self.grace_s):
+            _thread.interrupt_main()
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal if self.signal else 1
+
+
+def _kernel_pids() -> list[int]:
+    """The Jupyter kernels this process started (jupyter_client puts them in their
+    own session, so a terminal's signals never reach them by themselves)."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process().children(recursive=False):
+        with contextlib.suppress(psutil.Error):
+            if any("kernel" in part for part in child.cmdline()):
+                pids.append(child.pid)
+    return pids
+
+
+def _keep_in_run_dirs(output: Path, runs_file: str) -> list[str]:
+    """Copy the output notebook into every run directory the notebook started."""
+    kept: list[str] = []
+    try:
+        lines = Path(runs_file).read_text().splitlines()
+    except OSError:
+        return kept
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(runs_file)
+    if not output.exists():
+        return kept
+    data = output.read_bytes()
+    for line in dict.fromkeys(lines):  # each run once, in order
+        with contextlib.suppress(ValueError, KeyError, OSError, ConfigError):
+            where = json.loads(line)
+            kept.append(
+                RunDirectory(where["storage"], where["run"]).write_bytes(
+                    f"notebooks/{output.name}", data
+                )
+            )
+    return kept
 
 
 def parse_parameters(pairs: list[tuple[str, str]]) -> dict:
@@ -49,6 +154,7 @@ def run_notebook(
     kernel_name: str | None = None,
     cwd: str | Path | None = None,
 ) -> BatchResult:
+    """Execute ``notebook`` with papermill; never raises for what happens in it."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -57,35 +163,52 @@ def run_notebook(
         raise ConfigError(f"notebook {str(src)!r} does not exist")
     if src.suffix != ".ipynb":
         raise ConfigError(f"{str(src)!r} is not a .ipynb notebook")
+    if timeout_s is not None and timeout_s <= 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, not {timeout_s:g}")
     dst = Path(output) if output else src.with_name(src.stem + ".output.ipynb")
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The kernel runs in the notebook's folder (relative paths in it keep working),
     # but its runs land under the caller's ./rtnb_runs unless told otherwise.
     os.environ.setdefault("RTNB_STORAGE", str(Path("rtnb_runs").resolve()))
-    try:
-        papermill.execute_notebook(
-            str(src),
-            str(dst),
-            parameters=parameters or {},
-            kernel_name=kernel_name,
-            execution_timeout=timeout_s,
-            log_output=True,
-            progress_bar=False,
-            stdout_file=sys.stdout,
-            stderr_file=sys.stderr,
-            cwd=str(cwd) if cwd else str(src.parent),
-        )
-    except PapermillExecutionError as exc:
-        return BatchResult(
-            src, dst, False, f"cell {exc.exec_count} failed: {exc.ename}: {exc.evalue}"
-        )
-    except CellError as exc:
-        return BatchResult(src, dst, False, str(exc))
-    except Exception as exc:  # noqa: BLE001 - timeouts, dead kernels: report, keep output
-        return BatchResult(
-            src,
-            dst,
-            False,
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
-        )
-    return BatchResult(src, dst, True)
+    fd, runs_file = tempfile.mkstemp(prefix="rtnb-batch-runs-")
+    os.close(fd)
+    os.environ[BATCH_RUNS_ENV] = runs_file
+    ok, message, code = True, "", 0
+    with _Terminator() as terminator:
+        try:
+            papermill.execute_notebook(
+                str(src),
+                str(dst),
+                parameters=parameters or {},
+                kernel_name=kernel_name,
+                execution_timeout=timeout_s,
+                # past the timeout, interrupt (the ranks stop cleanly), then fail
+                interrupt_on_timeout=True,
+                log_output=True,
+                progress_bar=False,
+                stdout_file=sys.stdout,
+                stderr_file=sys.stderr,
+                cwd=str(cwd) if cwd else str(src.parent),
+            )
+        except PapermillExecutionError as exc:
+            ok, code = False, 1
+            message = f"cell {exc.exec_count} failed: {exc.ename}: {exc.evalue}"
+            if terminator.signal is None and timeout_s and exc.ename in _INTERRUPTED:
+                message = (
+                    f"cell {exc.exec_count} ran past --timeout {timeout_s:g} s and was stopped"
+                )
+        except CellError as exc:
+            ok, code, message = False, 1, str(exc)
+        except KeyboardInterrupt:
+            ok, message = False, "stopped without waiting for the cell (second signal)"
+        except Exception as exc:  # noqa: BLE001 - dead kernels and the like: report, keep output
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            ok, code, message = False, 1, f"{type(exc).__name__}: {first}"
+        finally:
+            os.environ.pop(BATCH_RUNS_ENV, None)
+    if terminator.signal is not None:
+        ok, code = False, terminator.exit_code
+        name = signal.Signals(terminator.signal).name
+        message = f"stopped by {name}" + (f" ({message})" if message else "")
+    kept = _keep_in_run_dirs(dst, runs_file)
+    return BatchResult(src, dst, ok, message, code, kept)

@@ -12,7 +12,11 @@ from typing import Any
 
 from rtnb.errors import ConfigError
 
-__all__ = ["RunDirectory"]
+__all__ = ["BATCH_RUNS_ENV", "RunDirectory"]
+
+# Set by `rtnb run` for its kernel: a file where each started session appends its
+# run directory, so the runner can keep the output notebook inside it.
+BATCH_RUNS_ENV = "RTNB_BATCH_RUNS_FILE"
 
 
 class RunDirectory:
@@ -56,6 +60,17 @@ class RunDirectory:
                 f"storage {self.uri!r} is not writable ({reason}); pass --storage a directory "
                 "or bucket you can write to"
             ) from None
+
+    def write_bytes(self, name: str, data: bytes) -> str:
+        """Write ``data`` to ``name`` (write-then-rename); returns the file's URI or path."""
+        target = posixpath.join(self.path, name)
+        self.fs.create_dir(posixpath.dirname(target), recursive=True)
+        tmp = f"{target}.tmp-{time.time_ns()}"
+        with self.fs.open_output_stream(tmp) as out:
+            out.write(data)
+        self.fs.move(tmp, target)
+        base, _, query = self.uri.partition("?")
+        return f"{base}/{name}" + (f"?{query}" if query else "")
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         # Write-then-rename so a reader never sees half a file.

@@ -11,8 +11,11 @@ from a plain Python script::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
+import json
 import keyword
+import os
 import threading
 import time
 import weakref
@@ -28,7 +31,7 @@ from rtnb._group import WorkerGroup
 from rtnb._metrics import MetricsStore
 from rtnb._metricslog import MetricsLog
 from rtnb._result import Result, mean_of_last
-from rtnb._rundir import RunDirectory
+from rtnb._rundir import BATCH_RUNS_ENV, RunDirectory
 from rtnb._state import GroupState, StateChange, StateMachine
 from rtnb._status import GroupStatus, RankStatus
 from rtnb._tensorboard import TensorBoardExporter
@@ -128,6 +131,7 @@ class Session:
             self._continue_step_count()
             self._write_run_json()
             self._push_checkpoint()
+            _announce_to_batch_runner(self.config.storage_path, self.run_name)
         return self
 
     def last_step(self) -> int:
@@ -616,6 +620,16 @@ def check_syntax(code: str, cell_id: int = 0) -> None:
             f"the cell has a SyntaxError and was not sent to the ranks:\n{text}",
             exc_type="SyntaxError",
         ) from None
+
+
+def _announce_to_batch_runner(storage: str, run_name: str) -> None:
+    """Under ``rtnb run``, tell the runner which run directory this notebook uses, so
+    it can keep the output notebook there."""
+    path = os.environ.get(BATCH_RUNS_ENV)
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "a") as out:
+        out.write(json.dumps({"storage": storage, "run": run_name}) + "\n")
 
 
 @atexit.register

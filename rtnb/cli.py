@@ -121,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     except RtnbError as exc:
         print(f"rtnb: {exc}", file=sys.stderr)
         return 2
+    kept = "".join(f"\nrtnb: a copy is kept in the run directory: {k}" for k in result.kept_in)
     if result.ok:
         print(
-            f"rtnb: {result.input_path.name} ran to completion; output notebook: {result.output_path}"
+            f"rtnb: {result.input_path.name} ran to completion; output notebook: "
+            f"{result.output_path}{kept}"
         )
         return 0
     print(f"rtnb: {result.input_path.name} failed: {result.message}", file=sys.stderr)
-    print(f"rtnb: output notebook (kept): {result.output_path}", file=sys.stderr)
-    return 1
+    print(f"rtnb: output notebook (kept): {result.output_path}{kept}", file=sys.stderr)
+    return result.exit_code or 1
 
 
 if __name__ == "__main__":

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from tests._kernel import new_notebook
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 RTNB = [sys.executable, "-m", "rtnb.cli"]
@@ -38,6 +41,8 @@ def test_quickstart_runs_unattended_with_static_figure_and_metrics(ray_cluster, 
     text = "".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))
     assert "80 reports from ranks [0, 1]" in text, text[-2000:]
     assert out.stat().st_size < 1_000_000
+    # training progress reaches the terminal while it runs (papermill streams cell output)
+    assert "rtnb: cell" in proc.stdout and "steps/s" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_failing_cell_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_path):
@@ -89,6 +94,9 @@ def test_runs_land_under_the_callers_rtnb_runs(ray_cluster, tmp_path):
         and (runs[0] / "metrics" / "rank-0.jsonl").exists()
     )
     assert not (REPO / "notebooks" / "rtnb_runs").exists(), "nothing is written into the repository"
+    kept = runs[0] / "notebooks" / "o.ipynb"
+    assert kept.read_bytes() == (tmp_path / "o.ipynb").read_bytes()
+    assert f"kept in the run directory: {kept}" in proc.stdout
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
@@ -144,3 +152,106 @@ def test_batch_template_resumes_a_named_run_from_its_latest_checkpoint(ray_clust
         for o in c.get("outputs", [])
     )
     assert "resumed from step-000000020 at step 20" in text, text[-1500:]
+
+
+def _notebook(tmp_path: Path, name: str, cells: list[str]) -> Path:
+    src = tmp_path / f"{name}.ipynb"
+    nbformat.write(new_notebook(cells), src)
+    return src
+
+
+def _checkpoints(tmp_path: Path, run: str):
+    from rtnb._checkpoints import CheckpointStore
+    from rtnb._rundir import RunDirectory
+
+    return CheckpointStore(RunDirectory(str(tmp_path / "rtnb_runs"), run))
+
+
+def _assert_nothing_left_behind(tmp_path: Path, name: str, run: str) -> None:
+    assert (tmp_path / f"{name}.output.ipynb").exists(), "the output notebook is saved"
+    assert (tmp_path / "rtnb_runs" / run / "notebooks" / f"{name}.output.ipynb").exists()
+    assert wait_for_free_cpus(CLUSTER_CPUS, timeout=60) >= CLUSTER_CPUS, "ranks left behind"
+
+
+TRAIN_FOREVER = (
+    "%%rtrain\nimport time, rtnb, torch.distributed as dist\n"
+    "i = 0\n"
+    "while True:\n"
+    "    time.sleep(0.1)\n"
+    "    rtnb.report({'i': i}, checkpoint=rtnb.Checkpoint.from_state({'i': i}) if dist.get_rank() == 0 else None)\n"
+    "    i += 1"
+)
+
+
+def test_a_hung_cell_hits_the_timeout_and_stops_cleanly(ray_cluster, tmp_path):
+    src = _notebook(
+        tmp_path,
+        "hangs",
+        [
+            "%load_ext rtnb\n%rtnb start --name hung --stop-grace 1",
+            "%%rtrain\nimport time\nwhile True:\n    time.sleep(0.1)",
+            "print('never')",
+        ],
+    )
+    started = time.monotonic()
+    proc = _run(["run", str(src), "--timeout", "20"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "cell 2 ran past --timeout 20 s and was stopped" in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - started < 150
+    last = nbformat.read(tmp_path / "hangs.output.ipynb", as_version=4).cells[-1]
+    assert not last.get("outputs"), "nothing ran after the timed-out cell"
+    _assert_nothing_left_behind(tmp_path, "hangs", "hung")
+
+
+def test_sigterm_stops_the_group_and_keeps_every_committed_checkpoint(ray_cluster, tmp_path):
+    src = _notebook(
+        tmp_path,
+        "term",
+        ["%load_ext rtnb\n%rtnb start --name term --stop-grace 1", TRAIN_FOREVER],
+    )
+    proc = subprocess.Popen(
+        [*RTNB, "run", str(src)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        store = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            run = tmp_path / "rtnb_runs" / "term"
+            if (run / "run.json").exists():
+                store = _checkpoints(tmp_path, "term")
+                if len(store.list()) >= 3:
+                    break
+            time.sleep(0.2)
+        assert store is not None and len(store.list()) >= 3, "training did not get going"
+        seen = {c.id for c in store.list()}
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = err.decode()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM" in err
+    listed = store.list()
+    assert seen <= {c.id for c in listed}, "no committed checkpoint was lost"
+    for info in listed:
+        store.get(info.id).verify(full=True)
+    _assert_nothing_left_behind(tmp_path, "term", "term")
+
+
+def test_a_killed_kernel_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_path):
+    src = _notebook(
+        tmp_path,
+        "dies",
+        [
+            "%load_ext rtnb\n%rtnb start --name dies",
+            "%%rtrain\nimport rtnb\nfor i in range(3):\n    rtnb.report({'i': i}, checkpoint=rtnb.Checkpoint.from_state({'i': i}))",
+            "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+            "print('never')",
+        ],
+    )
+    proc = _run(["run", str(src)], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "DeadKernelError" in proc.stderr, proc.stderr[-2000:]
+    _assert_nothing_left_behind(tmp_path, "dies", "dies")
+    committed = _checkpoints(tmp_path, "dies").list()
+    assert [c.step for c in committed] == [1, 2, 3]
