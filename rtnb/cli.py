@@ -2,11 +2,15 @@
 
 rtnb demo                      run notebooks/quickstart.ipynb on an embedded local Ray
 rtnb run NOTEBOOK.ipynb [-p NAME VALUE]... [-o OUT.ipynb] [--timeout S] [--kernel K]
+rtnb submit NOTEBOOK.ipynb --address http://HEAD:8265 [-p NAME VALUE]... [--wait]
+rtnb jobs [--address URL] | rtnb logs JOB [--address URL] [--follow]
+rtnb runs [STORAGE] | rtnb checkpoints RUN [--storage S]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +45,36 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--kernel", default=None, help="kernel name (default: the notebook's, in this Python)"
     )
+    from rtnb._jobs import default_job_address
+
+    address_help = "the head's dashboard URL (default $RAY_API_SERVER_ADDRESS or %(default)s)"
+    submit = sub.add_parser("submit", help="run a notebook on a Ray cluster as a Ray Job")
+    submit.add_argument("notebook")
+    submit.add_argument("--address", default=default_job_address(), help=address_help)
+    submit.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE")
+    )
+    submit.add_argument(
+        "--storage",
+        default=os.environ.get("RTNB_STORAGE"),
+        help="where the job's runs go (default $RTNB_STORAGE); use storage the cluster "
+        "shares, e.g. s3://bucket/runs",
+    )
+    submit.add_argument("--timeout", type=float, default=None, help="seconds per cell")
+    submit.add_argument(
+        "--working-dir", default=None, help="upload this folder (holding the notebook) too"
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="follow the logs; exit 0 only if the job succeeds"
+    )
+    jobs = sub.add_parser("jobs", help="list notebook jobs submitted with rtnb submit")
+    jobs.add_argument("--address", default=default_job_address(), help=address_help)
+    jobs.add_argument("--all", action="store_true", help="every Ray job, not only rtnb's")
+    logs = sub.add_parser("logs", help="print (or --follow) a submitted job's logs")
+    logs.add_argument("job")
+    logs.add_argument("--address", default=default_job_address(), help=address_help)
+    logs.add_argument("-f", "--follow", action="store_true", help="until the job ends")
+
     runs = sub.add_parser("runs", help="list the runs in a storage path")
     runs.add_argument("storage", nargs="?", default=None)
 
@@ -92,11 +126,70 @@ def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     return 0
 
 
+def _print_jobs(rows) -> None:
+    import time
+
+    if not rows:
+        print("no notebook jobs on this cluster (rtnb submit NOTEBOOK --address ...)")
+        return
+    table = [["job", "status", "notebook", "started", "ended", "message"]]
+
+    def when(t):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+    for r in rows:
+        table.append(
+            [r.submission_id, r.status, r.notebook, when(r.start_time), when(r.end_time), r.message]
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+def _jobs_command(args) -> int:
+    from rtnb import _jobs
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if args.command == "jobs":
+        _print_jobs(_jobs.list_jobs(args.address, include_all=args.all))
+        return 0
+    if args.command == "logs":
+        status = _jobs.job_logs(args.address, args.job, args.follow, write)
+        print(f"rtnb: job {args.job} is {status}", file=sys.stderr)
+        return 0
+    job = _jobs.submit_notebook(
+        args.notebook,
+        args.address,
+        [tuple(p) for p in args.parameter],
+        storage=args.storage,
+        timeout_s=args.timeout,
+        working_dir=args.working_dir,
+    )
+    print(f"rtnb: submitted {job}")
+    if not args.storage:
+        print(
+            "rtnb: no --storage (nor $RTNB_STORAGE): the job's run directory stays on the "
+            "head node, in the job's working directory",
+            file=sys.stderr,
+        )
+    if not args.wait:
+        print(f"rtnb: follow it with `rtnb logs {job} --follow --address {args.address}`")
+        return 0
+    status = _jobs.job_logs(args.address, job, True, write)
+    print(f"rtnb: job {job} {status}", file=sys.stderr if status != "SUCCEEDED" else sys.stdout)
+    return 0 if status == "SUCCEEDED" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rtnb._batch import parse_parameters, run_notebook
 
     try:
+        if args.command in ("submit", "jobs", "logs"):
+            return _jobs_command(args)
         if args.command == "runs":
             from rtnb._result import list_runs
 

@@ -44,6 +44,8 @@ class HeadNode:
         self.temp_dir = tempfile.mkdtemp(prefix="rtnb-ray-")
         self.address = f"127.0.0.1:{self.port}"
         self.client_address = f"ray://127.0.0.1:{self.client_port}"
+        self.dashboard_port = free_port()
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         self.log = Path(self.temp_dir) / "head.log"
         ray_bin = Path(sys.executable).parent / "ray"
         cmd = [
@@ -56,7 +58,10 @@ class HeadNode:
             "--node-ip-address=127.0.0.1",
             f"--num-cpus={CLUSTER_CPUS}",
             "--object-store-memory=300000000",
-            "--include-dashboard=false",
+            # The dashboard hosts Ray's job server (for `rtnb submit`).
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
             f"--temp-dir={self.temp_dir}",
         ]
         with open(self.log, "w") as log:
@@ -65,7 +70,13 @@ class HeadNode:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, **NODE_DEATH_DETECTION},
+                # As on a real cluster node, the environment's scripts (rtnb, for
+                # submitted jobs) are on the PATH.
+                env={
+                    **os.environ,
+                    **NODE_DEATH_DETECTION,
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                },
             )
         deadline = time.monotonic() + 60
         for port in (self.port, self.client_port):
@@ -80,6 +91,22 @@ class HeadNode:
             else:
                 self.stop()
                 raise RuntimeError(f"ray head did not open port {port} within 60 s")
+
+    def wait_dashboard(self, timeout: float = 120.0) -> str:
+        """The dashboard URL once its HTTP server answers (it starts after the GCS)."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2)
+                return self.dashboard_url
+            except urllib.error.HTTPError:  # 401 without a token: it is up
+                return self.dashboard_url
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"the Ray dashboard did not answer within {timeout:.0f} s")
 
     def stop(self) -> None:
         end_process_group(self.proc)
