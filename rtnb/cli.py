@@ -91,6 +91,13 @@ def _storage(value: str | None) -> str:
     return SessionConfig(storage=value).storage_path
 
 
+def _print_table(table: list[list[str]]) -> None:
+    """Left-aligned columns, the first row as the header."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     import time
 
@@ -120,9 +127,7 @@ def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
             ]
             + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    for r in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    _print_table(table)
     return 0
 
 
@@ -141,9 +146,7 @@ def _print_jobs(rows) -> None:
         table.append(
             [r.submission_id, r.status, r.notebook, when(r.start_time), when(r.end_time), r.message]
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    for r in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    _print_table(table)
 
 
 def _jobs_command(args) -> int:
