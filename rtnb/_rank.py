@@ -153,6 +153,11 @@ class RankRuntime:
         self._run_dir = None
         self.step = 0
         self.checkpoint = None
+        # A checkpoint of rtnb's own temp files uploads in the background while the
+        # cell goes on; its report is published once the files are in storage.
+        self._upload: threading.Thread | None = None
+        self._upload_error: BaseException | None = None
+        self._in_flight_step: int | None = None  # guarded by _cond
         # Cell state, guarded by _cond.
         self._cell_id: int | None = None
         self._state = "idle"  # idle | running | done | error | interrupted
@@ -212,6 +217,13 @@ class RankRuntime:
                 state = "error"
                 error = (_summary(exc), _user_traceback(exc, filename))
             finally:
+                # A cell ends only once its last checkpoint is in storage and offered.
+                try:
+                    self._finish_upload()
+                except BaseException as exc:  # noqa: BLE001 - the upload's own error
+                    if state == "done":
+                        state = "error"
+                        error = (_summary(exc), _summary(exc) + "\n")
                 _flush_std()
             with self._cond:
                 self._state, self._value, self._error = state, value, error
@@ -259,7 +271,9 @@ class RankRuntime:
             "rank": self.context.world_rank,
             "cell": self._cell_id,
             "state": self._state,
-            "step": self.step,
+            # The driver commits a step once every rank has passed it, so a step
+            # whose files are still uploading is not passed yet.
+            "step": self.step if self._in_flight_step is None else self._in_flight_step - 1,
             "paused_at": self._paused_at,
             "output": output,
             "reports": reports,
@@ -287,26 +301,83 @@ class RankRuntime:
     def report(self, metrics: dict, step: int | None = None, checkpoint=None) -> int:
         """Record one report; it is also where a requested stop takes effect.
 
-        A checkpoint's files are uploaded to the run directory first (this rank's
-        part only); the driver commits the checkpoint once every rank has reported
-        this step.
+        A checkpoint's files are uploaded to the run directory (this rank's part
+        only); the driver commits the checkpoint once every rank has reported this
+        step. Files only rtnb holds (``Checkpoint.from_state``) upload in the
+        background while the cell goes on: the next report, a stop, or the cell's end
+        waits for them first, and the report is only published once they landed.
         """
+        self._finish_upload()
         step = int(step) if step is not None else self.step + 1
+        when = time.time()
+        if checkpoint is not None and getattr(checkpoint, "_temporary", False):
+            target = self._checkpoint_target(step, checkpoint)
+            self.step = step
+            with self._cond:
+                self._in_flight_step = step
+            self._upload = threading.Thread(
+                target=self._upload_in_background,
+                args=(step, when, metrics, target),
+                name="rtnb-upload",
+                daemon=True,
+            )
+            self._upload.start()
+            with self._cond:
+                stopping = self._stop_requested
+            if stopping:
+                self._finish_upload()
+                with self._cond:
+                    self._stop_at_boundary_locked()
+            return self.step
         files = self._upload_checkpoint(step, checkpoint) if checkpoint is not None else None
         self.step = step
-        record = (self.step, time.time(), metrics)
         with self._cond:
-            self._reports.append(record)
-            if files is not None:
-                self._checkpoints.append((step, record[1], metrics, files))
-            if len(self._reports) == 1:
-                self._cond.notify_all()
+            self._publish_locked(step, when, metrics, files)
             if self._stop_requested:
                 self._stop_at_boundary_locked()
         return self.step
 
+    def _publish_locked(self, step: int, when: float, metrics: dict, files) -> None:
+        self._reports.append((step, when, metrics))
+        if files is not None:
+            self._checkpoints.append((step, when, metrics, files))
+        if len(self._reports) == 1:
+            self._cond.notify_all()
+
+    def _upload_in_background(self, step: int, when: float, metrics: dict, target) -> None:
+        from rtnb._checkpoint import upload_directory
+
+        try:
+            files = upload_directory(*target)
+        except BaseException as exc:  # noqa: BLE001 - raised in the cell at its next report
+            self._upload_error = exc
+            with self._cond:
+                self._in_flight_step = None
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._publish_locked(step, when, metrics, files)
+            self._in_flight_step = None
+            self._cond.notify_all()
+
+    def _finish_upload(self) -> None:
+        """Wait for the background upload, if any; raise its error in the cell."""
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.join()
+        error, self._upload_error = self._upload_error, None
+        if error is not None:
+            raise error
+
     def _upload_checkpoint(self, step: int, checkpoint) -> list:
-        from rtnb._checkpoint import MANIFEST, Checkpoint, upload_directory
+        from rtnb._checkpoint import upload_directory
+
+        checkpoint, dest_fs, dest_path = self._checkpoint_target(step, checkpoint)
+        return upload_directory(checkpoint, dest_fs, dest_path)
+
+    def _checkpoint_target(self, step: int, checkpoint):
+        """Where ``checkpoint``'s files go for ``step``; refuses a committed id at once."""
+        from rtnb._checkpoint import MANIFEST, Checkpoint
         from rtnb._checkpoints import checkpoint_id
         from rtnb._rundir import RunDirectory
         from rtnb.errors import CheckpointError
@@ -321,9 +392,7 @@ class RankRuntime:
             raise CheckpointError(
                 f"checkpoint {cid} is already committed; report the new checkpoint with a later step"
             )
-        return upload_directory(
-            checkpoint, self._run_dir.fs, f"{self._run_dir.path}/checkpoints/{cid}"
-        )
+        return checkpoint, self._run_dir.fs, f"{self._run_dir.path}/checkpoints/{cid}"
 
     def _stop_at_boundary_locked(self) -> None:
         # Pause here and let the driver pick the step every rank stops at, so that

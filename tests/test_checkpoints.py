@@ -259,3 +259,41 @@ def test_a_users_directory_is_copied_so_rewriting_it_keeps_the_checkpoint(sessio
         with checkpoint.as_directory() as folder:
             saved.append(torch.load(os.path.join(folder, "model.pt"))["i"])
     assert saved == [1, 2], "each checkpoint holds what was saved when it was reported"
+
+
+def test_manifests_hashed_with_sha256_still_verify(tmp_path):
+    import hashlib
+
+    folder = tmp_path / "old"
+    folder.mkdir()
+    data = b"weights" * 1000
+    (folder / "state-rank0.pt").write_bytes(data)
+    entry = {
+        "path": "state-rank0.pt",
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    old = rtnb.Checkpoint(str(folder), manifest={"files": [entry]})
+    old.verify(full=True)
+    (folder / "state-rank0.pt").write_bytes(data[:-1] + b"X")
+    with pytest.raises(rtnb.CheckpointError, match="does not match its manifest"):
+        old.verify(full=True)
+
+
+def test_every_committed_checkpoint_holds_every_saving_ranks_shard(session):
+    # from_state shards upload in the background, rank 1's ten times bigger and so
+    # later: the driver must still wait for both before it commits a step.
+    session.run(
+        "import torch, rtnb, torch.distributed as dist\n"
+        "n = 200_000 if dist.get_rank() == 0 else 2_000_000\n"
+        "for s in range(6):\n"
+        "    rtnb.report({'loss': 10.0 - s}, checkpoint=rtnb.Checkpoint.from_state({'s': s, 'w': torch.randn(n)}))\n"
+    )
+    listed = session.list_checkpoints(include_incomplete=True)
+    assert len(listed) == 2 and all(c.status == "committed" for c in listed)  # keep=2
+    for info in listed:
+        assert info.ranks == [0, 1], info
+        assert sorted(f["path"] for f in info.files) == ["state-rank0.pt", "state-rank1.pt"]
+        session.checkpoints.get(info.id).verify(full=True)
+    value = session.run("ck = rtnb.get_checkpoint()\nck.load_state()['s']")
+    assert value == {0: 5, 1: 5}
