@@ -120,6 +120,7 @@ class Session:
                         self.config.address,
                         timeout_s=self.config.connect_timeout_s,
                     )
+                    _stop_sessions_at_exit()
                 self._group = self._new_group()
             except RtnbError as exc:
                 self.state_machine.to(GroupState.FAILED, str(exc))
@@ -632,7 +633,19 @@ def _announce_to_batch_runner(storage: str, run_name: str) -> None:
         out.write(json.dumps({"storage": storage, "run": run_name}) + "\n")
 
 
-@atexit.register
+def _stop_sessions_at_exit() -> None:
+    """Register the exit hook once Ray is imported: atexit runs hooks last-in first-out,
+    and Ray's own shutdown hook, run while ranks are still alive, stalls the exit for
+    ~20 s (and a kernel manager that loses patience SIGTERMs the kernel mid-way)."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(_stop_all_sessions)
+        _EXIT_HOOKED = True
+
+
+_EXIT_HOOKED = False
+
+
 def _stop_all_sessions() -> None:
     # A kernel that exits (or is shut down) must not leave ranks holding CPUs/GPUs.
     for session in list(_LIVE):
