@@ -24,7 +24,7 @@ from pathlib import Path
 from rtnb._rundir import BATCH_RUNS_ENV, RunDirectory
 from rtnb.errors import CellError, ConfigError
 
-__all__ = ["BatchResult", "parse_parameters", "run_notebook"]
+__all__ = ["BatchResult", "check_timeout", "parse_parameters", "run_notebook"]
 
 
 @dataclass
@@ -146,6 +146,11 @@ def parse_parameters(pairs: list[tuple[str, str]]) -> dict:
     return params
 
 
+def check_timeout(timeout_s: float | None) -> None:
+    if timeout_s is not None and timeout_s <= 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, not {timeout_s:g}")
+
+
 def run_notebook(
     notebook: str | Path,
     output: str | Path | None = None,
@@ -163,8 +168,7 @@ def run_notebook(
         raise ConfigError(f"notebook {str(src)!r} does not exist")
     if src.suffix != ".ipynb":
         raise ConfigError(f"{str(src)!r} is not a .ipynb notebook")
-    if timeout_s is not None and timeout_s <= 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, not {timeout_s:g}")
+    check_timeout(timeout_s)
     dst = Path(output) if output else src.with_name(src.stem + ".output.ipynb")
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The kernel runs in the notebook's folder (relative paths in it keep working),

@@ -210,14 +210,14 @@ class Checkpoint:
                     raise CheckpointError(f"checkpoint {self.id}: {check.problem}")
             return state
 
-    def _start_check(self, rel: str, local_path: str, full: bool) -> _HashCheck:
+    def _start_check(self, rel: str, local_path: str, full: bool) -> _HashCheck | None:
         """Hash the file against the manifest in a thread while torch.load reads it
-        (the hash releases the GIL), unless its inode stamp proves it unchanged. The
-        state is only returned once the check passed."""
+        (the hash releases the GIL); None when its inode stamp proves it unchanged.
+        The state is only returned once the check passed."""
         entry = next((f for f in self.manifest["files"] if f["path"] == rel), None)
-        check = _HashCheck(local_path, entry, rel)
         if entry is not None and not full and _unchanged_since_commit(local_path, entry):
-            return check  # never started: nothing to wait for, no problem
+            return None
+        check = _HashCheck(local_path, entry, rel)
         check.start()
         return check
 
@@ -254,10 +254,6 @@ class _HashCheck(threading.Thread):
         self.path, self.entry, self.rel = path, entry, rel
         self.problem = ""
 
-    def join(self, timeout: float | None = None) -> None:
-        if self.ident is not None:  # a check skipped by its inode stamp never started
-            super().join(timeout)
-
     def run(self) -> None:
         if self.entry is None:
             self.problem = f"{self.rel} is not in its manifest"
@@ -285,7 +281,10 @@ def _hash_problem(filesystem, path: str, entry: dict) -> str:
 
 
 def _inode_stamp(path: str) -> dict:
-    st = os.stat(path)
+    return _stamp_of(os.stat(path))
+
+
+def _stamp_of(st: os.stat_result) -> dict:
     return {
         "dev": st.st_dev,
         "ino": st.st_ino,
@@ -302,11 +301,10 @@ def _unchanged_since_commit(path: str, entry: dict) -> bool:
     if not stamp:
         return False
     try:
-        if os.path.getsize(path) != entry["size"]:
-            return False
-        return _inode_stamp(path) == stamp
+        st = os.stat(path)
     except OSError:
         return False
+    return st.st_size == entry["size"] and _stamp_of(st) == stamp
 
 
 def _this_rank() -> int:
@@ -334,12 +332,19 @@ def _algorithm_of(entry: dict) -> str:
 
 
 def _hash(filesystem, path: str, algorithm: str = HASH) -> tuple[str, int]:
+    with filesystem.open_input_stream(path) as src:
+        return _digest(src, algorithm)
+
+
+def _digest(src, algorithm: str = HASH, copy_to=None) -> tuple[str, int]:
+    """Hash ``src`` to its end (writing each chunk to ``copy_to`` too, if given)."""
     digest = _HASHES[algorithm]()
     size = 0
-    with filesystem.open_input_stream(path) as src:
-        for chunk in _chunks(src):
-            digest.update(chunk)
-            size += len(chunk)
+    for chunk in _chunks(src):
+        digest.update(chunk)
+        size += len(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
     return digest.hexdigest(), size
 
 
@@ -363,19 +368,14 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
             digest, size = _hash(dest_fs, posixpath.join(dest_path, rel))
             entries.append({"path": rel, "size": size, HASH: digest})
             continue
-        digest = _HASHES[HASH]()
-        size = 0
         target = posixpath.join(dest_path, rel)
         dest_fs.create_dir(posixpath.dirname(target), recursive=True)
         with (
             source.filesystem.open_input_stream(posixpath.join(source.path, rel)) as src,
             dest_fs.open_output_stream(target) as out,
         ):
-            for chunk in _chunks(src):
-                digest.update(chunk)
-                size += len(chunk)
-                out.write(chunk)
-        entries.append({"path": rel, "size": size, HASH: digest.hexdigest()})
+            digest, size = _digest(src, copy_to=out)
+        entries.append({"path": rel, "size": size, HASH: digest})
     if source._temporary:
         shutil.rmtree(source.path, ignore_errors=True)
     if type(dest_fs).__name__ == "LocalFileSystem":

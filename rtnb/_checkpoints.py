@@ -23,6 +23,12 @@ def checkpoint_id(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def _step_in(name: str) -> int | None:
+    """The step a checkpoint name holds (``step-000000012``, ``step-12``, ``12``)."""
+    number = name.removeprefix("step-")
+    return int(number) if number.isdigit() else None
+
+
 @dataclass
 class CheckpointInfo:
     """One row of a run's checkpoints. ``status``: ``committed`` (manifest written,
@@ -136,11 +142,11 @@ class CheckpointStore:
                 found.append(CheckpointInfo(**record))
             except (FileNotFoundError, OSError, ValueError):
                 if include_incomplete:
-                    number = folder.base_name.removeprefix("step-")
+                    step = _step_in(folder.base_name)
                     found.append(
                         CheckpointInfo(
                             id=folder.base_name,
-                            step=int(number) if number.isdigit() else -1,
+                            step=-1 if step is None else step,
                             time=0.0,
                             metrics={},
                             ranks=[],
@@ -158,9 +164,9 @@ class CheckpointStore:
         """The committed checkpoint ``cid``: an id (``step-000000012``), a step
         (``12`` or ``step-12``) or ``latest``."""
         cid = str(cid)
-        number = cid.removeprefix("step-")
-        if number.isdigit():
-            cid = checkpoint_id(int(number))
+        step = _step_in(cid)
+        if step is not None:
+            cid = checkpoint_id(step)
         if cid == "latest":
             info = self.latest()
             if info is None:

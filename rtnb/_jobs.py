@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rtnb._batch import parse_parameters
-from rtnb.errors import ClusterError, ConfigError
+from rtnb._batch import check_timeout, parse_parameters
+from rtnb.errors import ClusterError, ConfigError, first_line
 
 __all__ = ["JobRow", "default_job_address", "job_logs", "list_jobs", "submit_notebook"]
 
@@ -66,13 +66,13 @@ def _client(address: str):
         return JobSubmissionClient(f"{parsed.scheme}://{parsed.hostname}:{port}")
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError/RuntimeError/...
         raise ClusterError(
-            f"cannot use the Ray job server at {address}: {_first_line(exc)}"
+            f"cannot use the Ray job server at {address}: {first_line(exc)}"
         ) from None
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+def _status_name(status) -> str:
+    """Ray's JobStatus enum (or its string) as its name: SUCCEEDED, FAILED, ..."""
+    return str(getattr(status, "value", status))
 
 
 def submit_notebook(
@@ -92,8 +92,7 @@ def submit_notebook(
     if not src.is_file() or src.suffix != ".ipynb":
         raise ConfigError(f"notebook {str(notebook)!r} does not exist or is not a .ipynb file")
     parse_parameters(list(parameters))  # names must be identifiers: refuse before submitting
-    if timeout_s is not None and timeout_s <= 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, not {timeout_s:g}")
+    check_timeout(timeout_s)
     client = _client(address)
     staged = None
     if working_dir is None:
@@ -127,7 +126,7 @@ def submit_notebook(
             metadata={"rtnb": "notebook", "notebook": src.name},
         )
     except Exception as exc:  # noqa: BLE001 - Ray's HTTP errors
-        raise ClusterError(f"the job server refused the job: {_first_line(exc)}") from None
+        raise ClusterError(f"the job server refused the job: {first_line(exc)}") from None
     finally:
         if staged:
             shutil.rmtree(staged, ignore_errors=True)
@@ -139,7 +138,7 @@ def list_jobs(address: str, include_all: bool = False) -> list[JobRow]:
     try:
         jobs = client.list_jobs()
     except Exception as exc:  # noqa: BLE001
-        raise ClusterError(f"cannot list jobs at {address}: {_first_line(exc)}") from None
+        raise ClusterError(f"cannot list jobs at {address}: {first_line(exc)}") from None
     rows = []
     for job in jobs:
         metadata = job.metadata or {}
@@ -148,7 +147,7 @@ def list_jobs(address: str, include_all: bool = False) -> list[JobRow]:
         rows.append(
             JobRow(
                 submission_id=job.submission_id or job.job_id or "?",
-                status=str(getattr(job.status, "value", job.status)),
+                status=_status_name(job.status),
                 notebook=metadata.get("notebook", job.entrypoint or ""),
                 start_time=job.start_time / 1000 if job.start_time else None,
                 end_time=job.end_time / 1000 if job.end_time else None,
@@ -166,11 +165,11 @@ def job_logs(address: str, submission_id: str, follow: bool, write) -> str:
         status = client.get_job_status(submission_id)
     except Exception as exc:  # noqa: BLE001 - unknown ids come back as HTTP errors
         raise ConfigError(
-            f"no job {submission_id!r} at {address} ({_first_line(exc)}); see `rtnb jobs`"
+            f"no job {submission_id!r} at {address} ({first_line(exc)}); see `rtnb jobs`"
         ) from None
     if not follow:
         write(client.get_job_logs(submission_id))
-        return str(getattr(status, "value", status))
+        return _status_name(status)
 
     import asyncio
 
@@ -182,7 +181,7 @@ def job_logs(address: str, submission_id: str, follow: bool, write) -> str:
     # The log stream ends when the job does; its status lands a moment later.
     deadline = time.monotonic() + 30
     while True:
-        status = str(getattr(client.get_job_status(submission_id), "value", ""))
+        status = _status_name(client.get_job_status(submission_id))
         if status in _FINAL or time.monotonic() > deadline:
             return status
         time.sleep(0.5)

@@ -347,18 +347,17 @@ class RankRuntime:
     def _upload_in_background(self, step: int, when: float, metrics: dict, target) -> None:
         from rtnb._checkpoint import upload_directory
 
+        files = None
         try:
             files = upload_directory(*target)
         except BaseException as exc:  # noqa: BLE001 - raised in the cell at its next report
             self._upload_error = exc
+        finally:
             with self._cond:
+                if files is not None:
+                    self._publish_locked(step, when, metrics, files)
                 self._in_flight_step = None
                 self._cond.notify_all()
-            return
-        with self._cond:
-            self._publish_locked(step, when, metrics, files)
-            self._in_flight_step = None
-            self._cond.notify_all()
 
     def _finish_upload(self) -> None:
         """Wait for the background upload, if any; raise its error in the cell."""

@@ -10,7 +10,7 @@ import posixpath
 import time
 from typing import Any
 
-from rtnb.errors import ConfigError
+from rtnb.errors import ConfigError, first_line
 
 __all__ = ["BATCH_RUNS_ENV", "RunDirectory"]
 
@@ -55,29 +55,29 @@ class RunDirectory:
                 out.write(b"ok")
             self.fs.delete_file(probe)
         except Exception as exc:  # noqa: BLE001
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(
-                f"storage {self.uri!r} is not writable ({reason}); pass --storage a directory "
+                f"storage {self.uri!r} is not writable ({first_line(exc)}); pass --storage a directory "
                 "or bucket you can write to"
             ) from None
 
     def write_bytes(self, name: str, data: bytes) -> str:
-        """Write ``data`` to ``name`` (write-then-rename); returns the file's URI or path."""
+        """Write ``data`` to ``name``, creating its folder; returns the file's URI or path."""
         target = posixpath.join(self.path, name)
         self.fs.create_dir(posixpath.dirname(target), recursive=True)
-        tmp = f"{target}.tmp-{time.time_ns()}"
-        with self.fs.open_output_stream(tmp) as out:
-            out.write(data)
-        self.fs.move(tmp, target)
+        self._write_atomically(target, data)
         base, _, query = self.uri.partition("?")
         return f"{base}/{name}" + (f"?{query}" if query else "")
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
+        self._write_atomically(
+            posixpath.join(self.path, name), json.dumps(payload, indent=2, default=str).encode()
+        )
+
+    def _write_atomically(self, target: str, data: bytes) -> None:
         # Write-then-rename so a reader never sees half a file.
-        target = posixpath.join(self.path, name)
         tmp = f"{target}.tmp-{time.time_ns()}"
         with self.fs.open_output_stream(tmp) as out:
-            out.write(json.dumps(payload, indent=2, default=str).encode())
+            out.write(data)
         self.fs.move(tmp, target)
 
     def read_json(self, name: str) -> dict[str, Any]:

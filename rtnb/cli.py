@@ -21,6 +21,27 @@ __all__ = ["main"]
 _REPO_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
+def _notebook_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """What `rtnb run` and `rtnb submit` share: the notebook, its parameters, the timeout."""
+    parser.add_argument("notebook")
+    parser.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE")
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per cell")
+    return parser
+
+
+def _address_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from rtnb._jobs import default_job_address
+
+    parser.add_argument(
+        "--address",
+        default=default_job_address(),
+        help="the head's dashboard URL (default $RAY_API_SERVER_ADDRESS or %(default)s)",
+    )
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtnb", description="Interactive distributed PyTorch on Ray, from notebooks"
@@ -35,24 +56,15 @@ def _parser() -> argparse.ArgumentParser:
         help="output notebook (default rtnb_runs/demo/quickstart.output.ipynb)",
     )
 
-    run = sub.add_parser("run", help="execute a notebook with papermill")
-    run.add_argument("notebook")
-    run.add_argument(
-        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE")
-    )
+    run = _notebook_options(sub.add_parser("run", help="execute a notebook with papermill"))
     run.add_argument("-o", "--output", default=None)
-    run.add_argument("--timeout", type=float, default=None, help="seconds per cell")
     run.add_argument(
         "--kernel", default=None, help="kernel name (default: the notebook's, in this Python)"
     )
-    from rtnb._jobs import default_job_address
-
-    address_help = "the head's dashboard URL (default $RAY_API_SERVER_ADDRESS or %(default)s)"
-    submit = sub.add_parser("submit", help="run a notebook on a Ray cluster as a Ray Job")
-    submit.add_argument("notebook")
-    submit.add_argument("--address", default=default_job_address(), help=address_help)
-    submit.add_argument(
-        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE")
+    submit = _address_option(
+        _notebook_options(
+            sub.add_parser("submit", help="run a notebook on a Ray cluster as a Ray Job")
+        )
     )
     submit.add_argument(
         "--storage",
@@ -60,19 +72,19 @@ def _parser() -> argparse.ArgumentParser:
         help="where the job's runs go (default $RTNB_STORAGE); use storage the cluster "
         "shares, e.g. s3://bucket/runs",
     )
-    submit.add_argument("--timeout", type=float, default=None, help="seconds per cell")
     submit.add_argument(
         "--working-dir", default=None, help="upload this folder (holding the notebook) too"
     )
     submit.add_argument(
         "--wait", action="store_true", help="follow the logs; exit 0 only if the job succeeds"
     )
-    jobs = sub.add_parser("jobs", help="list notebook jobs submitted with rtnb submit")
-    jobs.add_argument("--address", default=default_job_address(), help=address_help)
+    jobs = _address_option(
+        sub.add_parser("jobs", help="list notebook jobs submitted with rtnb submit")
+    )
     jobs.add_argument("--all", action="store_true", help="every Ray job, not only rtnb's")
     logs = sub.add_parser("logs", help="print (or --follow) a submitted job's logs")
     logs.add_argument("job")
-    logs.add_argument("--address", default=default_job_address(), help=address_help)
+    _address_option(logs)
     logs.add_argument("-f", "--follow", action="store_true", help="until the job ends")
 
     runs = sub.add_parser("runs", help="list the runs in a storage path")

@@ -137,5 +137,11 @@ class CellError(RtnbError):
         return lines
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception from a library, in one line for a message of ours."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def _join(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
