@@ -71,6 +71,13 @@ def test_bad_parameter_name_is_refused_before_running(tmp_path):
     assert "not a Python identifier" in proc.stderr and proc.stderr.count("\n") == 1
     missing = _run(["run", "nope.ipynb"], tmp_path, timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    zero = _run(
+        ["run", str(REPO / "notebooks" / "quickstart.ipynb"), "--timeout", "0"],
+        tmp_path,
+        timeout=60,
+    )
+    assert zero.returncode == 2 and zero.stderr.count("\n") == 1
+    assert "--timeout must be a positive number of seconds" in zero.stderr
 
 
 def test_runs_land_under_the_callers_rtnb_runs(ray_cluster, tmp_path):

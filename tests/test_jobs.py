@@ -72,6 +72,12 @@ def test_bad_submissions_get_one_line_before_anything_runs(ray_head, tmp_path):
         timeout=60,
     )
     assert bad_name.returncode == 2 and "not a Python identifier" in bad_name.stderr
+    no_time = _rtnb(
+        ["submit", notebook, "--address", ray_head.dashboard_url, "--timeout", "-1"],
+        tmp_path,
+        timeout=60,
+    )
+    assert no_time.returncode == 2 and "--timeout must be a positive" in no_time.stderr
     nobody = _rtnb(["submit", notebook, "--address", "http://127.0.0.1:9"], tmp_path, timeout=60)
     assert nobody.returncode == 2
     assert nobody.stderr.count("\n") == 1 and "no Ray dashboard answers" in nobody.stderr
