@@ -20,6 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from rtnb._cluster import _use_auth_token_if_present
+
+# Ray reads its auth mode once, when first imported; a unit test that imports Ray
+# (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
+# leave this process unable to join the token-auth test cluster.
+_use_auth_token_if_present()
+
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CPUS = 4  # logical CPUs: two 2-rank groups may coexist (kernel + this process)
 # The GCS declares a silent node dead after period x threshold (Ray's default 3 s x 5);
