@@ -23,9 +23,9 @@ from rtnb.widgets import (
 )
 
 from rtnb import Session
-from rtnb._config import BACKENDS, STRATEGIES, SessionConfig
-from rtnb._result import list_runs
+from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
 from rtnb.errors import ConfigError
+from rtnb.storage._result import list_runs
 
 __all__ = ["RtnbMagics"]
 
@@ -47,6 +47,11 @@ def _cell_options(func):
             argument("--quiet", action="store_true", help="do not show the ranks' output"),
             argument("--no-live", action="store_true", help="no live widget (plain output)"),
             argument("--steps", type=int, default=None, help="total steps, for progress and ETA"),
+            argument(
+                "--once",
+                action="store_true",
+                help="never replay this cell (after a failure, a scale, --replay)",
+            ),
             _ranks_option,
         ]
     ):
@@ -80,6 +85,11 @@ def _cell_options(func):
 @argument(
     "--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase"
 )
+@argument(
+    "--replay",
+    action="store_true",
+    help="rebuild the ranks' state from the journal of run --name (a new kernel)",
+)
 def _start_args(line):
     """%rtnb start options."""
 
@@ -96,6 +106,12 @@ def _pull_args(line):
 @_ranks_option
 def _push_args(line):
     """%rtnb push options."""
+
+
+@magic_arguments()
+@argument("--replay", action="store_true", help="keep the ranks' state (replay the journal)")
+def _restart_args(line):
+    """%rtnb restart options."""
 
 
 @magic_arguments()
@@ -140,7 +156,7 @@ def _runs_args(line):
 
 
 _LEADING_OPTIONS = re.compile(
-    r"\s*(?:(?:--(?:background|quiet|no-live)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
+    r"\s*(?:(?:--(?:background|quiet|no-live|once)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
 
 _SUBCOMMANDS = (
@@ -184,11 +200,12 @@ class RtnbMagics(Magics):
             %rtnb start [--workers N] [--gpu] [--cpus-per-worker C]
                         [--strategy PACK|SPREAD|STRICT_PACK|STRICT_SPREAD]
                         [--address auto|HOST:PORT|ray://HOST:PORT] [--storage PATH]
-                        [--name RUN] [--backend gloo|nccl]
+                        [--name RUN] [--backend gloo|nccl] [--max-failures K]
+                        [--replay]   (with --name: rebuild that run's ranks from its journal)
             %rtnb status            ranks, nodes, pids, devices, state
             %rtnb stop              free every actor and the placement group
-            %rtnb restart           a fresh group (rank variables are dropped)
-            %rtnb scale N           restart with N ranks
+            %rtnb restart [--replay]   a fresh group (--replay: keep the ranks' state)
+            %rtnb scale N           a group of N ranks holding the same state (journal replay)
             %rtnb wait [--timeout S]   the result of the last --background cell
             %rtnb pull NAME [--ranks 0,1]   a rank variable -> list in the notebook
             %rtnb push NAME [NAME ...]      notebook variables -> every rank
@@ -256,8 +273,11 @@ class RtnbMagics(Magics):
             stop_grace_s=args.stop_grace,
             tensorboard=args.tensorboard,
             allow_local_storage=args.allow_local_storage,
+            replay=args.replay,
         )
         session.start()
+        if session.last_replay is not None:
+            print(f"rtnb: run {session.run_name!r} rebuilt from its journal: {session.last_replay}")
         self.session = session
         display(session.status())
 
@@ -273,12 +293,18 @@ class RtnbMagics(Magics):
         print(f"rtnb: worker group of run {session.run_name!r} stopped; its CPUs/GPUs are free")
 
     def _rtnb_restart(self, rest: str):
-        self._no_args("restart", rest)
-        display(self._require().restart().status())
+        args = parse_argstring(_restart_args, rest)
+        session = self._require().restart(replay=args.replay)
+        if args.replay and session.last_replay is not None:
+            print(f"rtnb: state kept: {session.last_replay}")
+        display(session.status())
 
     def _rtnb_scale(self, rest: str):
         args = parse_argstring(_scale_args, rest)
-        display(self._require().scale(args.workers).status())
+        session = self._require().scale(args.workers)
+        if session.last_replay is not None:
+            print(f"rtnb: now {args.workers} ranks, state kept: {session.last_replay}")
+        display(session.status())
 
     def _rtnb_wait(self, rest: str):
         args = parse_argstring(_wait_args, rest)
@@ -396,7 +422,11 @@ class RtnbMagics(Magics):
         try:
             if args.background:
                 handle = session.run_background(
-                    code, ranks=args.ranks, timeout=args.timeout, total_steps=args.steps
+                    code,
+                    ranks=args.ranks,
+                    timeout=args.timeout,
+                    total_steps=args.steps,
+                    once=args.once,
                 )
                 if not args.quiet:
                     self.last_view = (
@@ -411,6 +441,7 @@ class RtnbMagics(Magics):
                 timeout=args.timeout,
                 total_steps=args.steps,
                 output=quiet_sink,
+                once=args.once,
             )
         except ConfigError as exc:
             raise UsageError(str(exc)) from None

@@ -10,81 +10,74 @@ In the notebook::
 
 Inside a cell, the ``ray.train``-style API: :func:`get_context`, :func:`report`,
 :func:`prepare_model`, :func:`prepare_data_loader`, :func:`get_checkpoint`.
-From Python, :class:`Session`. This module never imports IPython display code,
-ipywidgets or plotly; the magics and widgets live in ``rtnb.magics`` and
+From Python, :class:`Session`.
+
+This module is the one public face, and it loads lazily: a name is imported from
+its subpackage on first use, so a rank process that only calls ``rtnb.report``
+never imports the driver (docs/architecture.md). It never imports IPython display
+code, ipywidgets or plotly; the magics and widgets live in ``rtnb.magics`` and
 ``rtnb.widgets``.
 """
 
 from __future__ import annotations
 
-from rtnb._cell import CellHandle
-from rtnb._checkpoint import Checkpoint
-from rtnb._checkpoints import CheckpointInfo
-from rtnb._config import SessionConfig
-from rtnb._metrics import MetricsStore, Progress, Report
-from rtnb._rank import CellStopped, RankContext
-from rtnb._result import Result, list_runs
-from rtnb._session import Session
-from rtnb._state import GroupState, StateChange
-from rtnb._status import GroupStatus
-from rtnb._train import (
-    get_checkpoint,
-    get_context,
-    get_device,
-    get_devices,
-    prepare_data_loader,
-    prepare_model,
-    report,
-)
-from rtnb._values import PerRank
-from rtnb.errors import (
-    CellError,
-    CellInterrupted,
-    CheckpointError,
-    ClusterError,
-    ConfigError,
-    RtnbError,
-    SessionError,
-    WorkerGroupError,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CellError",
-    "CellHandle",
-    "CellInterrupted",
-    "CellStopped",
-    "Checkpoint",
-    "CheckpointInfo",
-    "CheckpointError",
-    "ClusterError",
-    "ConfigError",
-    "GroupState",
-    "GroupStatus",
-    "MetricsStore",
-    "PerRank",
-    "Progress",
-    "RankContext",
-    "Report",
-    "Result",
-    "RtnbError",
-    "Session",
-    "SessionConfig",
-    "SessionError",
-    "StateChange",
-    "WorkerGroupError",
-    "get_checkpoint",
-    "get_context",
-    "get_device",
-    "get_devices",
-    "list_runs",
-    "load_ipython_extension",
-    "prepare_data_loader",
-    "prepare_model",
-    "report",
-    "unload_ipython_extension",
-]
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # driver side (the notebook)
+    "Session": "rtnb.driver._session",
+    "CellHandle": "rtnb.driver._cell",
+    "GroupState": "rtnb.driver._state",
+    "StateChange": "rtnb.driver._state",
+    "GroupStatus": "rtnb.driver._status",
+    "SessionConfig": "rtnb.core._config",
+    "PerRank": "rtnb.core._values",
+    "MetricsStore": "rtnb.metrics._store",
+    "Progress": "rtnb.metrics._store",
+    "Report": "rtnb.metrics._store",
+    "Result": "rtnb.storage._result",
+    "list_runs": "rtnb.storage._result",
+    "Checkpoint": "rtnb.storage._checkpoint",
+    "CheckpointInfo": "rtnb.storage._checkpoints",
+    # rank side (inside a cell), named as in ray.train
+    "CellStopped": "rtnb.worker._runtime",
+    "RankContext": "rtnb.worker._runtime",
+    "get_checkpoint": "rtnb.worker._api",
+    "get_context": "rtnb.worker._api",
+    "get_device": "rtnb.worker._api",
+    "get_devices": "rtnb.worker._api",
+    "prepare_data_loader": "rtnb.worker._api",
+    "prepare_model": "rtnb.worker._api",
+    "report": "rtnb.worker._api",
+    # errors
+    "CellError": "rtnb.errors",
+    "CellInterrupted": "rtnb.errors",
+    "CheckpointError": "rtnb.errors",
+    "ClusterError": "rtnb.errors",
+    "ConfigError": "rtnb.errors",
+    "RtnbError": "rtnb.errors",
+    "SessionError": "rtnb.errors",
+    "WorkerGroupError": "rtnb.errors",
+}
+
+__all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rtnb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython) -> None:
@@ -98,3 +91,36 @@ def unload_ipython_extension(ipython) -> None:
     from rtnb.magics import unload_ipython_extension as unload
 
     unload(ipython)
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from rtnb.core._config import SessionConfig
+    from rtnb.core._values import PerRank
+    from rtnb.driver._cell import CellHandle
+    from rtnb.driver._session import Session
+    from rtnb.driver._state import GroupState, StateChange
+    from rtnb.driver._status import GroupStatus
+    from rtnb.errors import (
+        CellError,
+        CellInterrupted,
+        CheckpointError,
+        ClusterError,
+        ConfigError,
+        RtnbError,
+        SessionError,
+        WorkerGroupError,
+    )
+    from rtnb.metrics._store import MetricsStore, Progress, Report
+    from rtnb.storage._checkpoint import Checkpoint
+    from rtnb.storage._checkpoints import CheckpointInfo
+    from rtnb.storage._result import Result, list_runs
+    from rtnb.worker._api import (
+        get_checkpoint,
+        get_context,
+        get_device,
+        get_devices,
+        prepare_data_loader,
+        prepare_model,
+        report,
+    )
+    from rtnb.worker._runtime import CellStopped, RankContext

@@ -30,6 +30,7 @@ __all__ = [
     "RtnbError",
     "SessionError",
     "WorkerGroupError",
+    "one_line",
 ]
 
 
@@ -137,10 +138,17 @@ class CellError(RtnbError):
         return lines
 
 
-def first_line(exc: BaseException) -> str:
-    """An exception from a library, in one line for a message of ours."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """Any exception (ours, a library's, a rank's) as one line for a message of ours.
+
+    A Ray task error carries the remote exception as ``cause``; its own text is a
+    whole remote traceback, so the cause is what gets described.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return one_line(cause, limit)
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return text[0][:limit] if text else type(exc).__name__
 
 
 def _join(ranks: Sequence[int]) -> str:

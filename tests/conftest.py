@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rtnb._cluster import _use_auth_token_if_present
+from rtnb.driver._cluster import _use_auth_token_if_present
 
 # Ray reads its auth mode once, when first imported; a unit test that imports Ray
 # (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
@@ -203,7 +203,7 @@ def ray_head():
 @pytest.fixture(scope="session")
 def ray_cluster(ray_head):
     """This test process connected to the session's cluster."""
-    from rtnb._cluster import connect
+    from rtnb.driver._cluster import connect
 
     connect(ray_head.address)
     return ray_head

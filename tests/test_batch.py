@@ -15,7 +15,7 @@ from tests._kernel import new_notebook
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 REPO = Path(__file__).resolve().parent.parent
-RTNB = [sys.executable, "-m", "rtnb.cli"]
+RTNB = [sys.executable, "-m", "rtnb.batch.cli"]
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -168,8 +168,8 @@ def _notebook(tmp_path: Path, name: str, cells: list[str]) -> Path:
 
 
 def _checkpoints(tmp_path: Path, run: str):
-    from rtnb._checkpoints import CheckpointStore
-    from rtnb._rundir import RunDirectory
+    from rtnb.storage._checkpoints import CheckpointStore
+    from rtnb.storage._rundir import RunDirectory
 
     return CheckpointStore(RunDirectory(str(tmp_path / "rtnb_runs"), run))
 

@@ -189,14 +189,14 @@ def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_pa
     with rtnb.Session(workers=2, storage=str(tmp_path), name="cli-run") as session:
         session.run(SAVE_LOOP.format(n=2))
     runs = subprocess.run(
-        [sys.executable, "-m", "rtnb.cli", "runs", str(tmp_path)],
+        [sys.executable, "-m", "rtnb.batch.cli", "runs", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert runs.returncode == 0 and "cli-run" in runs.stdout and "stopped" in runs.stdout
     table = subprocess.run(
-        [sys.executable, "-m", "rtnb.cli", "checkpoints", "cli-run", "--storage", str(tmp_path)],
+        [sys.executable, "-m", "rtnb.batch.cli", "checkpoints", "cli-run", "--storage", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -206,7 +206,7 @@ def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_pa
     assert [line.split()[0] for line in lines[1:]] == ["step-000000001", "step-000000002"]
     assert all(line.rstrip().endswith("committed") for line in lines[1:])
     missing = subprocess.run(
-        [sys.executable, "-m", "rtnb.cli", "checkpoints", "nope", "--storage", str(tmp_path)],
+        [sys.executable, "-m", "rtnb.batch.cli", "checkpoints", "nope", "--storage", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,

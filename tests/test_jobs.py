@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 REPO = Path(__file__).resolve().parent.parent
-RTNB = [sys.executable, "-m", "rtnb.cli"]
+RTNB = [sys.executable, "-m", "rtnb.batch.cli"]
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from rtnb._metrics import MetricsStore
-from rtnb._metricslog import MetricsLog
-from rtnb._result import Result, list_runs
-from rtnb._rundir import RunDirectory
-from rtnb._series import BoundedSeries
+from rtnb.metrics._series import BoundedSeries
+from rtnb.metrics._store import MetricsStore
+from rtnb.storage._metricslog import MetricsLog
+from rtnb.storage._result import Result, list_runs
+from rtnb.storage._rundir import RunDirectory
 
 
 def test_bounded_series_keeps_few_evenly_spread_points_and_the_latest():

@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from rtnb._config import SessionConfig, parse_ranks
-from rtnb._rank import RankContext, RankRuntime
-from rtnb._state import GroupState, StateMachine
-from rtnb._values import PerRank, RemoteRepr, from_portable
+from rtnb.core._config import SessionConfig, parse_ranks
+from rtnb.core._messages import CellState, RankUpdate
+from rtnb.core._values import PerRank, RemoteRepr, from_portable
+from rtnb.driver._state import GroupState, StateMachine
 from rtnb.errors import CellError, CellInterrupted, ConfigError
+from rtnb.worker._runtime import RankContext, RankRuntime
 
 
 # ---- config ---------------------------------------------------------------------------
@@ -110,52 +111,53 @@ def runtime():
     sys.stdout, sys.stderr = saved
 
 
-def _run(rt: RankRuntime, code: str, cell_id: int = 1, timeout: float = 10.0) -> dict:
+def _run(rt: RankRuntime, code: str, cell_id: int = 1, timeout: float = 10.0) -> RankUpdate:
+    """Run a cell to its end; one RankUpdate with every poll's output and reports."""
     rt.start_cell(cell_id, code)
     deadline = time.monotonic() + timeout
-    merged = {"output": [], "reports": []}
+    output, reports = [], []
     while time.monotonic() < deadline:
         update = rt.wait(0.2, 0.0)
-        merged["output"] += update["output"]
-        merged["reports"] += update["reports"]
-        if update["state"] != "running":
-            merged.update({k: v for k, v in update.items() if k not in ("output", "reports")})
-            return merged
+        output += update.output
+        reports += update.reports
+        if update.state is not CellState.RUNNING:
+            update.output, update.reports = output, reports
+            return update
     raise AssertionError("cell did not finish")
 
 
 def test_runtime_keeps_namespace_and_returns_last_expression(runtime):
-    assert _run(runtime, "x = 40")["state"] == "done"
+    assert _run(runtime, "x = 40").state is CellState.DONE
     update = _run(runtime, "print('hi')\nx + 2", cell_id=2)
-    assert from_portable(update["value"]) == 42
-    assert "".join(text for _s, text in update["output"]) == "hi\n"
+    assert from_portable(update.value) == 42
+    assert "".join(text for _s, text in update.output) == "hi\n"
 
 
 def test_runtime_traceback_shows_user_code_only(runtime):
     update = _run(runtime, "def f():\n    raise ValueError('boom')\nf()")
-    summary, tb = update["error"]
+    summary, tb = update.error
     assert summary == "ValueError: boom"
     assert "<rtrain-cell-1>" in tb and "raise ValueError('boom')" in tb
-    assert "_rank.py" not in tb
+    assert "_runtime.py" not in tb
 
 
 def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
     runtime.start_cell(
         1,
-        "import time\nfrom rtnb._rank import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)",
+        "import time\nfrom rtnb.worker._runtime import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)",
     )
     time.sleep(0.1)
     runtime.request_stop()
     deadline = time.monotonic() + 5
     update = runtime.wait(2.0, 0.0)
-    while update["paused_at"] is None and time.monotonic() < deadline:
+    while update.paused_at is None and time.monotonic() < deadline:
         update = runtime.wait(2.0, 0.0)
-    assert update["paused_at"] is not None, "a rank must pause at its next report()"
-    paused = update["paused_at"]
+    assert update.paused_at is not None, "a rank must pause at its next report()"
+    paused = update.paused_at
     runtime.set_stop_target(paused + 3)
-    while update["state"] == "running":
+    while update.state is CellState.RUNNING:
         update = runtime.wait(2.0, 0.0)
-    assert update["state"] == "interrupted"
+    assert update.state is CellState.INTERRUPTED
     assert runtime.step == paused + 3
 
 
@@ -164,7 +166,7 @@ def test_interrupt_breaks_a_pure_python_loop(runtime):
     time.sleep(0.2)
     assert runtime.interrupt()
     update = runtime.wait(5.0, 0.0)
-    assert update["state"] == "interrupted"
+    assert update.state is CellState.INTERRUPTED
     assert runtime.namespace["n"] > 0
 
 
@@ -173,12 +175,12 @@ def test_output_from_other_threads_is_captured(runtime):
         runtime,
         "import threading\nt = threading.Thread(target=lambda: print('from thread'))\nt.start(); t.join()",
     )
-    assert "from thread" in "".join(text for _s, text in update["output"])
+    assert "from thread" in "".join(text for _s, text in update.output)
 
 
 def test_rank_api_outside_a_rank_says_where_to_call_it():
     import rtnb
-    from rtnb import _rank
+    from rtnb.worker import _runtime as _rank
 
     saved, _rank._CURRENT = _rank._CURRENT, None
     try:
@@ -190,7 +192,7 @@ def test_rank_api_outside_a_rank_says_where_to_call_it():
 
 
 def test_node_local_storage_is_refused_for_ranks_on_several_nodes():
-    from rtnb._group import check_storage_locality
+    from rtnb.driver._group import check_storage_locality
 
     check_storage_locality(1, "/data/runs", allowed=False)
     check_storage_locality(3, "s3://bucket/runs", allowed=False)

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rtnb._actor import ACTOR_CONCURRENCY, RankActor
-from rtnb._config import SessionConfig
-from rtnb.errors import ClusterError, ConfigError, WorkerGroupError
+from rtnb.core._config import SessionConfig
+from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
+from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
 
 __all__ = ["RankInfo", "WorkerGroup", "check_storage_locality"]
 
@@ -61,8 +61,10 @@ class WorkerGroup:
             ready = self._placement_group.ready()
             ray.wait([ready], timeout=cfg.placement_timeout_s)
             ray.get(ready, timeout=0.01)
-        except Exception:  # noqa: BLE001 - timeout or infeasible
-            self.shutdown()
+        except BaseException as exc:  # timeout, infeasible, or Ctrl-C
+            self.shutdown(graceful=False)
+            if not isinstance(exc, Exception):
+                raise
             raise ClusterError(
                 f"Ray could not place {cfg.workers} workers with {bundle} each "
                 f"({cfg.strategy}) within {cfg.placement_timeout_s:.0f} s: the resources are "
@@ -117,7 +119,11 @@ class WorkerGroup:
             raise
         except Exception as exc:  # noqa: BLE001
             self.shutdown()
-            raise WorkerGroupError(f"the worker group failed to start: {_one_line(exc)}") from None
+            raise WorkerGroupError(f"the worker group failed to start: {one_line(exc)}") from None
+        except BaseException:
+            # Ctrl-C while the ranks start: nothing may keep holding CPUs or GPUs.
+            self.shutdown(graceful=False)
+            raise
 
     def _check_capacity(self) -> None:
         import ray
@@ -211,7 +217,3 @@ def check_storage_locality(node_count: int, storage_path: str, allowed: bool) ->
             "shared by all nodes, pass --allow-local-storage"
         )
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rtnb._batch import check_timeout, parse_parameters
-from rtnb.errors import ClusterError, ConfigError, first_line
+from rtnb.batch._runner import check_timeout, parse_parameters
+from rtnb.errors import ClusterError, ConfigError, one_line
 
 __all__ = ["JobRow", "default_job_address", "job_logs", "list_jobs", "submit_notebook"]
 
@@ -45,7 +45,7 @@ class JobRow:
 
 
 def _client(address: str):
-    from rtnb._cluster import _probe, _use_auth_token_if_present
+    from rtnb.driver._cluster import _probe, _use_auth_token_if_present
 
     parsed = urlparse(address if "://" in address else f"http://{address}")
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -66,7 +66,7 @@ def _client(address: str):
         return JobSubmissionClient(f"{parsed.scheme}://{parsed.hostname}:{port}")
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError/RuntimeError/...
         raise ClusterError(
-            f"cannot use the Ray job server at {address}: {first_line(exc)}"
+            f"cannot use the Ray job server at {address}: {one_line(exc)}"
         ) from None
 
 
@@ -126,7 +126,7 @@ def submit_notebook(
             metadata={"rtnb": "notebook", "notebook": src.name},
         )
     except Exception as exc:  # noqa: BLE001 - Ray's HTTP errors
-        raise ClusterError(f"the job server refused the job: {first_line(exc)}") from None
+        raise ClusterError(f"the job server refused the job: {one_line(exc)}") from None
     finally:
         if staged:
             shutil.rmtree(staged, ignore_errors=True)
@@ -138,7 +138,7 @@ def list_jobs(address: str, include_all: bool = False) -> list[JobRow]:
     try:
         jobs = client.list_jobs()
     except Exception as exc:  # noqa: BLE001
-        raise ClusterError(f"cannot list jobs at {address}: {first_line(exc)}") from None
+        raise ClusterError(f"cannot list jobs at {address}: {one_line(exc)}") from None
     rows = []
     for job in jobs:
         metadata = job.metadata or {}
@@ -165,7 +165,7 @@ def job_logs(address: str, submission_id: str, follow: bool, write) -> str:
         status = client.get_job_status(submission_id)
     except Exception as exc:  # noqa: BLE001 - unknown ids come back as HTTP errors
         raise ConfigError(
-            f"no job {submission_id!r} at {address} ({first_line(exc)}); see `rtnb jobs`"
+            f"no job {submission_id!r} at {address} ({one_line(exc)}); see `rtnb jobs`"
         ) from None
     if not follow:
         write(client.get_job_logs(submission_id))

@@ -1,4 +1,9 @@
-"""The driver's side of checkpoints: commit, list, retention, choose for resume."""
+"""A run's checkpoints in storage: commit (manifest last), list, retention, delete.
+
+Committed manifests never change, so each is read from storage once and kept;
+listing a run of a thousand checkpoints costs one directory listing, not a
+thousand reads.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rtnb._checkpoint import MANIFEST, Checkpoint
-from rtnb._metricslog import to_number
-from rtnb._rundir import RunDirectory
-from rtnb.errors import CheckpointError
+from rtnb.core._messages import CheckpointOffer
+from rtnb.core._text import mean_over_ranks, to_number
+from rtnb.errors import CheckpointError, one_line
+from rtnb.storage._checkpoint import MANIFEST, Checkpoint
+from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["CheckpointInfo", "CheckpointStore", "checkpoint_id"]
 
@@ -26,7 +32,7 @@ def checkpoint_id(step: int) -> str:
 def _step_in(name: str) -> int | None:
     """The step a checkpoint name holds (``step-000000012``, ``step-12``, ``12``)."""
     number = name.removeprefix("step-")
-    return int(number) if number.isdigit() else None
+    return int(number) if number.isascii() and number.isdigit() else None
 
 
 @dataclass
@@ -60,6 +66,7 @@ class CheckpointStore:
         self.keep, self.score, self.mode = keep, score, mode
         self.base = posixpath.join(run_dir.path, "checkpoints")
         self._pending: dict[str, dict] = {}
+        self._manifests: dict[str, CheckpointInfo] = {}
         self._lock = threading.RLock()
         self._subscribers: list[Callable[[CheckpointInfo], None]] = []
 
@@ -68,17 +75,16 @@ class CheckpointStore:
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
     # ---- commit ------------------------------------------------------------------------
-    def offer(
-        self, rank: int, step: int, timestamp: float, metrics: dict, files: list[dict]
-    ) -> None:
-        """A rank's files for the checkpoint at ``step`` are in storage."""
+    def offer(self, rank: int, offer: CheckpointOffer) -> None:
+        """A rank's files for the checkpoint at ``offer.step`` are in storage."""
         with self._lock:
             entry = self._pending.setdefault(
-                checkpoint_id(step), {"step": step, "time": timestamp, "ranks": {}, "metrics": {}}
+                checkpoint_id(offer.step),
+                {"step": offer.step, "time": offer.time, "ranks": {}, "metrics": {}},
             )
-            entry["ranks"][rank] = files
-            entry["metrics"][rank] = metrics
-            entry["time"] = max(entry["time"], timestamp)
+            entry["ranks"][rank] = offer.files
+            entry["metrics"][rank] = offer.metrics
+            entry["time"] = max(entry["time"], offer.time)
 
     def commit_ready(self, last_steps: dict[int, int], expected: set[int]) -> list[CheckpointInfo]:
         """Commit every pending checkpoint whose step all expected ranks have passed
@@ -90,17 +96,18 @@ class CheckpointStore:
         with self._lock:
             for cid in sorted(self._pending):
                 if self._pending[cid]["step"] <= floor:
-                    committed.append(self._commit(cid, self._pending.pop(cid)))
+                    try:
+                        committed.append(self._commit(cid, self._pending.pop(cid)))
+                    except CheckpointError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - storage errors of any kind
+                        raise CheckpointError(
+                            f"committing checkpoint {cid} failed: {one_line(exc)}"
+                        ) from None
         return committed
 
     def _commit(self, cid: str, entry: dict) -> CheckpointInfo:
-        per_rank = entry["metrics"]
-        names = sorted({k for m in per_rank.values() for k in m})
-        mean = {}
-        for name in names:
-            numbers = [to_number(m[name]) for m in per_rank.values() if name in m]
-            if numbers and all(v is not None for v in numbers):
-                mean[name] = sum(numbers) / len(numbers)
+        mean = mean_over_ranks(entry["metrics"])
         files = []
         for rank, rank_files in sorted(entry["ranks"].items()):
             files.extend({**f, "rank": rank} for f in rank_files)
@@ -112,8 +119,16 @@ class CheckpointStore:
             ranks=sorted(entry["ranks"]),
             files=files,
         )
+        manifest = posixpath.join("checkpoints", cid, MANIFEST)
+        if cid in self._manifests or self.run_dir.exists(manifest):
+            # Never rewrite a committed checkpoint: its files were verified as they are.
+            raise CheckpointError(
+                f"checkpoint {cid} is already committed and is never rewritten; report "
+                "later steps (pass step= larger than every step saved so far)"
+            )
         # The manifest is written last: its presence is what makes the checkpoint real.
-        self.run_dir.write_json(posixpath.join("checkpoints", cid, MANIFEST), asdict(info))
+        self.run_dir.write_json(manifest, asdict(info))
+        self._manifests[cid] = info
         self._write_index()
         self._apply_retention()
         for callback in list(self._subscribers):
@@ -135,12 +150,10 @@ class CheckpointStore:
         for folder in sorted(
             (i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.base_name
         ):
-            try:
-                record = self.run_dir.read_json(
-                    posixpath.join("checkpoints", folder.base_name, MANIFEST)
-                )
-                found.append(CheckpointInfo(**record))
-            except (FileNotFoundError, OSError, ValueError):
+            info = self._manifest(folder.base_name)
+            if info is not None:
+                found.append(info)
+            else:
                 if include_incomplete:
                     step = _step_in(folder.base_name)
                     found.append(
@@ -155,6 +168,16 @@ class CheckpointStore:
                         )
                     )
         return sorted(found, key=lambda c: (c.status != "committed", c.step))
+
+    def _manifest(self, cid: str) -> CheckpointInfo | None:
+        info = self._manifests.get(cid)
+        if info is None:
+            try:
+                record = self.run_dir.read_json(posixpath.join("checkpoints", cid, MANIFEST))
+                info = self._manifests[cid] = CheckpointInfo(**record)
+            except (FileNotFoundError, OSError, ValueError, TypeError):
+                return None
+        return info
 
     def latest(self) -> CheckpointInfo | None:
         committed = [c for c in self.list() if c.status == "committed"]
@@ -172,6 +195,12 @@ class CheckpointStore:
             if info is None:
                 raise CheckpointError("this run has no committed checkpoint yet")
             cid = info.id
+        if _step_in(cid) is None:
+            # Also what keeps a typed name from reaching outside checkpoints/.
+            raise CheckpointError(
+                f"{cid!r} is not a checkpoint id: use latest, a step (12) or an id "
+                "(step-000000012); see `%rtnb checkpoints`"
+            )
         try:
             record = self.run_dir.read_json(posixpath.join("checkpoints", cid, MANIFEST))
         except (FileNotFoundError, OSError, ValueError):
@@ -213,7 +242,14 @@ class CheckpointStore:
         self._write_index()
 
     def delete(self, cid: str, _index: bool = True) -> None:
+        """Delete a committed checkpoint (never the latest one)."""
+        if _step_in(cid) is None or self._manifest(cid) is None:
+            raise CheckpointError(f"no committed checkpoint {cid!r} in this run to delete")
+        latest = self.latest()
+        if latest is not None and latest.id == cid:
+            raise CheckpointError(f"{cid} is the latest checkpoint of the run and is kept")
         folder = posixpath.join(self.base, cid)
+        self._manifests.pop(cid, None)
         # Manifest first: a half-deleted checkpoint must never look committed.
         try:
             self.run_dir.fs.delete_file(posixpath.join(folder, MANIFEST))

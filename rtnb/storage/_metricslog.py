@@ -14,28 +14,15 @@ import posixpath
 import time
 from typing import Any
 
-from rtnb._rundir import RunDirectory
+from rtnb.core._text import to_number
+from rtnb.storage._rundir import RunDirectory
 
-__all__ = ["MetricsLog", "read_metrics", "to_number"]
+__all__ = ["MetricsLog", "read_metrics"]
 
 _FLUSH_EVERY_S = 1.0
 _FLUSH_EVERY_RECORDS = 20_000
 
 
-def to_number(value: Any) -> float | None:
-    """A plottable float for ``value`` (ints, floats, 0-d tensors/arrays), else None."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
-    item = getattr(value, "item", None)
-    if item is not None:
-        try:
-            out = item()
-        except Exception:  # noqa: BLE001 - not a scalar
-            return None
-        return float(out) if isinstance(out, (int, float)) else None
-    return None
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,7 +11,8 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from rtnb._rank import RankContext, RankRuntime
+from rtnb.core._messages import RankUpdate
+from rtnb.worker._runtime import RankContext, RankRuntime
 
 __all__ = ["RankActor", "ACTOR_CONCURRENCY"]
 
@@ -28,7 +29,7 @@ class RankActor:
     def __init__(self, context: dict[str, Any], env: dict[str, str]) -> None:
         os.environ.update(env)
         self.runtime = RankRuntime(RankContext(**context))
-        from rtnb import _compat
+        from rtnb.worker import _compat
 
         _compat.install_ray_train_aliases()
 
@@ -94,12 +95,14 @@ class RankActor:
             dist.destroy_process_group()
 
     # ---- cells -------------------------------------------------------------------------
-    def run(self, cell_id: int, code: str) -> dict:
+    def run(
+        self, cell_id: int, code: str, checkpoint: Any = None, replay: bool = False
+    ) -> RankUpdate:
         """Start a cell and long-poll once, so a short cell costs one round trip."""
-        self.runtime.start_cell(cell_id, code)
+        self.runtime.start_cell(cell_id, code, checkpoint, replay)
         return self.runtime.wait(POLL_WAIT_S, BATCH_S)
 
-    def poll(self) -> dict:
+    def poll(self) -> RankUpdate:
         return self.runtime.wait(POLL_WAIT_S, BATCH_S)
 
     def request_stop(self) -> int:
@@ -114,14 +117,17 @@ class RankActor:
     def pull(self, name: str):
         return self.runtime.pull(name)
 
-    def push(self, values: dict[str, Any]) -> None:
-        self.runtime.push(values)
+    def push(self, values: dict[str, Any] | bytes) -> None:
+        """Set variables; ``bytes`` are a cloudpickled dict (the journal's form, so
+        a pushed value is serialized once for both)."""
+        if isinstance(values, bytes):
+            from ray import cloudpickle
 
-    def set_checkpoint(self, checkpoint) -> None:
-        self.runtime.checkpoint = checkpoint
+            values = cloudpickle.loads(values)
+        self.runtime.push(values)
 
     def set_step(self, step: int) -> None:
         self.runtime.step = step
 
     def ping(self) -> str:
-        return self.runtime.state
+        return str(self.runtime.state)

@@ -38,6 +38,7 @@ from typing import Any
 
 import xxhash
 
+from rtnb.core._context import current_rank
 from rtnb.errors import CheckpointError
 
 __all__ = ["MANIFEST", "Checkpoint", "upload_directory"]
@@ -84,10 +85,15 @@ class Checkpoint:
         import torch
 
         folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
-        torch.save(state, os.path.join(folder, _state_file(_this_rank())))
+        torch.save(state, os.path.join(folder, _state_file(current_rank())))
         checkpoint = cls(folder)
         checkpoint._temporary = True  # removed once reported (the upload keeps the data)
         return checkpoint
+
+    def discard(self) -> None:
+        """Remove the temp folder of a ``from_state`` checkpoint that is not kept."""
+        if self._temporary:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     @property
     def id(self) -> str:
@@ -180,7 +186,7 @@ class Checkpoint:
                 )
             # Each rank reads its own shard; when only some ranks saved (often rank 0
             # alone), the others read the lowest rank's.
-            mine = _state_file(_this_rank())
+            mine = _state_file(current_rank())
             chosen = (
                 mine
                 if mine in shards
@@ -307,13 +313,6 @@ def _unchanged_since_commit(path: str, entry: dict) -> bool:
     return st.st_size == entry["size"] and _stamp_of(st) == stamp
 
 
-def _this_rank() -> int:
-    from rtnb._rank import current_runtime
-
-    runtime = current_runtime()
-    return runtime.context.world_rank if runtime is not None else 0
-
-
 def _state_file(rank: int) -> str:
     return f"state-rank{rank}.pt"
 
@@ -351,6 +350,19 @@ def _digest(src, algorithm: str = HASH, copy_to=None) -> tuple[str, int]:
 def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
     """Copy ``source``'s files into ``dest_path``, hashing on the way; the file list
     (path, size, hash) for the manifest."""
+    try:
+        entries = _copy_files(source, dest_fs, dest_path)
+    finally:
+        # rtnb's own temp copy goes whether the upload worked or not.
+        source.discard()
+    if type(dest_fs).__name__ == "LocalFileSystem":
+        # Stamped last: unlinking the temp copy's second name moved the ctime.
+        for entry in entries:
+            entry["stamp"] = _inode_stamp(posixpath.join(dest_path, entry["path"]))
+    return entries
+
+
+def _copy_files(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
     entries = []
     local_to_local = source.is_local and type(dest_fs).__name__ == "LocalFileSystem"
     for rel in source._files():
@@ -376,10 +388,4 @@ def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
         ):
             digest, size = _digest(src, copy_to=out)
         entries.append({"path": rel, "size": size, HASH: digest})
-    if source._temporary:
-        shutil.rmtree(source.path, ignore_errors=True)
-    if type(dest_fs).__name__ == "LocalFileSystem":
-        # Stamped last: unlinking the temp copy's second name moved the ctime.
-        for entry in entries:
-            entry["stamp"] = _inode_stamp(posixpath.join(dest_path, entry["path"]))
     return entries

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import posixpath
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtnb._metricslog import read_metrics, to_number
-from rtnb._rundir import RunDirectory
+from rtnb.core._text import format_table, mean_over_ranks
 from rtnb.errors import ConfigError
+from rtnb.storage._metricslog import read_metrics
+from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["Result", "RunSummary", "list_runs"]
 
@@ -55,7 +55,7 @@ class Result:
         }
         return cls(
             path=path,
-            metrics=mean_of_last(per_rank),
+            metrics=mean_over_ranks(per_rank),
             metrics_per_rank=per_rank,
             run_name=record.get("run_name", ""),
         )
@@ -65,17 +65,6 @@ class Result:
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.metrics.items()
         )
         return f"Result(run={self.run_name!r}, metrics={{{shown}}}, path={self.path!r}, error={self.error!r})"
-
-
-def mean_of_last(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    names = sorted({k for m in per_rank.values() for k in m})
-    out: dict[str, Any] = {}
-    for name in names:
-        values = [to_number(m[name]) for m in per_rank.values() if name in m]
-        numbers = [v for v in values if v is not None]
-        if numbers and len(numbers) == len(values):
-            out[name] = statistics.fmean(numbers)
-    return out
 
 
 def _run_dir(path: str) -> RunDirectory:
@@ -113,10 +102,7 @@ class RunTable:
             ]
             for r in self.runs
         ]
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        return "\n".join(
-            "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows
-        )
+        return format_table(rows)
 
     __repr__ = __str__
 

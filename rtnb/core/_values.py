@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-__all__ = ["PerRank", "RemoteRepr", "from_portable"]
+__all__ = ["PerRank", "RemoteRepr", "from_portable", "to_portable"]
 
 
 class RemoteRepr:
@@ -16,6 +16,30 @@ class RemoteRepr:
 
     def __repr__(self) -> str:
         return self.text
+
+
+# A value's repr beyond this many characters is cut: it is shown, not stored.
+_MAX_REPR_CHARS = 10_000
+
+
+def to_portable(value: Any) -> tuple[bytes | None, str]:
+    """A value as (pickled bytes or None, repr), so the other side can show it
+    either way: a value only the ranks can unpickle still prints."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001
+        text = f"<unrepresentable {type(value).__name__}: {exc}>"
+    if len(text) > _MAX_REPR_CHARS:
+        text = text[:_MAX_REPR_CHARS] + " …"
+    try:
+        from ray import cloudpickle as dumper
+    except ImportError:  # outside Ray (unit tests): plain pickle is enough
+        dumper = pickle
+    try:
+        data = dumper.dumps(value)
+    except Exception:  # noqa: BLE001 - unpicklable values come back as their repr
+        data = None
+    return data, text
 
 
 def from_portable(portable: tuple[bytes | None, str] | None) -> Any:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rtnb._rank import RankContext, RankRuntime, current_runtime
 from rtnb.errors import RtnbError, SessionError
+from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
 __all__ = [
     "get_checkpoint",
@@ -79,7 +79,7 @@ def report(
 def get_checkpoint():
     """The checkpoint chosen for resume (``%rtnb resume``/Load), else the latest
     committed one of this run, else None (as Ray Train's ``get_checkpoint``)."""
-    return _runtime("get_checkpoint").checkpoint
+    return _runtime("get_checkpoint").hand_out_checkpoint()
 
 
 def prepare_model(

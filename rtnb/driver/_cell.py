@@ -1,9 +1,11 @@
 """Running one cell on the ranks: streaming, results, errors, and the stop protocol.
 
-:class:`CellHandle` drives a cell from the driver: it long-polls every rank,
-forwards output and reports as they arrive, and turns the ranks' outcomes into a
-:class:`PerRank` value or one rtnb error. Stopping (interrupt, timeout,
-``handle.stop()``) follows DESIGN.md section 3:
+:class:`CellHandle` drives a cell from the driver: it long-polls every rank, feeds
+output, reports and checkpoint offers to the session as they arrive (each poll
+answer is one :class:`~rtnb.core._messages.RankUpdate`), and turns the ranks'
+outcomes into a :class:`PerRank` value or one rtnb error. Stopping (interrupt,
+timeout, ``handle.stop()``) follows DESIGN.md section 3 through the phases of
+:class:`~rtnb.core._messages.StopPhase`:
 
 1. cooperative: every rank pauses at its next ``report()``; once all have paused
    they leave together at the same step, so none is left inside a collective;
@@ -11,25 +13,37 @@ forwards output and reports as they arrive, and turns the ranks' outcomes into a
    (reaches pure-Python loops);
 3. after another ``stop_grace_s``: the group is rebuilt (ranks blocked in C++,
    e.g. a collective whose peer has left, cannot be interrupted any other way).
+
+A *final* stop (the group itself is going away: stop, restart, scale) skips
+phase 2 and 3: after the cooperative grace the cell ends and the caller removes
+the group, exactly once. A rank that dies hands the cell to recovery
+(``_recovery.py``), which the session's failure policy allows or refuses.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rtnb._values import PerRank, from_portable
-from rtnb.errors import CellError, CellInterrupted, RtnbError, WorkerGroupError
+from rtnb.core._messages import CellState, RankUpdate, StopPhase
+from rtnb.core._values import PerRank, from_portable
+from rtnb.driver._output import OutputSink
+from rtnb.errors import (
+    CellError,
+    CellInterrupted,
+    CheckpointError,
+    RtnbError,
+    SessionError,
+    WorkerGroupError,
+    one_line,
+)
 
 if TYPE_CHECKING:
-    from rtnb._session import Session
+    from rtnb.driver._session import Session
 
-__all__ = ["CellHandle", "OutputSink", "print_sink"]
-
-OutputSink = Callable[[int, str, str], None]
+__all__ = ["CellHandle"]
 
 # How often the driver loop wakes to check stop deadlines and Ctrl-C.
 _TICK_S = 0.1
@@ -40,39 +54,7 @@ _LOG_LIMIT = 20_000
 
 
 class _Restart(Exception):
-    """Internal: the cell could not be stopped in place; the group must be rebuilt."""
-
-
-class _LinePrefixer:
-    """Writes rank output line by line with a ``[rank N]`` tag."""
-
-    def __init__(self) -> None:
-        self._partial: dict[tuple[int, str], str] = {}
-
-    def __call__(self, rank: int, stream: str, text: str) -> None:
-        if rank < 0:  # a note from rtnb itself, not a rank
-            (sys.stderr if stream == "stderr" else sys.stdout).write(text)
-            return
-        key = (rank, stream)
-        text = self._partial.pop(key, "") + text
-        lines = text.split("\n")
-        self._partial[key] = lines.pop()
-        if lines:
-            out = sys.stderr if stream == "stderr" else sys.stdout
-            out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-            out.flush()
-
-    def flush(self) -> None:
-        for (rank, stream), rest in list(self._partial.items()):
-            if rest:
-                out = sys.stderr if stream == "stderr" else sys.stdout
-                out.write(f"[rank {rank}] {rest}\n")
-                out.flush()
-        self._partial.clear()
-
-
-def print_sink() -> _LinePrefixer:
-    return _LinePrefixer()
+    """Internal: a rank died, or the cell could not be stopped in place."""
 
 
 class CellHandle:
@@ -80,6 +62,8 @@ class CellHandle:
 
     ``wait()`` returns its :class:`PerRank` value or raises its error; ``stop()``
     stops it on every rank; ``log`` keeps the recent output for late viewers.
+    ``loaded`` maps each rank to the checkpoint its ``get_checkpoint()`` handed
+    out; after a recovery ``restarted_from`` is what the ranks really loaded.
     """
 
     def __init__(
@@ -90,6 +74,9 @@ class CellHandle:
         ranks: list[int],
         timeout_s: float | None = None,
         background: bool = False,
+        *,
+        replay: bool = False,
+        journal_seq: int | None = None,
     ) -> None:
         self.session = session
         self.cell_id = cell_id
@@ -97,6 +84,8 @@ class CellHandle:
         self.ranks = ranks
         self.timeout_s = timeout_s
         self.background = background
+        self.replay = replay  # rebuilding state after a failure: nothing is published
+        self.journal_seq = journal_seq
         self.started_at = time.time()
         self.ended_at: float | None = None
         self.steps: dict[int, int] = {r: 0 for r in ranks}
@@ -105,8 +94,8 @@ class CellHandle:
         self.reported = False
         self.recoveries = 0
         self.recovering = False  # the group is being rebuilt for this cell right now
-        self.restarted_from: str | None = None  # checkpoint id of the latest restart
-        self.replay = False  # a replayed cell during recovery: no bookkeeping, no recovery
+        self.restarted_from: str | None = None  # what the ranks loaded after a restart
+        self.loaded: dict[int, str | None] = {}
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._done = threading.Event()
@@ -114,16 +103,19 @@ class CellHandle:
         self._error: BaseException | None = None
         # Driver loop state; kept on self so the loop can be re-entered after Ctrl-C.
         self._pending: dict[Any, int] = {}
-        self._last: dict[int, dict] = {}
-        self._finished: dict[int, dict] = {}
+        self._last: dict[int, RankUpdate] = {}
+        self._finished: dict[int, RankUpdate] = {}
         self._dead: dict[int, str] = {}
         self._stop_reason: str | None = None
-        self._stop_phase = ""
+        self._stop_phase = StopPhase.NONE
+        self._final = False
         self._phase_started = 0.0
         self._first_pause_at: float | None = None
         self._stop_target: int | None = None
         self._interrupt_sent = False
         self._stop_lock = threading.Lock()
+        self._commit_error: CheckpointError | None = None
+        self._restart_noted = True
 
     # ---- public ------------------------------------------------------------------------
     def add_sink(self, sink: OutputSink, replay: bool = True) -> None:
@@ -143,9 +135,23 @@ class CellHandle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> PerRank:
-        """Block until the cell ends; its value per rank, or its error raised."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"cell {self.cell_id} is still running after {timeout} s")
+        """Block until the cell ends; its value per rank, or its error raised.
+
+        Never hangs on a group that is gone: a cell whose group was stopped and that
+        has not ended within the stop grace raises one SessionError line."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        gone_since: float | None = None
+        while not self._done.wait(0.2):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"cell {self.cell_id} is still running after {timeout} s")
+            if self.session.state.value in ("stopped", "failed", "new"):
+                gone_since = gone_since or now
+                if now - gone_since > self.session.config.stop_grace_s + 1.0:
+                    raise SessionError(
+                        f"cell {self.cell_id} lost its worker group (the group is "
+                        f"{self.session.state}); nothing is left to wait for"
+                    )
         if self._error is not None:
             raise self._error
         assert self._value is not None
@@ -161,16 +167,21 @@ class CellHandle:
     def elapsed_s(self) -> float:
         return (self.ended_at or time.time()) - self.started_at
 
-    def stop(self, reason: str = "stopped by the user") -> None:
-        """Ask every rank to stop (cooperatively first); returns at once."""
+    def stop(self, reason: str = "stopped by the user", final: bool = False) -> None:
+        """Ask every rank to stop (cooperatively first); returns at once.
+
+        ``final``: the group is about to go away (stop, restart, scale): after the
+        cooperative grace the cell just ends; whoever asked removes the group."""
         with self._stop_lock:
+            if final:
+                self._final = True
             if self._stop_reason is None:
                 self._stop_reason = reason
-                self._stop_phase = "requested"
-            elif self._stop_phase == "cooperative":
-                self._enter_phase("raise")  # a second request escalates
-            elif self._stop_phase == "raise":
-                self._enter_phase("restart")
+                self._stop_phase = StopPhase.REQUESTED
+            elif self._stop_phase is StopPhase.COOPERATIVE:
+                self._enter_phase(StopPhase.RAISE)  # a second request escalates
+            elif self._stop_phase is StopPhase.RAISE:
+                self._enter_phase(StopPhase.RESTART)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
@@ -179,9 +190,6 @@ class CellHandle:
     # ---- driving -----------------------------------------------------------------------
     def run_here(self) -> PerRank:
         """Drive the cell in this thread until it ends (Ctrl-C stops it on every rank)."""
-        return self._run_foreground()
-
-    def _run_foreground(self) -> PerRank:
         self._dispatch()
         while not self._done.is_set():
             try:
@@ -190,15 +198,21 @@ class CellHandle:
                 self.stop("interrupted (Ctrl-C / kernel interrupt)")
         return self.wait(0)
 
-    def _run_background(self) -> None:
+    def run_in_background(self) -> None:
         self._dispatch()
         thread = threading.Thread(target=self._loop, name=f"rtnb-cell-{self.cell_id}", daemon=True)
         thread.start()
 
+    def drive_replay(self) -> None:
+        """Run a replayed cell to its end in this thread; a rank death raises _Restart."""
+        self._dispatch()
+        self._drive()
+
     def _dispatch(self) -> None:
-        actors = self.session._require_group().actors
+        group = self.session._require_group()
+        checkpoint = self.session._checkpoint_for(self)
         for rank in self.ranks:
-            ref = actors[rank].run.remote(self.cell_id, self.code)
+            ref = group.actors[rank].run.remote(self.cell_id, self.code, checkpoint, self.replay)
             self._pending[ref] = rank
 
     def _loop(self) -> None:
@@ -206,19 +220,21 @@ class CellHandle:
             try:
                 self._drive()
             except _Restart:
+                if self._final:
+                    self._finish_abandoned()
+                    return
                 recovered = False
                 while (
                     self._dead
                     and self._stop_reason is None
-                    and not self.replay
-                    and self.session._can_recover()
+                    and self.session.policy.can_recover()
                 ):
                     try:
                         self._recover()
                         recovered = True
                         break
                     except _Restart:
-                        continue  # a rank died again while the cells were replayed
+                        continue  # a rank died again while the journal was replayed
                     except RtnbError as exc:
                         self._finish(
                             error=WorkerGroupError(
@@ -236,7 +252,7 @@ class CellHandle:
                 self._finish(
                     error=exc
                     if isinstance(exc, RtnbError)
-                    else WorkerGroupError(f"lost contact with the ranks: {_one_line(exc)}")
+                    else WorkerGroupError(f"lost contact with the ranks: {one_line(exc)}")
                 )
                 return
             self._finish_normally()
@@ -253,19 +269,28 @@ class CellHandle:
             for ref, update in zip(ready, updates):
                 rank = self._pending.pop(ref)
                 if isinstance(update, BaseException):
-                    self._dead[rank] = _one_line(update)
+                    self._dead[rank] = one_line(update)
                     continue
                 self._apply(update)
-                if update["state"] == "running":
+                if update.state is CellState.RUNNING:
                     self._pending[actors[rank].poll.remote()] = rank
                 else:
                     self._finished[rank] = update
             if self._dead:
                 raise _Restart()
-            if not self.replay:
-                self.session._commit_checkpoints(self)
+            self._commit()
             self._check_timeout()
             self._advance_stop(actors)
+
+    def _commit(self) -> None:
+        if self.replay or self._commit_error is not None:
+            return
+        try:
+            self.session._commit_checkpoints(self)
+        except CheckpointError as exc:
+            # The cell fails with this line; its ranks stop at a common step first.
+            self._commit_error = exc
+            self.stop(f"stopped: {exc}")
 
     def _death_summary(self) -> str:
         ranks = sorted(self._dead)
@@ -278,37 +303,58 @@ class CellHandle:
         )
 
     def _recover(self) -> None:
-        """Rebuild the group, replay the cells run so far, and run this cell again;
-        ``rtnb.get_checkpoint()`` returns the latest committed checkpoint, as when Ray
-        Train restarts ``train_loop_per_worker``."""
+        """Rebuild the group, replay the journal up to this cell, and run this cell
+        again; ``rtnb.get_checkpoint()`` returns the checkpoint in force (the latest
+        committed one, unless one chosen for this cell has not been superseded)."""
         what = self._death_summary()
         self.recovering = True
         try:
-            died_again = self.session._recover(what)
+            outcome = self.session._recover(what, before=self.journal_seq)
         finally:
             self.recovering = False
-        if died_again:
-            self._dead = died_again
+        if outcome.died:
+            self._dead = outcome.died
             raise _Restart()
         self.recoveries += 1
-        latest = self.session.checkpoints.latest()
-        self.restarted_from = latest.id if latest else None
-        note = (
-            f"[rtnb] {what}; worker group rebuilt (recovery {self.session.failures}/"
-            f"{self.session.config.max_failures}), {len(self.session.history)} cell(s) replayed, "
-            f"cell {self.cell_id} restarted from {latest.id if latest else 'no checkpoint'}\n"
+        self.restarted_from = None
+        self._restart_noted = False
+        self._note(
+            f"[rtnb] {what}; worker group rebuilt ({outcome.attempt}), {outcome.replay}; "
+            f"cell {self.cell_id} restarted\n"
         )
-        for sink in list(self._sinks):
-            try:
-                sink(-1, "stderr", note)
-            except Exception:  # noqa: BLE001
-                pass
         self._pending.clear()
         self._last.clear()
         self._finished.clear()
         self._dead.clear()
+        self.loaded.clear()
         self.states = {r: "running" for r in self.ranks}
         self._dispatch()
+
+    def _note(self, text: str) -> None:
+        for sink in list(self._sinks):
+            try:
+                sink(-1, "stderr", text)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _note_restart_origin(self, ended: bool = False) -> None:
+        """Once every rank said which checkpoint it loaded (or the cell ended), name
+        it: the ranks report it, the driver does not guess."""
+        if self._restart_noted or (not ended and len(self.loaded) < len(self.ranks)):
+            return
+        self._restart_noted = True
+        loaded = {r: self.loaded.get(r) for r in self.ranks}
+        ids = sorted({c for c in loaded.values() if c})
+        if not ids:
+            self._note(f"[rtnb] cell {self.cell_id} restarted without loading a checkpoint\n")
+            return
+        self.restarted_from = ids[-1] if len(ids) == 1 else ", ".join(ids)
+        which = (
+            "every rank"
+            if all(loaded.values())
+            else "ranks " + ", ".join(str(r) for r, c in loaded.items() if c)
+        )
+        self._note(f"[rtnb] cell {self.cell_id} restarted from {self.restarted_from} ({which} loaded it)\n")
 
     def _ensure_polled(self, actors) -> None:
         # A Ctrl-C can land between taking an update and re-polling; make sure every
@@ -318,17 +364,21 @@ class CellHandle:
             if rank not in polled and rank not in self._finished and rank not in self._dead:
                 self._pending[actors[rank].poll.remote()] = rank
 
-    def _apply(self, update: dict) -> None:
-        rank = update["rank"]
+    def _apply(self, update: RankUpdate) -> None:
+        rank = update.rank
         self._last[rank] = update
-        self.steps[rank] = update["step"]
-        self.states[rank] = "paused" if update.get("paused_at") is not None else update["state"]
-        if update["reports"]:
+        self.steps[rank] = update.step
+        self.states[rank] = "paused" if update.paused_at is not None else str(update.state)
+        if update.loaded_checkpoint is not None and rank not in self.loaded:
+            self.loaded[rank] = update.loaded_checkpoint
+            self._note_restart_origin()
+        session = self.session
+        if update.reports:
             self.reported = True
-            self.session.metrics.add(rank, update["reports"])
-        for step, timestamp, metrics, files in update.get("checkpoints", ()):
-            self.session.checkpoints.offer(rank, step, timestamp, metrics, files)
-        for stream, text in update["output"]:
+            session.metrics.add(rank, update.reports)
+        for offer in update.checkpoints:
+            session.checkpoints.offer(rank, offer)
+        for stream, text in update.output:
             if len(self.log) < _LOG_LIMIT:
                 self.log.append((rank, stream, text))
             for sink in list(self._sinks):
@@ -346,7 +396,7 @@ class CellHandle:
         ):
             self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
 
-    def _enter_phase(self, phase: str) -> None:
+    def _enter_phase(self, phase: StopPhase) -> None:
         self._stop_phase = phase
         self._phase_started = time.monotonic()
 
@@ -355,20 +405,20 @@ class CellHandle:
 
     def _advance_stop(self, actors) -> None:
         phase = self._stop_phase
-        if not phase:
+        if phase is StopPhase.NONE:
             return
         unfinished = self._unfinished()
         grace = self.session.config.stop_grace_s
         waited = time.monotonic() - self._phase_started
-        if phase == "requested":
+        if phase is StopPhase.REQUESTED:
             for rank in unfinished:
                 actors[rank].request_stop.remote()
-            self._enter_phase("cooperative")
-        elif phase == "cooperative":
+            self._enter_phase(StopPhase.COOPERATIVE)
+        elif phase is StopPhase.COOPERATIVE:
             paused = {
-                r: self._last[r]["paused_at"]
+                r: self._last[r].paused_at
                 for r in unfinished
-                if self._last.get(r, {}).get("paused_at") is not None
+                if r in self._last and self._last[r].paused_at is not None
             }
             if paused and self._first_pause_at is None:
                 self._first_pause_at = time.monotonic()
@@ -382,24 +432,26 @@ class CellHandle:
                 for rank in unfinished:
                     actors[rank].set_stop_target.remote(target)
             if waited > grace:
-                self._enter_phase("raise")
-        elif phase == "raise":
+                self._enter_phase(StopPhase.RESTART if self._final else StopPhase.RAISE)
+        elif phase is StopPhase.RAISE:
             if not self._interrupt_sent:
                 self._interrupt_sent = True
                 for rank in unfinished:
                     actors[rank].interrupt.remote()
             if waited > grace:
-                self._enter_phase("restart")
-        if self._stop_phase == "restart":
+                self._enter_phase(StopPhase.RESTART)
+        if self._stop_phase is StopPhase.RESTART:
             raise _Restart()
 
     # ---- outcomes ----------------------------------------------------------------------
     def _finish_normally(self) -> None:
         finished = self._finished
-        if self._stop_reason is not None and any(
-            u["state"] == "interrupted" for u in finished.values()
-        ):
-            steps = {finished[r]["step"] for r in finished if finished[r]["state"] == "interrupted"}
+        if self._commit_error is not None:
+            self._finish(error=self._commit_error)
+            return
+        interrupted = [u for u in finished.values() if u.state is CellState.INTERRUPTED]
+        if self._stop_reason is not None and interrupted:
+            steps = {u.step for u in interrupted}
             at = (
                 f" at step {steps.pop()}"
                 if len(steps) == 1 and self._stop_target is not None
@@ -407,7 +459,7 @@ class CellHandle:
             )
             how = (
                 "at a report() boundary"
-                if self._stop_phase == "cooperative"
+                if self._stop_phase is StopPhase.COOPERATIVE
                 else "inside the cell code"
             )
             self._finish(
@@ -415,50 +467,64 @@ class CellHandle:
                     f"cell {self.cell_id} {self._stop_reason}: every rank stopped{at} ({how}); "
                     "the worker group and its variables are intact",
                     kept=True,
-                    step=max(u["step"] for u in finished.values()),
+                    step=max(u.step for u in finished.values()),
                 )
             )
             return
-        failures = {r: u["error"] for r, u in finished.items() if u["state"] == "error"}
+        failures = {r: u.error for r, u in finished.items() if u.state is CellState.ERROR}
         if failures:
             self._finish(error=CellError.from_failures(failures))
             return
-        value = PerRank({r: from_portable(finished[r].get("value")) for r in sorted(finished)})
+        value = PerRank({r: from_portable(finished[r].value) for r in sorted(finished)})
         self._finish(value=value)
 
+    def _finish_abandoned(self) -> None:
+        """The group is going away under this cell (stop, restart, scale)."""
+        self._finish(
+            error=CellInterrupted(
+                f"cell {self.cell_id} {self._stop_reason}; the ranks' variables go with the group",
+                kept=False,
+            )
+        )
+
     def _finish_with_restart(self) -> None:
+        session = self.session
         if self._dead:
             what = self._death_summary()
-            if self.session.config.max_failures:
-                what += f" after {self.session.failures} recoveries (--max-failures {self.session.config.max_failures})"
-            error_cls: type[RtnbError] = WorkerGroupError
+            if session.config.max_failures:
+                what += (
+                    f" after {session.policy.failures} recoveries "
+                    f"(--max-failures {session.config.max_failures})"
+                )
+            interrupted = False
         else:
             stuck = self._unfinished()
             what = (
                 f"cell {self.cell_id} {self._stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
-                f"{', '.join(map(str, stuck))} did not stop within {2 * self.session.config.stop_grace_s:g} s "
+                f"{', '.join(map(str, stuck))} did not stop within {2 * session.config.stop_grace_s:g} s "
                 "(blocked in a collective or in native code)"
             )
-            error_cls = CellInterrupted
+            interrupted = True
         try:
-            self.session._rebuild(reason=what)
+            session._rebuild(reason=what, fresh=True)
             tail = "the worker group was rebuilt with fresh ranks; variables defined on the ranks are gone"
         except RtnbError as exc:
             tail = f"rebuilding the worker group failed: {exc}"
         message = f"{what}; {tail}"
-        error = (
-            CellInterrupted(message, kept=False)
-            if error_cls is CellInterrupted
-            else WorkerGroupError(message)
-        )
+        error = CellInterrupted(message, kept=False) if interrupted else WorkerGroupError(message)
         self._finish(error=error)
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
-        try:
-            if not self.replay:
+        if not self.replay and self._commit_error is None:
+            try:
                 self.session._commit_checkpoints(self)
-        except Exception:  # noqa: BLE001 - a storage error must not hide the cell's outcome
-            pass
+            except CheckpointError as exc:
+                # A checkpoint that cannot be committed fails the cell: never a
+                # silently lost save.
+                if error is None:
+                    value, error = None, exc
+        if self.recoveries:
+            self._note_restart_origin(ended=True)
         for sink in self._sinks:
             flush = getattr(sink, "flush", None)
             if flush is not None:
@@ -509,8 +575,3 @@ def _get_each(ray, refs: list) -> list:
             except ray.exceptions.RayError as exc:
                 results.append(exc)
         return results
-
-
-def _one_line(exc: BaseException) -> str:
-    text = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return text[0][:300] if text else type(exc).__name__

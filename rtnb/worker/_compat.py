@@ -17,7 +17,7 @@ __all__ = ["install_ray_train_aliases"]
 
 
 def _patch_train(module) -> None:
-    from rtnb import _train
+    from rtnb.worker import _api as _train
 
     module.report = _train.report
     module.get_context = _train.get_context
@@ -25,7 +25,7 @@ def _patch_train(module) -> None:
 
 
 def _patch_train_torch(module) -> None:
-    from rtnb import _train
+    from rtnb.worker import _api as _train
 
     module.prepare_model = _train.prepare_model
     module.prepare_data_loader = _train.prepare_data_loader

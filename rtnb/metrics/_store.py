@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtnb._metricslog import MetricsLog, to_number
-from rtnb._series import BoundedSeries
+from rtnb.core._text import to_number
+from rtnb.metrics._series import BoundedSeries
 
 __all__ = ["MetricsStore", "Progress", "Report"]
 
@@ -63,7 +63,7 @@ class Progress:
 
 class MetricsStore:
     def __init__(
-        self, log: MetricsLog | None = None, capacity: int = 2000, exporter: Any = None
+        self, log: Any = None, capacity: int = 2000, exporter: Any = None
     ) -> None:
         self._lock = threading.RLock()
         self.capacity = capacity

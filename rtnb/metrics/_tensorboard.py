@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rtnb._metricslog import to_number
+from rtnb.core._text import to_number
 from rtnb.errors import ConfigError
 
 __all__ = ["TensorBoardExporter"]

@@ -10,7 +10,7 @@ import posixpath
 import time
 from typing import Any
 
-from rtnb.errors import ConfigError, first_line
+from rtnb.errors import ConfigError, one_line
 
 __all__ = ["BATCH_RUNS_ENV", "RunDirectory"]
 
@@ -56,7 +56,7 @@ class RunDirectory:
             self.fs.delete_file(probe)
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(
-                f"storage {self.uri!r} is not writable ({first_line(exc)}); pass --storage a directory "
+                f"storage {self.uri!r} is not writable ({one_line(exc)}); pass --storage a directory "
                 "or bucket you can write to"
             ) from None
 

@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rtnb._rundir import BATCH_RUNS_ENV, RunDirectory
 from rtnb.errors import CellError, ConfigError
+from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
 
 __all__ = ["BatchResult", "check_timeout", "parse_parameters", "run_notebook"]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+from rtnb.core._text import format_table
+
 __all__ = ["GroupStatus", "RankStatus"]
 
 
@@ -41,10 +43,7 @@ class GroupStatus:
             f"rtnb run {self.run_name!r}: {self.state}, {self.world_size} ranks, "
             f"{self.backend}, Ray {self.address}" + (f"; {self.cell}" if self.cell else "")
         ]
-        rows = [self._HEAD, *self._rows()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEAD))]
-        for row in rows:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.append(format_table([self._HEAD, *self._rows()]))
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -14,11 +14,12 @@ import os
 import sys
 from pathlib import Path
 
+from rtnb.core._text import format_table
 from rtnb.errors import RtnbError
 
 __all__ = ["main"]
 
-_REPO_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+_REPO_NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def _notebook_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,7 +33,7 @@ def _notebook_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _address_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from rtnb._jobs import default_job_address
+    from rtnb.batch._jobs import default_job_address
 
     parser.add_argument(
         "--address",
@@ -98,24 +99,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _storage(value: str | None) -> str:
-    from rtnb._config import SessionConfig
+    from rtnb.core._config import SessionConfig
 
     return SessionConfig(storage=value).storage_path
-
-
-def _print_table(table: list[list[str]]) -> None:
-    """Left-aligned columns, the first row as the header."""
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    for r in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
 
 
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     import time
 
-    from rtnb._checkpoints import CheckpointStore
-    from rtnb._rundir import RunDirectory
     from rtnb.errors import ConfigError
+    from rtnb.storage._checkpoints import CheckpointStore
+    from rtnb.storage._rundir import RunDirectory
 
     run_dir = RunDirectory(storage, run)
     if not run_dir.exists("run.json"):
@@ -139,7 +133,7 @@ def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
             ]
             + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
         )
-    _print_table(table)
+    print(format_table(table))
     return 0
 
 
@@ -158,11 +152,11 @@ def _print_jobs(rows) -> None:
         table.append(
             [r.submission_id, r.status, r.notebook, when(r.start_time), when(r.end_time), r.message]
         )
-    _print_table(table)
+    print(format_table(table))
 
 
 def _jobs_command(args) -> int:
-    from rtnb import _jobs
+    from rtnb.batch import _jobs
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -200,13 +194,13 @@ def _jobs_command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from rtnb._batch import parse_parameters, run_notebook
+    from rtnb.batch._runner import parse_parameters, run_notebook
 
     try:
         if args.command in ("submit", "jobs", "logs"):
             return _jobs_command(args)
         if args.command == "runs":
-            from rtnb._result import list_runs
+            from rtnb.storage._result import list_runs
 
             print(list_runs(_storage(args.storage)))
             return 0

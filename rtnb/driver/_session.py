@@ -1,7 +1,11 @@
 """The driver-side API: one persistent worker group and the cells run on it.
 
 The magics are a thin layer over :class:`Session`; everything here also works
-from a plain Python script::
+from a plain Python script. The session is a facade: cells are driven by
+:class:`CellHandle` (``_cell.py``), the group by :class:`WorkerGroup`
+(``_group.py``), recovery and replay by ``_recovery.py``, checkpoint commits by
+``_commits.py``; every action that changes the ranks' state is written to the
+run's journal first (``rtnb.storage._journal``)::
 
     with rtnb.Session(workers=2) as session:
         session.run("import torch.distributed as dist; x = dist.get_rank()")
@@ -22,28 +26,35 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rtnb._cell import CellHandle, OutputSink, _Restart, print_sink
-from rtnb._checkpoint import Checkpoint
-from rtnb._checkpoints import CheckpointStore
-from rtnb._cluster import ClusterConnection, connect
-from rtnb._config import SessionConfig, parse_ranks
-from rtnb._group import WorkerGroup
-from rtnb._metrics import MetricsStore
-from rtnb._metricslog import MetricsLog
-from rtnb._result import Result, mean_of_last
-from rtnb._rundir import BATCH_RUNS_ENV, RunDirectory
-from rtnb._state import GroupState, StateChange, StateMachine
-from rtnb._status import GroupStatus, RankStatus
-from rtnb._tensorboard import TensorBoardExporter
-from rtnb._values import PerRank, from_portable
+from rtnb.core._config import SessionConfig, parse_ranks
+from rtnb.core._text import mean_over_ranks
+from rtnb.core._values import PerRank, from_portable
+from rtnb.driver._cell import CellHandle, _Restart
+from rtnb.driver._cluster import ClusterConnection, connect
+from rtnb.driver._commits import CheckpointCoordinator
+from rtnb.driver._group import WorkerGroup
+from rtnb.driver._output import OutputSink, print_sink
+from rtnb.driver._recovery import FailurePolicy, RecoveryOutcome, Replayer, ReplayReport
+from rtnb.driver._state import GroupState, StateChange, StateMachine
+from rtnb.driver._status import GroupStatus, RankStatus
 from rtnb.errors import (
     CellError,
+    CellInterrupted,
     CheckpointError,
     ConfigError,
     RtnbError,
     SessionError,
     WorkerGroupError,
+    one_line,
 )
+from rtnb.metrics._store import MetricsStore
+from rtnb.metrics._tensorboard import TensorBoardExporter
+from rtnb.storage._checkpoint import Checkpoint
+from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._journal import CellOutcome, EntryKind, Journal
+from rtnb.storage._metricslog import MetricsLog
+from rtnb.storage._result import Result
+from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
 
 __all__ = ["Session"]
 
@@ -54,14 +65,16 @@ class Session:
     """A Ray worker group whose ranks keep their Python state across cells.
 
     Takes the options of ``%rtnb start`` as keyword arguments (see
-    :class:`SessionConfig`), or a ready ``config``. ``group_factory`` lets tests
-    substitute the worker group.
+    :class:`SessionConfig`), or a ready ``config``. ``replay=True`` rebuilds the
+    ranks' state from the journal of the run named ``name`` (a new kernel carrying
+    on a run). ``group_factory`` lets tests substitute the worker group.
     """
 
     def __init__(
         self,
         config: SessionConfig | None = None,
         *,
+        replay: bool = False,
         group_factory: Callable[[SessionConfig, str, str], WorkerGroup] | None = None,
         connector: Callable[..., ClusterConnection] | None = None,
         **options: Any,
@@ -72,15 +85,23 @@ class Session:
             self.config = config or SessionConfig(**options)
         except TypeError as exc:
             raise ConfigError(f"unknown Session option: {exc}") from None
+        if replay and not self.config.name:
+            raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
         self.run_name = self.config.name or time.strftime("run-%Y%m%d-%H%M%S")
         self.run_dir = RunDirectory(self.config.storage_path, self.run_name)
         self.checkpoints = CheckpointStore(
             self.run_dir, self.config.keep, self.config.score, self.config.mode
         )
-        self._chosen_checkpoint: Checkpoint | None = None
+        self.commits = CheckpointCoordinator(self.checkpoints)
+        self.journal = Journal(self.run_dir)
+        self.replayer = Replayer(self, self.journal)
+        self.policy = FailurePolicy(self.config.max_failures)
+        self.replay_on_start = replay
+        self.last_replay: ReplayReport | None = None
         self.state_machine = StateMachine()
+        self._ready = threading.Event()
+        self.state_machine.subscribe(self._track_ready)
         self.metrics = MetricsStore()
-        self.history: list[str] = []
         self.connection: ClusterConnection | None = None
         self._group: WorkerGroup | None = None
         self._group_factory = group_factory or WorkerGroup
@@ -90,7 +111,6 @@ class Session:
         self._last_background: CellHandle | None = None
         self._last_error: BaseException | None = None
         self._last_training_code: str | None = None
-        self.failures = 0  # group rebuilds spent on --max-failures
         self._lock = threading.RLock()
         _LIVE.add(self)
 
@@ -101,6 +121,17 @@ class Session:
 
     def on_state_change(self, callback: Callable[[StateChange], None]) -> Callable[[], None]:
         return self.state_machine.subscribe(callback)
+
+    @property
+    def failures(self) -> int:
+        """Group rebuilds spent on --max-failures so far."""
+        return self.policy.failures
+
+    def _track_ready(self, change: StateChange) -> None:
+        if change.new in (GroupState.READY, GroupState.RUNNING):
+            self._ready.set()
+        else:
+            self._ready.clear()
 
     def start(self) -> Session:
         """Connect to Ray and start the worker group (``%rtnb start``)."""
@@ -115,6 +146,7 @@ class Session:
                 self.run_dir.ensure_writable()
                 self._attach_metrics_outputs()
                 self.checkpoints.cleanup_incomplete()
+                self._continue_cell_numbers()
                 if self.connection is None:
                     self.connection = self._connector(
                         self.config.address,
@@ -122,18 +154,62 @@ class Session:
                     )
                     _stop_sessions_at_exit()
                 self._group = self._new_group()
+            except KeyboardInterrupt:
+                # WorkerGroup.start freed its placement group and actors on the way out.
+                self.state_machine.to(GroupState.FAILED, "interrupted")
+                raise SessionError(
+                    "starting the worker group was interrupted; its placement group and "
+                    "actors were freed"
+                ) from None
             except RtnbError as exc:
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
             except BaseException as exc:
                 self.state_machine.to(GroupState.FAILED, str(exc))
-                raise SessionError(f"starting the worker group failed: {exc}") from None
+                raise SessionError(f"starting the worker group failed: {one_line(exc)}") from None
             self.state_machine.to(GroupState.READY)
             self._continue_step_count()
             self._write_run_json()
-            self._push_checkpoint()
+            replay = self.replay_on_start
+            self.journal.append(EntryKind.START, workers=self.config.workers, keep=replay)
+            if replay:
+                self._replay_onto_new_group("start --replay")
             _announce_to_batch_runner(self.config.storage_path, self.run_name)
         return self
+
+    def _continue_cell_numbers(self) -> None:
+        # A run carried on by a new kernel keeps numbering its cells, so the journal
+        # and every message name each cell once.
+        last = max((e.cell_id or 0 for e in self.journal.entries()), default=0)
+        self._cell_ids = itertools.count(last + 1)
+        if self._last_training_code is None:
+            ends = {
+                e.of for e in self.journal.entries() if e.kind is EntryKind.CELL_END and e.reported
+            }
+            trained = [e for e in self.journal.entries() if e.seq in ends]
+            if trained:
+                self._last_training_code = trained[-1].code
+
+    def _replay_onto_new_group(self, why: str) -> ReplayReport:
+        """Rebuild the ranks' state on a new group from the journal (fails the
+        session's group with one line if a replayed cell fails)."""
+        self.state_machine.to(GroupState.RUNNING, f"replaying the journal ({why})")
+        try:
+            report = self.replayer.replay()
+        except _Restart:
+            self.state_machine.to(GroupState.FAILED, "a rank died during the replay")
+            raise WorkerGroupError(
+                f"a rank died while the journal was replayed ({why}); start again"
+            ) from None
+        except RtnbError as exc:
+            self.state_machine.to(GroupState.FAILED, str(exc))
+            raise
+        finally:
+            self.checkpoints.cleanup_incomplete()
+        self._continue_step_count()
+        self.last_replay = report
+        self.state_machine.to(GroupState.READY, f"replayed: {report}")
+        return report
 
     def last_step(self) -> int:
         """The highest step reported in this run so far, in any session."""
@@ -169,28 +245,12 @@ class Session:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _commit_checkpoints(self, handle: CellHandle) -> None:
-        committed = self.checkpoints.commit_ready(dict(handle.steps), set(handle.ranks))
-        if committed and self._chosen_checkpoint is None:
-            self._push_checkpoint()
+        self.commits.commit_ready(dict(handle.steps), set(handle.ranks))
 
-    def _push_checkpoint(self) -> None:
-        """Make ``rtnb.get_checkpoint()`` on every rank return the chosen checkpoint,
-        else the latest committed one (a new kernel resumes a named run from it)."""
-        group = self._group
-        if group is None:
-            return
-        checkpoint = self._chosen_checkpoint
-        if checkpoint is None:
-            latest = self.checkpoints.latest()
-            checkpoint = self.checkpoints.get(latest.id) if latest is not None else None
-        import ray
-
-        # Waited for: calls to a threaded actor are not ordered, so a cell sent right
-        # after could otherwise still see the previous checkpoint.
-        try:
-            ray.get([actor.set_checkpoint.remote(checkpoint) for actor in group.actors], timeout=60)
-        except ray.exceptions.RayError:
-            pass  # a rank just died: the cell's poll reports it, and a rebuilt group gets this push
+    def _checkpoint_for(self, handle: CellHandle) -> Checkpoint | None:
+        """What ``get_checkpoint()`` returns in this cell: replayed cells get the
+        latest committed checkpoint, others the one in force."""
+        return self.commits.latest() if handle.replay else self.commits.in_force()
 
     def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
         """This run's checkpoints, or those of another run in the same storage."""
@@ -208,8 +268,8 @@ class Session:
         running anything (the browser's Load button)."""
         checkpoint = self.checkpoint_store(run).get(checkpoint_id)
         checkpoint.verify()
-        self._chosen_checkpoint = checkpoint
-        self._push_checkpoint()
+        self.journal.append(EntryKind.CHECKPOINT, checkpoint=checkpoint.id, run=run)
+        self.commits.choose(checkpoint)
         return checkpoint
 
     def list_checkpoints(self, include_incomplete: bool = False, run: str | None = None):
@@ -240,12 +300,11 @@ class Session:
         per_rank = {
             r: dict(rep.metrics, step=rep.step) for r, rep in sorted(self.metrics.last.items())
         }
-        latest = self.checkpoints.latest()
         return Result(
             path=self.run_dir.uri,
-            metrics=mean_of_last(per_rank),
+            metrics=mean_over_ranks(per_rank),
             metrics_per_rank=per_rank,
-            checkpoint=self.checkpoints.get(latest.id) if latest is not None else None,
+            checkpoint=self.commits.latest(),
             best_checkpoints=[
                 (self.checkpoints.get(c.id), c.metrics) for c in self.checkpoints.list()
             ],
@@ -273,19 +332,31 @@ class Session:
         group.start()
         return group
 
+    def _stop_active(self, reason: str) -> bool:
+        """End the running cell, if any, because the group is going away: the ranks
+        get the cooperative grace to stop at a report(), then the cell ends without
+        a rebuild (the caller removes or replaces the group, exactly once).
+        True when the ranks left the cell by themselves."""
+        active = self.active_cell
+        if active is None:
+            return True
+        active.stop(reason, final=True)
+        active._done.wait(self.config.stop_grace_s + 0.5)
+        return active.done() and all(u.state.ended for u in active._finished.values()) and len(
+            active._finished
+        ) == len(active.ranks)
+
     def stop(self) -> None:
-        """Stop any running cell and free every actor and the placement group."""
+        """Stop any running cell and free every actor and the placement group;
+        returns within ``stop_grace_s`` + 1 s."""
+        clean = self._stop_active("stopped because the worker group is stopping")
         with self._lock:
             if self.state in (GroupState.NEW, GroupState.STOPPED):
                 return
-            active = self._active
-            if active is not None and not active.done():
-                active.stop("stopped because the worker group is stopping")
-                active._done.wait(timeout=2 * self.config.stop_grace_s + 5)
             self.state_machine.to(GroupState.STOPPING)
             group, self._group = self._group, None
             if group is not None:
-                group.shutdown()
+                group.shutdown(graceful=clean, timeout_s=1.0 if not clean else 5.0)
             if self.connection is not None:
                 self.connection.shutdown()
                 self.connection = None
@@ -299,29 +370,48 @@ class Session:
             except Exception:  # noqa: BLE001 - stopping must not fail on a storage hiccup
                 pass
 
-    def restart(self) -> Session:
-        """A fresh group with the same options; rank variables are dropped."""
+    def restart(self, replay: bool = False) -> Session:
+        """A new group with the same options. Rank variables are dropped, unless
+        ``replay``: then the journal is replayed onto the new group and the next
+        cell continues from the latest checkpoint."""
+        if self.state in (GroupState.NEW, GroupState.STOPPED):
+            return self.start()
+        self._stop_active("stopped because the worker group restarts")
         with self._lock:
-            if self.state in (GroupState.NEW, GroupState.STOPPED):
-                return self.start()
-            self._rebuild("restart requested")
-            self.history.clear()
-            self.failures = 0
+            self._rebuild("restart requested", fresh=not replay)
+            self.policy.reset()
+            if replay:
+                self._replay_onto_new_group("restart --replay")
         return self
 
     def scale(self, workers: int) -> Session:
-        """Restart the group with ``workers`` ranks."""
+        """A new group of ``workers`` ranks holding the same variables: the journal
+        is replayed onto it (``prepare_data_loader`` re-shards for the new world
+        size) and the next training cell continues from the latest checkpoint."""
+        old = self.config.workers
+        self.config.workers = workers
+        try:
+            self.config.validate()
+        except ConfigError:
+            self.config.workers = old
+            raise
+        if self.state in (GroupState.NEW, GroupState.STOPPED):
+            return self.start()
+        self._stop_active(f"stopped because the worker group scales to {workers} ranks")
         with self._lock:
-            old = self.config.workers
-            self.config.workers = workers
             try:
-                self.config.validate()
-            except ConfigError:
+                self._rebuild(f"scaling from {old} to {workers} ranks", kind=EntryKind.SCALE)
+            except RtnbError:
                 self.config.workers = old
                 raise
-            return self.restart()
+            self._replay_onto_new_group(f"scale {old} → {workers}")
+        return self
 
-    def _rebuild(self, reason: str) -> None:
+    def _rebuild(
+        self, reason: str, fresh: bool = False, kind: EntryKind = EntryKind.RESTART
+    ) -> None:
+        """Replace the group; ``fresh`` records that the ranks' state is gone (the
+        journal's replay starts after it)."""
         with self._lock:
             self.state_machine.to(GroupState.RESTARTING, reason)
             group, self._group = self._group, None
@@ -332,66 +422,61 @@ class Session:
             except RtnbError as exc:
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
+            self.journal.append(kind, workers=self.config.workers, keep=not fresh)
             self.state_machine.to(GroupState.READY, reason)
             self._continue_step_count()
             self._write_run_json()
-            self._push_checkpoint()
 
-    def _can_recover(self) -> bool:
-        return self.failures < self.config.max_failures
-
-    def _recover(self, reason: str) -> dict[int, str]:
-        """Rebuild after a rank died mid-cell and replay the cells run so far.
-
-        Returns the ranks that died during the replay (empty when it went through).
-        """
+    def _recover(self, reason: str, before: int | None = None) -> RecoveryOutcome:
+        """Rebuild after a rank died mid-cell and replay the journal up to the
+        failed cell (entry ``before``); ranks that die meanwhile are reported in
+        the outcome (another failure, retried while the policy allows)."""
         import ray
 
-        self.failures += 1
+        attempt = self.policy.record_failure()
         try:
-            return self._rebuild_and_replay(reason)
-        except (ray.exceptions.RayError, WorkerGroupError) as exc:
-            # A rank of the new group died while it was being set up: that is
-            # another failure, retried while --max-failures allows.
+            self._rebuild(f"{reason} ({attempt})")
+            # Files a dead rank left half-written never got a manifest: drop them.
+            self.checkpoints.drop_pending()
+            self.checkpoints.cleanup_incomplete()
+            self.state_machine.to(GroupState.RUNNING, f"recovering: {reason}")
+            report = self.replayer.replay(before)
+            self._continue_step_count()
+            return RecoveryOutcome(attempt, report)
+        except (ray.exceptions.RayError, WorkerGroupError, _Restart) as exc:
             if self.state is GroupState.FAILED:
                 self.state_machine.to(GroupState.RESTARTING, "retrying after a failed rebuild")
                 self.state_machine.to(GroupState.READY)
-            return {
-                -1: str(exc).strip().splitlines()[0][:200]
-                if str(exc).strip()
-                else type(exc).__name__
-            }
+            if self.state is GroupState.READY:
+                self.state_machine.to(GroupState.RUNNING, "recovering")
+            what = one_line(exc) if not isinstance(exc, _Restart) else "a rank died during replay"
+            return RecoveryOutcome(attempt, ReplayReport(), died={-1: what})
 
-    def _rebuild_and_replay(self, reason: str) -> dict[int, str]:
-        self._rebuild(reason)
-        # Files a dead rank left half-written never got a manifest: drop them.
-        self.checkpoints.drop_pending()
-        self.checkpoints.cleanup_incomplete()
-        group = self._require_group()
-        self.state_machine.to(GroupState.RUNNING, f"recovering: {reason}")
-        for code in list(self.history):
-            replay = CellHandle(self, next(self._cell_ids), code, list(range(group.world_size)))
-            replay.replay = True
-            replay._dispatch()
-            try:
-                replay._drive()
-            except _Restart:
-                return dict(replay._dead)
-            failed = {r: u for r, u in replay._finished.items() if u["state"] != "done"}
-            if failed:
-                rank, update = next(iter(sorted(failed.items())))
-                summary = (update.get("error") or ("interrupted", ""))[0]
-                raise WorkerGroupError(
-                    f"replaying cell {replay.cell_id} failed on rank {rank}: {summary}"
-                )
-        return {}
-
-    def _require_group(self) -> WorkerGroup:
-        if self._group is None or self.state not in (GroupState.READY, GroupState.RUNNING):
+    def _require_group(self, wait_s: float = 0.0) -> WorkerGroup:
+        """The running group. While it is being rebuilt (recovery, restart, scale),
+        wait up to ``wait_s`` for it, then say so; never "no worker group"."""
+        if self.state in (GroupState.RESTARTING, GroupState.STARTING) or (
+            self._group is None and self.state is GroupState.RUNNING
+        ):
+            self._ready.wait(wait_s)
+        group = self._group
+        if group is not None and self.state in (GroupState.READY, GroupState.RUNNING):
+            return group
+        if self.state in (GroupState.RESTARTING, GroupState.STARTING, GroupState.RUNNING):
             raise SessionError(
-                "no worker group is running: start one with `%rtnb start` (or Session.start())"
+                f"the worker group is {self._state_text()}; try again once it is ready "
+                "(`%rtnb status`)"
             )
-        return self._group
+        raise SessionError(
+            "no worker group is running: start one with `%rtnb start` (or Session.start())"
+        )
+
+    def _state_text(self) -> str:
+        active = self._active
+        recovering = active is not None and active.recovering
+        if (self.state is GroupState.RESTARTING or recovering) and self.policy.failures:
+            return f"restarting ({self.policy.describe()})"
+        return str(self.state)
 
     def __enter__(self) -> Session:
         if self.state in (GroupState.NEW, GroupState.STOPPED):
@@ -414,6 +499,7 @@ class Session:
         background: bool,
         config: Any = None,
         total_steps: int | None = None,
+        once: bool = False,
     ) -> CellHandle:
         with self._lock:
             group = self._require_group()
@@ -424,27 +510,38 @@ class Session:
                     + ": wait for it (`%rtnb wait`) or stop it (`handle.stop()`) first"
                 )
             rank_list = _ranks(ranks, group.world_size)
-            cell_id = next(self._cell_ids)
+            values = None
             if callable(code):
-                code = self._stage_callable(code, config, rank_list)
+                values, code = _function_call(code, config)
             elif not isinstance(code, str):
                 raise ConfigError(
                     f"Session.run takes code (str) or a function, got {type(code).__name__}"
                 )
+            cell_id = next(self._cell_ids)
             check_syntax(code, cell_id)
             if timeout is not None and timeout <= 0:
                 raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
             if total_steps is not None and total_steps < 1:
                 raise ConfigError(f"--steps must be ≥ 1, got {total_steps}")
-            handle = CellHandle(self, cell_id, code, rank_list, timeout, background)
+            # Written before anything reaches the ranks: the journal is a write-ahead log.
+            entry = self.journal.append(
+                EntryKind.CELL,
+                values=values,
+                cell_id=cell_id,
+                code=code,
+                ranks=None if ranks is None else rank_list,
+                once=once,
+                names=list(_FUNCTION_NAMES) if values is not None else [],
+            )
+            if values is not None:
+                self._send_values(values, rank_list)
+            handle = CellHandle(
+                self, cell_id, code, rank_list, timeout, background, journal_seq=entry.seq
+            )
             self.metrics.begin(rank_list, total_steps)
             self._active = handle
             self.state_machine.to(GroupState.RUNNING, f"cell {cell_id}")
             return handle
-
-    def _stage_callable(self, fn: Callable, config: Any, ranks: list[int]) -> str:
-        self.push({"__rtnb_fn__": fn, "__rtnb_config__": config}, ranks=ranks)
-        return "__rtnb_fn__(__rtnb_config__)" if config is not None else "__rtnb_fn__()"
 
     def run(
         self,
@@ -455,18 +552,27 @@ class Session:
         config: Any = None,
         output: OutputSink | None = None,
         total_steps: int | None = None,
+        once: bool = False,
     ) -> PerRank:
         """Run ``code`` (or ``fn()``/``fn(config)``) on the ranks and wait for it.
 
         Output streams to ``output(rank, stream, text)`` while it runs (default:
         printed with a ``[rank N]`` tag). Returns the last expression's value per
-        rank. Ctrl-C stops the cell on every rank (see :class:`CellHandle`).
+        rank. Ctrl-C stops the cell on every rank (see :class:`CellHandle`). A
+        function is recorded in the journal by value, so a replay after a failure
+        (or in a new kernel) runs it again. ``once``: never replay this cell.
         """
         handle = self._begin(
-            code, ranks, timeout, background=False, config=config, total_steps=total_steps
+            code,
+            ranks,
+            timeout,
+            background=False,
+            config=config,
+            total_steps=total_steps,
+            once=once,
         )
         handle.add_sink(output or print_sink())
-        return handle._run_foreground()
+        return handle.run_here()
 
     def begin_cell(
         self,
@@ -476,11 +582,14 @@ class Session:
         timeout: float | None = None,
         total_steps: int | None = None,
         output: OutputSink | None = None,
+        once: bool = False,
     ) -> CellHandle:
         """A foreground cell's handle before it runs, so views can subscribe to it
         first; run it with :meth:`CellHandle.run_here`. Output is printed unless
         ``output`` says otherwise."""
-        handle = self._begin(code, ranks, timeout, background=False, total_steps=total_steps)
+        handle = self._begin(
+            code, ranks, timeout, background=False, total_steps=total_steps, once=once
+        )
         handle.add_sink(output or print_sink())
         return handle
 
@@ -493,15 +602,22 @@ class Session:
         config: Any = None,
         output: OutputSink | None = None,
         total_steps: int | None = None,
+        once: bool = False,
     ) -> CellHandle:
         """Start ``code`` on the ranks and return its :class:`CellHandle` at once."""
         handle = self._begin(
-            code, ranks, timeout, background=True, config=config, total_steps=total_steps
+            code,
+            ranks,
+            timeout,
+            background=True,
+            config=config,
+            total_steps=total_steps,
+            once=once,
         )
         if output is not None:
             handle.add_sink(output)
         self._last_background = handle
-        handle._run_background()
+        handle.run_in_background()
         return handle
 
     def wait(self, timeout: float | None = None) -> PerRank:
@@ -523,8 +639,25 @@ class Session:
             self._last_error = handle.error
             if handle.reported:
                 self._last_training_code = handle.code
-            if handle.error is None:
-                self.history.append(handle.code)
+            error = handle.error
+            outcome = (
+                CellOutcome.OK
+                if error is None
+                else CellOutcome.INTERRUPTED
+                if isinstance(error, CellInterrupted)
+                else CellOutcome.ERROR
+            )
+            try:
+                self.journal.append(
+                    EntryKind.CELL_END,
+                    of=handle.journal_seq,
+                    cell_id=handle.cell_id,
+                    outcome=outcome,
+                    duration_s=round(handle.elapsed_s, 6),
+                    reported=handle.reported,
+                )
+            except Exception:  # noqa: BLE001 - storage gone: the cell's own outcome stands
+                pass
             if self.state is GroupState.RUNNING and self._active is handle:
                 self.state_machine.to(GroupState.READY, f"cell {handle.cell_id} ended")
 
@@ -533,11 +666,22 @@ class Session:
         """The value of ``name`` on each rank, in rank order (``%rtnb pull``)."""
         import ray
 
-        if not name.isidentifier():
+        if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError(f"{name!r} is not a Python variable name")
-        group = self._require_group()
+        group = self._require_group(wait_s=_WAIT_FOR_GROUP_S)
         rank_list = _ranks(ranks, group.world_size)
-        answers = ray.get([group.actors[r].pull.remote(name) for r in rank_list], timeout=120)
+        try:
+            answers = ray.get(
+                [group.actors[r].pull.remote(name) for r in rank_list], timeout=120
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise SessionError(
+                f"pulling {name!r} took over 120 s (a rank is busy in native code?); try again"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise WorkerGroupError(
+                f"pulling {name!r} failed: a rank died ({one_line(exc)})"
+            ) from None
         missing = [r for r, (found, *_rest) in zip(rank_list, answers) if not found]
         if missing:
             raise SessionError(
@@ -547,16 +691,37 @@ class Session:
         return [from_portable((data, text)) for _found, data, text in answers]
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | str | None = None) -> None:
-        """Set each ``name: value`` in the namespace of every rank (``%rtnb push``)."""
-        import ray
+        """Set each ``name: value`` in the namespace of every rank (``%rtnb push``).
 
+        The values are serialized once: the same bytes go to the ranks and, beside
+        the journal entry, to storage, so a replay pushes them again."""
         for name in values:
             if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
                 raise ConfigError(f"{name!r} is not a Python variable name")
-        group = self._require_group()
+        group = self._require_group(wait_s=_WAIT_FOR_GROUP_S)
         rank_list = _ranks(ranks, group.world_size)
-        ref = ray.put(dict(values))
-        ray.get([group.actors[r].push.remote(ref) for r in rank_list], timeout=300)
+        data = _serialize(dict(values))
+        self.journal.append(
+            EntryKind.PUSH,
+            values=data,
+            names=sorted(values),
+            ranks=None if ranks is None else rank_list,
+        )
+        self._send_values(data, rank_list)
+
+    def _send_values(self, data: bytes, ranks: list[int]) -> None:
+        import ray
+
+        group = self._require_group()
+        ref = ray.put(data)
+        try:
+            ray.get([group.actors[r].push.remote(ref) for r in ranks], timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            raise SessionError("sending values to the ranks took over 300 s") from None
+        except ray.exceptions.RayError as exc:
+            raise WorkerGroupError(
+                f"sending values to the ranks failed: a rank died ({one_line(exc)})"
+            ) from None
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> GroupStatus:
@@ -588,7 +753,7 @@ class Session:
         if active is not None:
             cell = f"cell {active.cell_id}{' (background)' if active.background else ''} running for {active.elapsed_s:.1f} s"
         return GroupStatus(
-            state=str(self.state),
+            state=self._state_text(),
             run_name=self.run_name,
             address=self.connection.address if self.connection else "-",
             backend=self.config.backend or "",
@@ -601,6 +766,31 @@ class Session:
         return (
             f"<rtnb.Session run={self.run_name!r} state={self.state} workers={self.config.workers}>"
         )
+
+
+# pull/push during a recovery wait this long for the rebuilt group before saying so.
+_WAIT_FOR_GROUP_S = 60.0
+_FUNCTION_NAMES = ("__rtnb_fn__", "__rtnb_config__")
+
+
+def _serialize(values: dict[str, Any]) -> bytes:
+    from ray import cloudpickle
+
+    try:
+        return cloudpickle.dumps(values)
+    except Exception as exc:  # noqa: BLE001 - anything unpicklable
+        raise ConfigError(
+            f"cannot send {', '.join(sorted(values))} to the ranks: not picklable "
+            f"({one_line(exc)}); create it in a %%rtrain cell instead"
+        ) from None
+
+
+def _function_call(fn: Callable, config: Any) -> tuple[bytes, str]:
+    """A function (and its config) by value, and the code that calls it on a rank.
+    cloudpickle stores functions defined in the notebook by value, so the journal
+    can replay them in a process that never saw their definition."""
+    values = _serialize({_FUNCTION_NAMES[0]: fn, _FUNCTION_NAMES[1]: config})
+    return values, "__rtnb_fn__(__rtnb_config__)" if config is not None else "__rtnb_fn__()"
 
 
 def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:

@@ -1,7 +1,9 @@
 """What runs inside one rank: its namespace, the cell thread, output capture, reports.
 
 This module is plain Python (no Ray) so it can be tested in-process; the Ray actor
-in ``_actor.py`` is a thin shell around :class:`RankRuntime`.
+in ``_actor.py`` is a thin shell around :class:`RankRuntime`. What it sends to the
+driver is one :class:`~rtnb.core._messages.RankUpdate` per poll
+(docs/architecture.md, "The rank↔driver protocol").
 
 A cell runs in one long-lived thread per rank. Control calls (poll, stop, pull)
 arrive on other threads while it runs, which is what lets the driver stream output,
@@ -13,14 +15,18 @@ from __future__ import annotations
 import ast
 import ctypes
 import linecache
-import pickle
 import queue
-import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from rtnb.core._context import set_current_rank
+from rtnb.core._messages import CellState, CheckpointOffer, RankUpdate
+from rtnb.core._values import to_portable
+from rtnb.worker._capture import flush_std, install_capture
 
 __all__ = [
     "CellStopped",
@@ -34,6 +40,9 @@ __all__ = [
 # Output beyond this many characters between two polls is dropped with a notice,
 # so a print storm cannot exhaust the rank's memory while nobody reads it.
 _MAX_PENDING_CHARS = 8_000_000
+# Source of this many recent cells stays in linecache for tracebacks; older cells'
+# source is dropped so a long session does not grow the rank's memory per cell.
+_LINECACHE_CELLS = 256
 
 
 class CellStopped(KeyboardInterrupt):
@@ -109,34 +118,6 @@ def split_last_expression(code: str, filename: str):
     return body, last
 
 
-class _CaptureStream:
-    """Replaces sys.stdout/sys.stderr in a rank process and feeds the rank buffer."""
-
-    def __init__(self, runtime: RankRuntime, name: str, original) -> None:
-        self._runtime = runtime
-        self.name = name
-        self._original = original
-        self.encoding = getattr(original, "encoding", "utf-8")
-
-    def write(self, text: str) -> int:
-        if text:
-            self._runtime._add_output(self.name, text)
-        return len(text)
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self._original.fileno()
-
-
 class RankRuntime:
     """One rank's persistent state and the machinery to run cells in it."""
 
@@ -144,15 +125,21 @@ class RankRuntime:
         global _CURRENT
         self.context = context
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        set_current_rank(context.world_rank)
         self._cond = threading.Condition()
         self._output: list[tuple[str, str]] = []
         self._output_chars = 0
         self._dropped_chars = 0
         self._reports: list[tuple[int, float, dict]] = []
-        self._checkpoints: list[tuple[int, float, dict, list]] = []
+        self._checkpoints: list[CheckpointOffer] = []
         self._run_dir = None
         self.step = 0
+        # The checkpoint get_checkpoint() returns in the running cell (given with
+        # the cell), and the id it actually handed out, reported back to the driver.
         self.checkpoint = None
+        self._loaded_checkpoint: str | None = None
+        self._replay = False
+        self._cached_cells: deque[str] = deque()
         # A checkpoint of rtnb's own temp files uploads in the background while the
         # cell goes on; its report is published once the files are in storage.
         self._upload: threading.Thread | None = None
@@ -160,7 +147,7 @@ class RankRuntime:
         self._in_flight_step: int | None = None  # guarded by _cond
         # Cell state, guarded by _cond.
         self._cell_id: int | None = None
-        self._state = "idle"  # idle | running | done | error | interrupted
+        self._state = CellState.IDLE
         self._value: tuple[bytes | None, str] | None = None
         self._error: tuple[str, str] | None = None
         # Stop protocol, guarded by _cond.
@@ -174,21 +161,21 @@ class RankRuntime:
         self._capture_output = capture_output
         _CURRENT = self
 
-    def _install_capture(self) -> None:
-        # Done per cell, not once: a test harness or the user's code may have swapped
-        # sys.stdout since.
-        if not isinstance(sys.stdout, _CaptureStream):
-            sys.stdout = _CaptureStream(self, "stdout", sys.__stdout__)
-        if not isinstance(sys.stderr, _CaptureStream):
-            sys.stderr = _CaptureStream(self, "stderr", sys.__stderr__)
-
     # ---- cells -------------------------------------------------------------------
-    def start_cell(self, cell_id: int, code: str) -> None:
+    def start_cell(
+        self, cell_id: int, code: str, checkpoint: Any = None, replay: bool = False
+    ) -> None:
+        """Run ``code`` in the cell thread; ``get_checkpoint()`` returns ``checkpoint``
+        during it. A ``replay`` rebuilds state after a failure: its reports are not
+        published and its checkpoints not saved (they were, the first time)."""
         with self._cond:
-            if self._state == "running":
+            if self._state is CellState.RUNNING:
                 raise RuntimeError(f"rank {self.context.world_rank} is still running a cell")
             self._cell_id = cell_id
-            self._state = "running"
+            self._state = CellState.RUNNING
+            self.checkpoint = checkpoint
+            self._loaded_checkpoint = None
+            self._replay = replay
             self._value = None
             self._error = None
             self._stop_requested = False
@@ -200,31 +187,31 @@ class RankRuntime:
         while True:
             cell_id, code = self._jobs.get()
             filename = cell_filename(cell_id)
-            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-            state, value, error = "done", None, None
+            self._cache_source(filename, code)
+            state, value, error = CellState.DONE, None, None
             if self._capture_output:
-                self._install_capture()
+                install_capture(self._add_output)
             try:
                 body, last = split_last_expression(code, filename)
                 exec(body, self.namespace)
                 if last is not None:
                     result = eval(last, self.namespace)
                     if result is not None:
-                        value = _portable(result)
+                        value = to_portable(result)
             except CellStopped:
-                state = "interrupted"
+                state = CellState.INTERRUPTED
             except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
-                state = "error"
+                state = CellState.ERROR
                 error = (_summary(exc), _user_traceback(exc, filename))
             finally:
                 # A cell ends only once its last checkpoint is in storage and offered.
                 try:
                     self._finish_upload()
                 except BaseException as exc:  # noqa: BLE001 - the upload's own error
-                    if state == "done":
-                        state = "error"
+                    if state is CellState.DONE:
+                        state = CellState.ERROR
                         error = (_summary(exc), _summary(exc) + "\n")
-                _flush_std()
+                flush_std()
             with self._cond:
                 self._state, self._value, self._error = state, value, error
                 self._stop_requested = False
@@ -232,7 +219,13 @@ class RankRuntime:
                 self._paused_at = None
                 self._cond.notify_all()
 
-    def wait(self, timeout: float = 0.5, batch_s: float = 0.02) -> dict:
+    def _cache_source(self, filename: str, code: str) -> None:
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._cached_cells.append(filename)
+        while len(self._cached_cells) > _LINECACHE_CELLS:
+            linecache.cache.pop(self._cached_cells.popleft(), None)
+
+    def wait(self, timeout: float = 0.5, batch_s: float = 0.02) -> RankUpdate:
         """Long-poll: return when the cell ends, when output or reports have waited
         ``batch_s`` to be batched, when a rank pauses for a stop, or at ``timeout``."""
         deadline = time.monotonic() + timeout
@@ -240,7 +233,7 @@ class RankRuntime:
         with self._cond:
             while True:
                 now = time.monotonic()
-                if self._state != "running" or (
+                if self._state is not CellState.RUNNING or (
                     self._paused_at is not None and not self._pause_reported
                 ):
                     break
@@ -256,7 +249,7 @@ class RankRuntime:
                 self._cond.wait(wake - now)
             return self._drain_locked()
 
-    def _drain_locked(self) -> dict:
+    def _drain_locked(self) -> RankUpdate:
         output, self._output, self._output_chars = self._output, [], 0
         if self._dropped_chars:
             output.append(
@@ -267,23 +260,22 @@ class RankRuntime:
         checkpoints, self._checkpoints = self._checkpoints, []
         if self._paused_at is not None:
             self._pause_reported = True
-        update = {
-            "rank": self.context.world_rank,
-            "cell": self._cell_id,
-            "state": self._state,
+        return RankUpdate(
+            rank=self.context.world_rank,
+            cell=self._cell_id,
+            state=self._state,
             # The driver commits a step once every rank has passed it, so a step
-            # whose files are still uploading is not passed yet.
-            "step": self.step if self._in_flight_step is None else self._in_flight_step - 1,
-            "paused_at": self._paused_at,
-            "output": output,
-            "reports": reports,
-            "checkpoints": checkpoints,
-        }
-        if self._state == "done":
-            update["value"] = self._value
-        elif self._state == "error":
-            update["error"] = self._error
-        return update
+            # whose files are still uploading is not passed yet. ``step`` and
+            # ``_in_flight_step`` only change together, under this lock.
+            step=self.step if self._in_flight_step is None else self._in_flight_step - 1,
+            paused_at=self._paused_at,
+            output=output,
+            reports=reports,
+            checkpoints=checkpoints,
+            value=self._value if self._state is CellState.DONE else None,
+            error=self._error if self._state is CellState.ERROR else None,
+            loaded_checkpoint=self._loaded_checkpoint,
+        )
 
     # ---- output and reports (called from the cell thread) --------------------------
     def _add_output(self, stream: str, text: str) -> None:
@@ -310,10 +302,22 @@ class RankRuntime:
         self._finish_upload()
         step = int(step) if step is not None else self.step + 1
         when = time.time()
+        if self._replay:
+            # Rebuilding state after a failure: the first run already published
+            # these reports and committed these checkpoints.
+            if checkpoint is not None and getattr(checkpoint, "_temporary", False):
+                checkpoint.discard()
+            with self._cond:
+                self.step = step
+                if self._stop_requested:
+                    self._stop_at_boundary_locked()
+            return self.step
         if checkpoint is not None and getattr(checkpoint, "_temporary", False):
             target = self._checkpoint_target(step, checkpoint)
-            self.step = step
             with self._cond:
+                # Both at once: a poll must never see the step without knowing
+                # that its files are still on their way.
+                self.step = step
                 self._in_flight_step = step
             self._upload = threading.Thread(
                 target=self._upload_in_background,
@@ -330,8 +334,10 @@ class RankRuntime:
                     self._stop_at_boundary_locked()
             return self.step
         files = self._upload_checkpoint(step, checkpoint) if checkpoint is not None else None
-        self.step = step
         with self._cond:
+            # The step and its checkpoint offer are published together: a poll in
+            # between would let the driver commit this step without this rank's files.
+            self.step = step
             self._publish_locked(step, when, metrics, files)
             if self._stop_requested:
                 self._stop_at_boundary_locked()
@@ -340,12 +346,12 @@ class RankRuntime:
     def _publish_locked(self, step: int, when: float, metrics: dict, files) -> None:
         self._reports.append((step, when, metrics))
         if files is not None:
-            self._checkpoints.append((step, when, metrics, files))
+            self._checkpoints.append(CheckpointOffer(step, when, metrics, files))
         if len(self._reports) == 1:
             self._cond.notify_all()
 
     def _upload_in_background(self, step: int, when: float, metrics: dict, target) -> None:
-        from rtnb._checkpoint import upload_directory
+        from rtnb.storage._checkpoint import upload_directory
 
         files = None
         try:
@@ -369,17 +375,17 @@ class RankRuntime:
             raise error
 
     def _upload_checkpoint(self, step: int, checkpoint) -> list:
-        from rtnb._checkpoint import upload_directory
+        from rtnb.storage._checkpoint import upload_directory
 
         checkpoint, dest_fs, dest_path = self._checkpoint_target(step, checkpoint)
         return upload_directory(checkpoint, dest_fs, dest_path)
 
     def _checkpoint_target(self, step: int, checkpoint):
         """Where ``checkpoint``'s files go for ``step``; refuses a committed id at once."""
-        from rtnb._checkpoint import MANIFEST, Checkpoint
-        from rtnb._checkpoints import checkpoint_id
-        from rtnb._rundir import RunDirectory
         from rtnb.errors import CheckpointError
+        from rtnb.storage._checkpoint import MANIFEST, Checkpoint
+        from rtnb.storage._checkpoints import checkpoint_id
+        from rtnb.storage._rundir import RunDirectory
 
         if not isinstance(checkpoint, Checkpoint):
             # ray.train.Checkpoint and look-alikes: a path plus a pyarrow filesystem.
@@ -413,7 +419,7 @@ class RankRuntime:
     # ---- control calls (any thread) -------------------------------------------------
     def request_stop(self) -> int:
         with self._cond:
-            if self._state == "running":
+            if self._state is CellState.RUNNING:
                 self._stop_requested = True
                 self._cond.notify_all()
             return self.step
@@ -427,7 +433,7 @@ class RankRuntime:
     def interrupt(self) -> bool:
         """Raise CellStopped inside the cell thread (reaches pure-Python code only)."""
         with self._cond:
-            if self._state != "running":
+            if self._state is not CellState.RUNNING:
                 return False
             self._stop_requested = True
             self._stop_target = -1  # any paused rank leaves at once
@@ -443,33 +449,21 @@ class RankRuntime:
     def pull(self, name: str) -> tuple[bool, bytes | None, str]:
         if name not in self.namespace:
             return False, None, ""
-        return (True, *_portable(self.namespace[name]))
+        return (True, *to_portable(self.namespace[name]))
 
     def push(self, values: dict[str, Any]) -> None:
         self.namespace.update(values)
 
+    def hand_out_checkpoint(self):
+        """``get_checkpoint()``: the cell's checkpoint, remembered as loaded."""
+        checkpoint = self.checkpoint
+        if checkpoint is not None:
+            self._loaded_checkpoint = getattr(checkpoint, "id", None)
+        return checkpoint
+
     @property
-    def state(self) -> str:
+    def state(self) -> CellState:
         return self._state
-
-
-def _portable(value: Any) -> tuple[bytes | None, str]:
-    """A value as (pickled bytes or None, repr) so the driver can show it either way."""
-    try:
-        text = repr(value)
-    except Exception as exc:  # noqa: BLE001
-        text = f"<unrepresentable {type(value).__name__}: {exc}>"
-    if len(text) > 10_000:
-        text = text[:10_000] + " …"
-    try:
-        from ray import cloudpickle as dumper
-    except ImportError:  # outside Ray (unit tests): plain pickle is enough
-        dumper = pickle
-    try:
-        data = dumper.dumps(value)
-    except Exception:  # noqa: BLE001 - unpicklable values come back as their repr
-        data = None
-    return data, text
 
 
 def _summary(exc: BaseException) -> str:
@@ -487,10 +481,3 @@ def _user_traceback(exc: BaseException, filename: str) -> str:
         return "".join(traceback.format_exception_only(type(exc), exc))
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
-
-def _flush_std() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass

@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from rtnb.errors import ClusterError, first_line
+from rtnb.errors import ClusterError, one_line
 
 __all__ = ["ClusterConnection", "connect"]
 
@@ -103,7 +103,7 @@ def connect(
         _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
-            f"could not connect to Ray at {target!r}: {first_line(exc)}. "
+            f"could not connect to Ray at {target!r}: {one_line(exc)}. "
             + (
                 "No local cluster was found: start one with `ray start --head` or omit --address."
                 if target == "auto"
@@ -112,7 +112,7 @@ def connect(
         ) from None
     except Exception as exc:  # noqa: BLE001 - Ray raises many types here
         raise ClusterError(
-            f"could not start or join Ray ({target or 'embedded'}): {first_line(exc)}"
+            f"could not start or join Ray ({target or 'embedded'}): {one_line(exc)}"
         ) from None
     _quiet_ray_logging()
     client_mode = _in_client_mode()

@@ -1,0 +1,91 @@
+"""The typed messages between a rank and the driver (see docs/architecture.md).
+
+A rank answers every long-poll with one :class:`RankUpdate`: what it printed,
+reported and checkpointed since the last poll, where its cell stands, and, once
+the cell ended, its value or error. Reports stay plain tuples
+(:data:`ReportRecord`): at 10 kHz per rank a class per report would cost more
+than the report itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CellState",
+    "CheckpointOffer",
+    "Portable",
+    "RankUpdate",
+    "ReportRecord",
+    "StopPhase",
+]
+
+# (step, unix time, metrics) of one rtnb.report() call.
+ReportRecord = tuple[int, float, dict[str, Any]]
+# A value sent back from a rank: (pickled bytes or None when unpicklable, repr).
+Portable = tuple[bytes | None, str]
+
+
+class CellState(str, enum.Enum):
+    """Where a rank's cell stands."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    DONE = "done"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def ended(self) -> bool:
+        return self not in (CellState.IDLE, CellState.RUNNING)
+
+
+class StopPhase(str, enum.Enum):
+    """The driver's stop protocol for one cell (DESIGN.md section 3)."""
+
+    NONE = ""
+    REQUESTED = "requested"  # asked for; the ranks are told at the next tick
+    COOPERATIVE = "cooperative"  # ranks pause at report() and leave at a common step
+    RAISE = "raise"  # CellStopped is raised inside each rank's cell thread
+    RESTART = "restart"  # the group is rebuilt (ranks stuck in native code)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class CheckpointOffer:
+    """A rank's files for the checkpoint at ``step`` are in storage."""
+
+    step: int
+    time: float
+    metrics: dict[str, Any]
+    files: list[dict[str, Any]]
+
+
+@dataclass
+class RankUpdate:
+    """One long-poll answer of a rank.
+
+    ``step`` is the last step whose checkpoint files (if any) have landed and been
+    offered: the driver commits a checkpoint once every rank has passed its step.
+    ``loaded_checkpoint`` is the id of the checkpoint ``get_checkpoint()`` handed
+    out in this cell, so messages name what the ranks really loaded.
+    """
+
+    rank: int
+    cell: int | None
+    state: CellState
+    step: int
+    paused_at: int | None = None
+    output: list[tuple[str, str]] = field(default_factory=list)
+    reports: list[ReportRecord] = field(default_factory=list)
+    checkpoints: list[CheckpointOffer] = field(default_factory=list)
+    value: Portable | None = None
+    error: tuple[str, str] | None = None  # (one-line summary, user traceback)
+    loaded_checkpoint: str | None = None

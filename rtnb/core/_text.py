@@ -1,0 +1,53 @@
+"""Small shared helpers for numbers and text: one of each, used everywhere.
+
+``to_number`` turns a reported value into a plottable float; ``mean_over_ranks``
+is the one definition of "the mean across ranks" (Result.metrics, checkpoint
+manifests); ``format_table`` is the one plain-text table (status, runs, CLI).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["format_table", "mean_over_ranks", "to_number"]
+
+
+def to_number(value: Any) -> float | None:
+    """A plottable float for ``value`` (ints, floats, 0-d tensors/arrays), else None."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if item is not None:
+        try:
+            out = item()
+        except Exception:  # noqa: BLE001 - not a scalar
+            return None
+        return float(out) if isinstance(out, (int, float)) else None
+    return None
+
+
+def mean_over_ranks(per_rank: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+    """Each metric's mean over the ranks that reported it; a metric with a
+    non-numeric value on any rank has no mean."""
+    names = sorted({k for metrics in per_rank.values() for k in metrics})
+    out: dict[str, float] = {}
+    for name in names:
+        values = [to_number(m[name]) for m in per_rank.values() if name in m]
+        numbers = [v for v in values if v is not None]
+        if numbers and len(numbers) == len(values):
+            out[name] = statistics.fmean(numbers)
+    return out
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns, the first row as the header."""
+    if not rows:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows
+    )

@@ -1,0 +1,194 @@
+"""The run journal: an append-only, ordered record of what the ranks were given.
+
+Every action that changes what the ranks hold is one entry in
+``{run}/journal/``, written before the action is sent to the ranks (a
+write-ahead log): each cell's code and rank subset, each push, each function sent
+by value, each checkpoint choice, each start, scale and restart; and, when a cell
+ends, an entry with its outcome, duration and whether it reported. Values (pushed
+variables, functions) are stored beside their entry as ``{seq}.pkl`` and read
+back only when a replay needs them, so the driver keeps no copy in memory.
+
+One file per entry works the same on a local disk and on object storage, which
+cannot append. Entries are never rewritten; a crash can lose at most the entry
+being written, never one before it. The journal is what recovery replays after a
+failure, what ``--replay`` rebuilds a new kernel's ranks from, and what ``scale``
+carries over to a new group (docs/architecture.md, "The journal").
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import posixpath
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from rtnb.storage._rundir import RunDirectory
+
+__all__ = ["CellOutcome", "EntryKind", "Journal", "JournalEntry", "ReplayStep"]
+
+FOLDER = "journal"
+
+
+class EntryKind(str, enum.Enum):
+    START = "start"  # a session started a group: fresh, or rebuilt with --replay
+    CELL = "cell"  # code run on ranks (with a function by value, for Session.run(fn))
+    CELL_END = "cell_end"  # a cell's outcome, duration and whether it reported
+    PUSH = "push"  # notebook values set on ranks
+    CHECKPOINT = "checkpoint"  # a checkpoint chosen with load / resume / the browser
+    SCALE = "scale"  # a new group of N ranks, the journal replayed onto it
+    RESTART = "restart"  # a new group; with keep=False a fresh start (replay stops here)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CellOutcome(str, enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class JournalEntry:
+    seq: int
+    kind: EntryKind
+    time: float = field(default_factory=time.time)
+    cell_id: int | None = None  # the cell number the user saw
+    code: str | None = None
+    ranks: list[int] | None = None  # None: every rank of the group
+    once: bool = False  # %%rtrain --once: never replayed
+    values: str | None = None  # file beside the entry holding pickled values
+    names: list[str] = field(default_factory=list)  # what a push or function set
+    checkpoint: str | None = None  # CHECKPOINT: the chosen id
+    run: str | None = None  # CHECKPOINT: the run it came from, when another one
+    workers: int | None = None  # START/SCALE/RESTART: the group's size
+    keep: bool = True  # START/RESTART: the ranks' state was kept (replayed)
+    of: int | None = None  # CELL_END: seq of its CELL
+    outcome: CellOutcome | None = None
+    duration_s: float | None = None
+    reported: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record = {k: v for k, v in asdict(self).items() if v not in (None, [], False)}
+        record["kind"] = str(self.kind)
+        if self.outcome is not None:
+            record["outcome"] = str(self.outcome)
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> JournalEntry:
+        known = {f.name for f in fields(cls)}
+        entry = cls(**{k: v for k, v in record.items() if k in known})
+        entry.kind = EntryKind(entry.kind)
+        if entry.outcome is not None:
+            entry.outcome = CellOutcome(entry.outcome)
+        return entry
+
+
+@dataclass
+class ReplayStep:
+    """One action to replay: a push, or a cell (with the values it needs first)."""
+
+    entry: JournalEntry
+    skipped: str = ""  # why it is not replayed, when it is not
+
+
+class Journal:
+    """The journal of one run directory; appends are ordered and thread-safe."""
+
+    def __init__(self, run_dir: RunDirectory) -> None:
+        self.run_dir = run_dir
+        self._lock = threading.Lock()
+        self._entries: list[JournalEntry] | None = None
+
+    # ---- reading -------------------------------------------------------------------
+    def entries(self) -> list[JournalEntry]:
+        with self._lock:
+            if self._entries is None:
+                self._entries = self._read_all()
+            return list(self._entries)
+
+    def _read_all(self) -> list[JournalEntry]:
+        from pyarrow import fs as pafs
+
+        base = posixpath.join(self.run_dir.path, FOLDER)
+        infos = self.run_dir.fs.get_file_info(
+            pafs.FileSelector(base, recursive=False, allow_not_found=True)
+        )
+        names = sorted(
+            i.base_name
+            for i in infos
+            if i.type == pafs.FileType.File and i.base_name.endswith(".json")
+        )
+        entries = []
+        for name in names:
+            try:
+                entries.append(JournalEntry.from_json(self.run_dir.read_json(f"{FOLDER}/{name}")))
+            except (OSError, ValueError, TypeError):
+                continue  # a torn last entry (crash mid-write) is not an action
+        return sorted(entries, key=lambda e: e.seq)
+
+    def read_values(self, entry: JournalEntry) -> bytes:
+        if entry.values is None:
+            raise ValueError(f"journal entry {entry.seq} holds no values")
+        with self.run_dir.fs.open_input_stream(
+            posixpath.join(self.run_dir.path, FOLDER, entry.values)
+        ) as src:
+            return src.read()
+
+    # ---- writing -------------------------------------------------------------------
+    def append(self, kind: EntryKind, values: bytes | None = None, **fields_: Any) -> JournalEntry:
+        """Write one entry (and its values first) and return it."""
+        with self._lock:
+            if self._entries is None:
+                self._entries = self._read_all()
+            seq = self._entries[-1].seq + 1 if self._entries else 1
+            entry = JournalEntry(seq=seq, kind=kind, **fields_)
+            if values is not None:
+                entry.values = f"{seq:08d}.pkl"
+                self.run_dir.write_bytes(f"{FOLDER}/{entry.values}", values)
+            self.run_dir.write_bytes(
+                f"{FOLDER}/{seq:08d}-{kind}.json", json.dumps(entry.to_json()).encode()
+            )
+            self._entries.append(entry)
+            return entry
+
+    # ---- replay --------------------------------------------------------------------
+    def replay_plan(self, before: int | None = None) -> list[ReplayStep]:
+        """What to replay, in order, to rebuild the ranks' state: the pushes and the
+        cells that ended well since the last fresh start, up to entry ``before``.
+
+        Not replayed (listed with the reason): cells marked ``--once``, cells that
+        failed or were interrupted (their partial effects cannot be reproduced), and
+        cells whose outcome was never recorded (running when the kernel died).
+        """
+        entries = [e for e in self.entries() if before is None or e.seq < before]
+        start = 0
+        for i, entry in enumerate(entries):
+            if entry.kind in (EntryKind.START, EntryKind.RESTART) and not entry.keep:
+                start = i + 1
+        outcomes = {e.of: e for e in entries if e.kind is EntryKind.CELL_END}
+        plan: list[ReplayStep] = []
+        for entry in entries[start:]:
+            if entry.kind is EntryKind.PUSH:
+                plan.append(ReplayStep(entry))
+            elif entry.kind is EntryKind.CELL:
+                end = outcomes.get(entry.seq)
+                if entry.once:
+                    plan.append(ReplayStep(entry, "marked --once"))
+                elif end is None:
+                    plan.append(ReplayStep(entry, "its outcome was never recorded"))
+                elif end.outcome is not CellOutcome.OK:
+                    plan.append(ReplayStep(entry, f"it ended with {end.outcome}"))
+                else:
+                    plan.append(ReplayStep(entry))
+        return plan
+
+    def cell_entry(self, seq: int) -> JournalEntry | None:
+        return next((e for e in self.entries() if e.seq == seq), None)
