@@ -82,8 +82,12 @@ def test_tampered_or_unmanifested_checkpoints_are_refused(session, tmp_path):
     plain.mkdir()
     with pytest.raises(rtnb.CheckpointError, match="trusted=True"):
         rtnb.Checkpoint.from_directory(plain).to_directory()
-    with pytest.raises(rtnb.CheckpointError, match="no committed checkpoint 'step-nope'"):
-        session.load("step-nope")
+    with pytest.raises(rtnb.CheckpointError, match="no committed checkpoint 'step-000099999'"):
+        session.load("step-99999")
+    # A typed name never reaches outside checkpoints/.
+    for bad in ("step-nope", "../../etc", "step-1/../../x", "latest/.."):
+        with pytest.raises(rtnb.CheckpointError, match="is not a checkpoint id"):
+            session.load(bad)
 
 
 class _Payload:
