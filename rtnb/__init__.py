@@ -64,7 +64,41 @@ _EXPORTS: dict[str, str] = {
     "WorkerGroupError": "rtnb.errors",
 }
 
-__all__ = sorted([*_EXPORTS, "load_ipython_extension", "unload_ipython_extension"])
+__all__ = [
+    "CellError",
+    "CellHandle",
+    "CellInterrupted",
+    "CellStopped",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointInfo",
+    "ClusterError",
+    "ConfigError",
+    "GroupState",
+    "GroupStatus",
+    "MetricsStore",
+    "PerRank",
+    "Progress",
+    "RankContext",
+    "Report",
+    "Result",
+    "RtnbError",
+    "Session",
+    "SessionConfig",
+    "SessionError",
+    "StateChange",
+    "WorkerGroupError",
+    "get_checkpoint",
+    "get_context",
+    "get_device",
+    "get_devices",
+    "list_runs",
+    "load_ipython_extension",
+    "prepare_data_loader",
+    "prepare_model",
+    "report",
+    "unload_ipython_extension",
+]
 
 
 def __getattr__(name: str) -> Any:

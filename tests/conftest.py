@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from rtnb.driver._cluster import _use_auth_token_if_present
+from rtnb.core._net import use_auth_token_if_present
 
 # Ray reads its auth mode once, when first imported; a unit test that imports Ray
 # (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
 # leave this process unable to join the token-auth test cluster.
-_use_auth_token_if_present()
+use_auth_token_if_present()
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CPUS = 4  # logical CPUs: two 2-rank groups may coexist (kernel + this process)

@@ -1,4 +1,4 @@
-"""The architecture's import rules (DESIGN.md section 2)."""
+"""The architecture's import rules (DESIGN.md section 2, docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,3 +64,170 @@ def test_magics_and_widgets_are_installed_inside_the_rtnb_namespace():
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd="/", check=True
     )
     assert out.stdout.strip() == "None None", "generic top-level packages must not be installed"
+
+
+# ---- the module graph of the engine (docs/architecture.md, "Who may import whom") ----
+#
+# Every `import` / `from ... import` anywhere in a module counts (inside functions
+# too: a lazy import still runs in that process), except under `if TYPE_CHECKING:`.
+
+ENGINE = REPO / "rtnb"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _engine_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ENGINE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_import_nodes(node: ast.AST):
+    """Import statements at any depth, skipping the bodies of `if TYPE_CHECKING:`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                if isinstance(other, (ast.Import, ast.ImportFrom)):
+                    yield other
+                else:
+                    yield from _runtime_import_nodes(other)
+        else:
+            yield from _runtime_import_nodes(child)
+
+
+def _rtnb_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The rtnb modules ``name`` imports; ``from pkg import sub`` counts as ``pkg.sub``
+    when that submodule exists."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in _runtime_import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join([*package, *([base] if base else [])])
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                for alias in node.names
+            ]
+        found.update(t for t in targets if t == "rtnb" or t.startswith("rtnb."))
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _engine_modules()
+    return {name: _rtnb_imports(name, path, modules) for name, path in modules.items()}
+
+
+def _part(module: str) -> str:
+    """The engine part a module belongs to: 'core', 'driver', 'errors', ... ('' for
+    the public face, rtnb/__init__.py)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+# part -> (the parts it may import, or None for any) and (the parts it must not import)
+_RULES: dict[str, tuple[set[str] | None, set[str]]] = {
+    "errors": ({"errors"}, set()),  # the leaf everything else builds on
+    "core": ({"core", "errors"}, set()),
+    "storage": ({"core", "errors", "storage"}, set()),
+    "metrics": ({"core", "errors", "metrics"}, set()),
+    "worker": (None, {"driver", "batch"}),
+    "batch": (None, {"driver", "worker"}),
+}
+
+def _violations(part: str) -> list[tuple[str, str]]:
+    allowed, forbidden = _RULES[part]
+    found = []
+    for module, targets in sorted(_import_graph().items()):
+        if _part(module) != part:
+            continue
+        for target in sorted(targets):
+            other = _part(target)
+            if (allowed is not None and other not in allowed) or other in forbidden:
+                found.append((module, target))
+    return found
+
+
+def test_the_import_graph_sees_every_kind_of_import():
+    graph = _import_graph()
+    assert "rtnb.worker._compat" in graph["rtnb.worker._actor"]  # from pkg import submodule
+    assert "rtnb.storage._checkpoint" in graph["rtnb.worker._runtime"]  # inside a function
+    assert "rtnb.driver._session" not in graph["rtnb.driver._cell"]  # under TYPE_CHECKING
+    assert not {t for t in graph["rtnb"] if t.startswith("rtnb.driver")}  # the lazy face
+
+
+@pytest.mark.parametrize("part", sorted(_RULES))
+def test_each_part_imports_only_what_it_may(part):
+    bad = _violations(part)
+    allowed, forbidden = _RULES[part]
+    rule = (
+        f"may import only {', '.join(sorted(allowed))}"
+        if allowed is not None
+        else f"must not import {', '.join(sorted(forbidden))}"
+    )
+    assert not bad, f"rtnb.{part} {rule}, but:\n" + "\n".join(f"  {m} -> {t}" for m, t in bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle a depth-first search closes, each as a path a -> ... -> a.
+    A package __init__ importing its own submodules is not an edge."""
+    edges = {
+        module: sorted(
+            t
+            for t in targets
+            if t in graph and t != module and not t.startswith(module + ".")
+        )
+        for module, targets in graph.items()
+    }
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in edges[module]:
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_cycle_finder_reports_the_path():
+    graph = {"rtnb.a": {"rtnb.b"}, "rtnb.b": {"rtnb.c"}, "rtnb.c": {"rtnb.a"}, "rtnb": {"rtnb.a"}}
+    assert _cycles(graph) == [["rtnb.a", "rtnb.b", "rtnb.c", "rtnb.a"]]
+
+
+def test_no_import_cycles_between_engine_modules():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_a_rank_using_the_public_face_loads_no_driver_or_batch_code():
+    probe = (
+        "import rtnb, sys; rtnb.report; rtnb.Checkpoint; rtnb.get_context; "
+        "print(sorted(m for m in sys.modules if m.startswith(('rtnb.driver','rtnb.batch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"a rank process loaded {out.stdout.strip()}"

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from rtnb.batch._runner import check_timeout, parse_parameters
+from rtnb.core._net import probe_tcp, use_auth_token_if_present
 from rtnb.errors import ClusterError, ConfigError, one_line
 
 __all__ = ["JobRow", "default_job_address", "job_logs", "list_jobs", "submit_notebook"]
@@ -45,21 +46,19 @@ class JobRow:
 
 
 def _client(address: str):
-    from rtnb.driver._cluster import _probe, _use_auth_token_if_present
-
     parsed = urlparse(address if "://" in address else f"http://{address}")
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ConfigError(f"--address {address!r} is not a Ray dashboard URL; use http://HEAD:8265")
     port = parsed.port or (443 if parsed.scheme == "https" else 8265)
     try:
-        _probe(parsed.hostname, port, timeout=5.0)
+        probe_tcp(parsed.hostname, port, timeout=5.0)
     except ClusterError:
         raise ClusterError(
             f"no Ray dashboard answers at {address} (the job server runs in the head's "
             "dashboard: start the head with ray[default] installed and check "
             "--dashboard-host/--dashboard-port)"
         ) from None
-    _use_auth_token_if_present()  # before Ray is imported: it reads the auth mode once
+    use_auth_token_if_present()  # before Ray is imported: it reads the auth mode once
     from ray.job_submission import JobSubmissionClient
 
     try:

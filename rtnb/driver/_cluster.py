@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass
 
+from rtnb.core._net import probe_tcp, use_auth_token_if_present
 from rtnb.errors import ClusterError, one_line
 
 __all__ = ["ClusterConnection", "connect"]
@@ -46,18 +46,6 @@ def _quiet_ray_logging() -> None:
     warnings.filterwarnings("ignore", module=r"ray(\..*)?")
 
 
-def _probe(host: str, port: int, timeout: float) -> None:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise ClusterError(
-            f"cannot reach a Ray cluster at {host}:{port} ({exc.strerror or exc}). "
-            "Check the address, that `ray start --head` is running there, and the port "
-            "(6379 for HOST:PORT, 10001 for ray://)"
-        ) from None
-
-
 def _split_host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
@@ -76,7 +64,7 @@ def connect(
     target = address or os.environ.get("RAY_ADDRESS") or None
     if target is not None:
         # Before `import ray`: Ray reads RAY_AUTH_MODE when it is first imported.
-        _use_auth_token_if_present()
+        use_auth_token_if_present()
     import ray
 
     _quiet_ray_logging()
@@ -96,7 +84,7 @@ def connect(
         bare = target[len("ray://") :] if target.startswith("ray://") else target
         bare = bare.split("://", 1)[-1]
         host, port = _split_host_port(bare)
-        _probe(host, port, min(timeout_s, 5.0))
+        probe_tcp(host, port, min(timeout_s, 5.0))
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
@@ -157,18 +145,6 @@ def _init_with_retry(ray, target: str | None, kwargs: dict, timeout_s: float) ->
             except Exception:  # noqa: BLE001
                 pass
             time.sleep(1.0)
-
-
-def _use_auth_token_if_present() -> None:
-    # Ray 2.5x+ clusters enable token auth by default and write the token to
-    # ~/.ray/auth_token, but a client only sends it when RAY_AUTH_MODE=token; without
-    # it ray.init retries forever logging "InvalidAuthToken". Sending a token to a
-    # cluster without auth is harmless, so opt in whenever a token is available.
-    if os.environ.get("RAY_AUTH_MODE"):
-        return
-    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
-        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _in_client_mode() -> bool:

@@ -97,7 +97,8 @@ class Session:
         self.replayer = Replayer(self, self.journal)
         self.policy = FailurePolicy(self.config.max_failures)
         self.replay_on_start = replay
-        self.last_replay: ReplayReport | None = None
+        self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
+        self.last_recovery: RecoveryOutcome | None = None
         self.state_machine = StateMachine()
         self._ready = threading.Event()
         self.state_machine.subscribe(self._track_ready)
@@ -442,7 +443,8 @@ class Session:
             self.state_machine.to(GroupState.RUNNING, f"recovering: {reason}")
             report = self.replayer.replay(before)
             self._continue_step_count()
-            return RecoveryOutcome(attempt, report)
+            self.last_recovery = RecoveryOutcome(attempt, report)
+            return self.last_recovery
         except (ray.exceptions.RayError, WorkerGroupError, _Restart) as exc:
             if self.state is GroupState.FAILED:
                 self.state_machine.to(GroupState.RESTARTING, "retrying after a failed rebuild")
@@ -664,24 +666,15 @@ class Session:
     # ---- variables ---------------------------------------------------------------------
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
         """The value of ``name`` on each rank, in rank order (``%rtnb pull``)."""
-        import ray
 
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError(f"{name!r} is not a Python variable name")
-        group = self._require_group(wait_s=_WAIT_FOR_GROUP_S)
-        rank_list = _ranks(ranks, group.world_size)
-        try:
-            answers = ray.get(
-                [group.actors[r].pull.remote(name) for r in rank_list], timeout=120
-            )
-        except ray.exceptions.GetTimeoutError:
-            raise SessionError(
-                f"pulling {name!r} took over 120 s (a rank is busy in native code?); try again"
-            ) from None
-        except ray.exceptions.RayError as exc:
-            raise WorkerGroupError(
-                f"pulling {name!r} failed: a rank died ({one_line(exc)})"
-            ) from None
+        rank_list = _ranks(ranks, self._require_group(wait_s=_WAIT_FOR_GROUP_S).world_size)
+        answers = self._call_ranks(
+            lambda group: [group.actors[r].pull.remote(name) for r in rank_list],
+            f"pulling {name!r}",
+            timeout_s=120,
+        )
         missing = [r for r, (found, *_rest) in zip(rank_list, answers) if not found]
         if missing:
             raise SessionError(
@@ -712,16 +705,52 @@ class Session:
     def _send_values(self, data: bytes, ranks: list[int]) -> None:
         import ray
 
-        group = self._require_group()
         ref = ray.put(data)
-        try:
-            ray.get([group.actors[r].push.remote(ref) for r in ranks], timeout=300)
-        except ray.exceptions.GetTimeoutError:
-            raise SessionError("sending values to the ranks took over 300 s") from None
-        except ray.exceptions.RayError as exc:
-            raise WorkerGroupError(
-                f"sending values to the ranks failed: a rank died ({one_line(exc)})"
-            ) from None
+        self._call_ranks(
+            lambda group: [group.actors[r].push.remote(ref) for r in ranks],
+            "sending values to the ranks",
+            timeout_s=300,
+        )
+
+    def _call_ranks(self, calls: Callable[[WorkerGroup], list], what: str, timeout_s: float):
+        """``ray.get`` of ``calls(group)``; each failure becomes one rtnb error line.
+
+        A rank that died under a running cell that recovery will rebuild is not an
+        error of this call: it waits for the rebuilt group and asks it instead."""
+        import ray
+
+        group = self._require_group(wait_s=_WAIT_FOR_GROUP_S)
+        for attempt in range(2):
+            try:
+                return ray.get(calls(group), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise SessionError(
+                    f"{what} took over {timeout_s:g} s (a rank busy in native code?); try again"
+                ) from None
+            except ray.exceptions.RayError as exc:
+                rebuilt = attempt == 0 and self._wait_for_recovery(group)
+                if rebuilt is None:
+                    raise WorkerGroupError(f"{what} failed: a rank died ({one_line(exc)})") from None
+                group = rebuilt
+        raise AssertionError("unreachable")
+
+    def _wait_for_recovery(self, lost: WorkerGroup) -> WorkerGroup | None:
+        """The group that recovery builds to replace ``lost``; None when no
+        recovery is coming (no running cell, or --max-failures spent)."""
+        active = self._active
+        if active is None or active.done() or not (
+            active.recovering or self.policy.can_recover()
+        ):
+            return None
+        deadline = time.monotonic() + _WAIT_FOR_GROUP_S
+        while time.monotonic() < deadline:
+            group = self._group
+            if group is not None and group is not lost and self._ready.is_set():
+                return group
+            if active.done() and not active.recovering and self._group is lost:
+                return None
+            time.sleep(0.05)
+        return None
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> GroupStatus:

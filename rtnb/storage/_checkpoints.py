@@ -129,8 +129,14 @@ class CheckpointStore:
         # The manifest is written last: its presence is what makes the checkpoint real.
         self.run_dir.write_json(manifest, asdict(info))
         self._manifests[cid] = info
-        self._write_index()
-        self._apply_retention()
+        try:
+            self._write_index()
+            self._apply_retention()
+        except Exception as exc:  # noqa: BLE001 - storage errors of any kind
+            raise CheckpointError(
+                f"checkpoint {cid} is committed, but updating checkpoints/{INDEX} or "
+                f"applying --keep failed: {one_line(exc)}"
+            ) from None
         for callback in list(self._subscribers):
             try:
                 callback(info)

@@ -1,0 +1,40 @@
+"""Reaching a Ray cluster from any process: a TCP probe, and the auth-token opt-in.
+
+Used by the driver's connection and by ``rtnb submit``/``jobs``/``logs`` alike.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from rtnb.errors import ClusterError
+
+__all__ = ["probe_tcp", "use_auth_token_if_present"]
+
+
+def probe_tcp(host: str, port: int, timeout: float) -> None:
+    """Raise one ClusterError line unless ``host:port`` accepts a TCP connection:
+    ``ray.init`` on a dead address can retry for minutes."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"cannot reach a Ray cluster at {host}:{port} ({exc.strerror or exc}). "
+            "Check the address, that `ray start --head` is running there, and the port "
+            "(6379 for HOST:PORT, 10001 for ray://)"
+        ) from None
+
+
+
+def use_auth_token_if_present() -> None:
+    # Ray 2.5x+ clusters enable token auth by default and write the token to
+    # ~/.ray/auth_token, but a client only sends it when RAY_AUTH_MODE=token; without
+    # it ray.init retries forever logging "InvalidAuthToken". Sending a token to a
+    # cluster without auth is harmless, so opt in whenever a token is available.
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"

@@ -1,0 +1,307 @@
+"""The run journal: recovery, scale, restart and stop replay exactly what the ranks
+were given, and every message names the checkpoint the ranks really loaded.
+
+All on the session's real local Ray, real gloo, real files; ranks are SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import rtnb
+from rtnb.storage._journal import EntryKind
+from tests.conftest import wait_for_free_cpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# The resume pattern of Ray Train: start after the step the checkpoint holds.
+TRAIN = (
+    "import time, rtnb, torch.distributed as dist\n"
+    "ck = rtnb.get_checkpoint()\n"
+    "loaded_i = ck.load_state()['i'] if ck is not None else None\n"
+    "i = loaded_i + 1 if ck is not None else 0\n"
+    "while i < STEPS:\n"
+    "    time.sleep(SLEEP)\n"
+    "    rtnb.report({{'i': i}}, checkpoint=rtnb.Checkpoint.from_state({{'i': i}}) if dist.get_rank() == 0 else None)\n"
+    "    i += 1\n"
+    "{tail}"
+)
+
+
+def _kill_rank_when(session, rank: int, ready, timeout: float = 60.0) -> threading.Thread:
+    """SIGKILL ``rank`` once ``ready()`` holds (checked from another thread)."""
+
+    def run():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not ready():
+            time.sleep(0.02)
+        os.kill(session._group.ranks[rank].pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _notes(into: list[str]):
+    return lambda rank, stream, text: into.append(text) if rank < 0 else None
+
+
+def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(ray_cluster, tmp_path):
+    def setup(config):  # local: cloudpickle journals it by value
+        import torch.distributed as dist
+
+        import rtnb
+
+        # State a function leaves on its rank: kept by the rank's runtime.
+        extra = rtnb.get_context().extra
+        extra["from_fn"] = config["base"] + dist.get_rank()
+        return extra["from_fn"]
+
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="push", max_failures=2, stop_grace_s=1.0
+    ) as session:
+        session.push({"scale": 3})
+        assert session.run(setup, config={"base": 10}) == {0: 10, 1: 11}
+        session.run("only_on_one = 'kept'", ranks=[1])
+        session.run("counter = 0")
+        session.run("counter += 1")  # replayed once, so it must end at 1, not 2
+        session.run("import os, signal, time, rtnb")
+        kinds = [e.kind for e in session.journal.entries()]
+        assert kinds[:3] == [EntryKind.START, EntryKind.PUSH, EntryKind.CELL]
+
+        killer = _kill_rank_when(session, 1, lambda: session.active_cell is not None)
+        notes: list[str] = []
+        value = session.run(
+            "time.sleep(2)\n"
+            "(scale * rtnb.get_context().extra['from_fn'], counter, 'only_on_one' in globals())",
+            output=_notes(notes),
+        )
+        killer.join()
+        assert session.failures == 1
+        assert value == {0: (30, 1, False), 1: (33, 1, True)}
+        assert session.pull("only_on_one", ranks="1") == ["kept"]
+        assert any("worker group rebuilt (recovery 1 of 2)" in n for n in notes), notes
+        assert any("cells and 1 push replayed in" in n for n in notes), notes
+        assert any("restarted without loading a checkpoint" in n for n in notes), notes
+
+
+def test_a_loaded_checkpoint_applies_to_the_next_cell_only_and_recovery_uses_the_latest(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="load", max_failures=1, stop_grace_s=1.0
+    ) as session:
+        session.run("STEPS, SLEEP = 10, 0.0")
+        session.run(TRAIN.format(tail="i"))
+        first = {c.step: c.id for c in session.checkpoints.list()}
+        assert len(first) == 10
+        early = session.load(first[3])  # holds i = 2
+        assert early.load_state()["i"] == 2
+
+        session.run("STEPS, SLEEP = 40, 0.05")
+        committed_after_load = len(first) + 5
+        killer = _kill_rank_when(
+            session, 0, lambda: len(session.checkpoints.list()) >= committed_after_load
+        )
+        notes: list[str] = []
+        handle = session.begin_cell(TRAIN.format(tail="(loaded_i, i)"), output=_notes(notes))
+        value = handle.run_here()
+        killer.join()
+        assert value[0][1] == value[1][1] == 40
+        resumed_from = value[0][0]
+        assert resumed_from > 2, "recovery restarted from the latest checkpoint, not the loaded one"
+        # The message names what the ranks loaded, and it is that checkpoint's state.
+        assert handle.restarted_from is not None
+        restarted = session.checkpoints.get(handle.restarted_from)
+        assert restarted.load_state()["i"] == resumed_from
+        assert any(
+            f"cell {handle.cell_id} restarted from {handle.restarted_from} (every rank loaded it)"
+            in n
+            for n in notes
+        ), notes
+        assert handle.restarted_from not in first.values()
+
+        # Later cells keep going from the latest, never back to the loaded one.
+        latest = session.checkpoints.latest()
+        assert session.run("rtnb.get_checkpoint().id") == {0: latest.id, 1: latest.id}
+        assert session.run(TRAIN.format(tail="(loaded_i, i)"))[0] == (39, 40)
+
+
+def test_replaying_finished_resume_pattern_cells_costs_their_setup_not_their_training(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="cheap", max_failures=1, stop_grace_s=1.0
+    ) as session:
+        trained_s = 0.0
+        for k in range(1, 6):
+            session.run(f"STEPS, SLEEP = {15 * k}, 0.1")
+            started = time.monotonic()
+            session.run(TRAIN.format(tail="i"))
+            trained_s += time.monotonic() - started
+        killer = _kill_rank_when(session, 1, lambda: session.active_cell is not None)
+        session.run("time.sleep(2)\n1", output=lambda *a: None)
+        killer.join()
+        report = session.last_recovery.replay
+        assert report.cells == 10
+        assert report.duration_s < 0.1 * trained_s, (report.duration_s, trained_s)
+        assert session.run("i") == {0: 75, 1: 75}
+
+
+def test_scale_down_and_up_keeps_the_ranks_variables_and_continues_from_the_latest(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="scale", cpus_per_worker=0.5, stop_grace_s=1.0
+    ) as session:
+        session.push({"lr": 0.25})
+        session.run("STEPS, SLEEP = 6, 0.0\nnote = 'defined before scaling'")
+        session.run(TRAIN.format(tail="i"))
+        latest = session.checkpoints.latest()
+
+        session.scale(1)
+        assert session.world_size == 1
+        assert session.pull("note") == ["defined before scaling"]
+        assert session.pull("lr") == [0.25]
+        assert session.last_replay.cells == 2 and session.last_replay.pushes == 1
+        assert session.run("dist.get_world_size()") == {0: 1}
+
+        session.scale(2)
+        assert session.pull("note") == ["defined before scaling"] * 2
+        session.run("STEPS = 9")
+        value = session.run(TRAIN.format(tail="(loaded_i, i, dist.get_world_size())"))
+        assert value == {0: (5, 9, 2), 1: (5, 9, 2)}
+        assert session.checkpoints.latest().step > latest.step
+        kinds = [e.kind for e in session.journal.entries()]
+        assert kinds.count(EntryKind.SCALE) == 2
+
+        # restart without --replay is a fresh group; with it, the state stays.
+        session.restart(replay=True)
+        assert session.pull("note") == ["defined before scaling"] * 2
+        session.restart()
+        with pytest.raises(rtnb.SessionError, match="not defined"):
+            session.pull("note")
+
+
+def test_stop_with_a_background_cell_ends_within_the_stop_grace(ray_cluster, tmp_path):
+    free_before = wait_for_free_cpus(4)
+    session = rtnb.Session(workers=2, storage=str(tmp_path), name="stop", stop_grace_s=1.0)
+    session.start()
+    # A loop that never reports: only the end of the group stops it.
+    handle = session.run_background("import time\nwhile True:\n    time.sleep(0.01)")
+    time.sleep(0.5)
+    started = time.monotonic()
+    session.stop()
+    took = time.monotonic() - started
+    assert took <= session.config.stop_grace_s + 1.0, f"stop took {took:.2f} s"
+    assert handle.done()
+    with pytest.raises(rtnb.CellInterrupted, match="worker group is stopping"):
+        handle.wait(1)
+    assert wait_for_free_cpus(free_before) >= free_before
+
+
+def test_restart_during_a_background_cell_rebuilds_once_and_wait_does_not_hang(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="rs", stop_grace_s=1.0) as session:
+        changes = []
+        session.on_state_change(lambda change: changes.append(change.new.value))
+        handle = session.run_background("import time\nwhile True:\n    time.sleep(0.01)")
+        time.sleep(0.3)
+        session.restart()
+        assert changes.count("restarting") == 1, changes
+        with pytest.raises(rtnb.CellInterrupted, match="restarts"):
+            session.wait(timeout=5)
+        assert handle.done()
+        assert session.run("1") == {0: 1, 1: 1}
+
+
+def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_restarting(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path), name="pull", max_failures=1, stop_grace_s=1.0
+    ) as session:
+        session.run("import time\nanswer = 42")
+        handle = session.run_background("time.sleep(3)\n1")
+        time.sleep(0.3)
+        os.kill(session._group.ranks[0].pid, signal.SIGKILL)
+        seen = []
+        deadline = time.monotonic() + 30
+        while not handle.done() and time.monotonic() < deadline:
+            try:
+                seen.append(session.pull("answer"))
+            except rtnb.SessionError as exc:
+                seen.append(str(exc))
+            seen.append(str(session.status()).splitlines()[0])
+            time.sleep(0.05)
+        assert handle.wait(60) == {0: 1, 1: 1}
+        assert not any("no worker group" in str(s) for s in seen), seen
+        assert [42, 42] in seen
+        assert session.failures == 1
+
+
+def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(ray_cluster, tmp_path):
+    import _thread
+
+    from rtnb.driver._group import WorkerGroup
+
+    class InterruptedAfterActorsExist(WorkerGroup):
+        # A real group; the "Ctrl-C" lands once its placement group and actors exist.
+        def _assign_local_ranks(self, described):
+            _thread.interrupt_main()
+            super()._assign_local_ranks(described)
+            time.sleep(5)  # the KeyboardInterrupt arrives in here
+
+    free_before = wait_for_free_cpus(4)
+    session = rtnb.Session(
+        workers=2,
+        storage=str(tmp_path),
+        name="ctrlc",
+        group_factory=InterruptedAfterActorsExist,
+    )
+    started = time.monotonic()
+    with pytest.raises(rtnb.SessionError, match="interrupted.*freed"):
+        session.start()
+    assert wait_for_free_cpus(free_before, timeout=10) >= free_before
+    assert time.monotonic() - started < 10 + 5
+    session.stop()
+
+
+def test_a_thousand_racing_commits_each_hold_every_ranks_shard(ray_cluster, tmp_path):
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="stress") as session:
+        value = session.run(
+            "import torch, rtnb, torch.distributed as dist\n"
+            "# rank 1's shard is 10x rank 0's, so its upload lands later\n"
+            "size = 2_000 * (1 + 9 * dist.get_rank())\n"
+            "for i in range(1000):\n"
+            "    rtnb.report({'i': i}, checkpoint=rtnb.Checkpoint.from_state({'w': torch.full((size,), float(i))}))\n"
+            "i",
+            output=lambda *a: None,
+        )
+        assert value == {0: 999, 1: 999}
+        listed = session.checkpoints.list(include_incomplete=True)
+        assert len(listed) == 1000
+        for info in listed:
+            assert info.status == "committed" and info.ranks == [0, 1], info
+            assert sorted(f["path"] for f in info.files) == ["state-rank0.pt", "state-rank1.pt"]
+            session.checkpoints.get(info.id).verify(full=True)
+
+
+def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="broken") as session:
+        # The index beside the checkpoints cannot be replaced: a real storage error.
+        (tmp_path / "broken" / "checkpoints" / "index.json" / "x").mkdir(parents=True)
+        with pytest.raises(rtnb.CheckpointError, match="checkpoint step-000000001 is committed, but") as info:
+            session.run(
+                "import rtnb\nrtnb.report({'a': 1}, checkpoint=rtnb.Checkpoint.from_state({'a': 1}))"
+            )
+        assert "\n" not in str(info.value)
+        assert session.run("1") == {0: 1, 1: 1}, "the group stays usable"
