@@ -70,6 +70,7 @@ def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(ray_cluste
         session.run("only_on_one = 'kept'", ranks=[1])
         session.run("counter = 0")
         session.run("counter += 1")  # replayed once, so it must end at 1, not 2
+        session.run("expensive = 'once'", once=True)  # %%rtrain --once: never replayed
         session.run("import os, signal, time, rtnb")
         kinds = [e.kind for e in session.journal.entries()]
         assert kinds[:3] == [EntryKind.START, EntryKind.PUSH, EntryKind.CELL]
@@ -85,8 +86,11 @@ def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(ray_cluste
         assert session.failures == 1
         assert value == {0: (30, 1, False), 1: (33, 1, True)}
         assert session.pull("only_on_one", ranks="1") == ["kept"]
+        with pytest.raises(rtnb.SessionError, match="'expensive' is not defined"):
+            session.pull("expensive")
         assert any("worker group rebuilt (recovery 1 of 2)" in n for n in notes), notes
-        assert any("cells and 1 push replayed in" in n for n in notes), notes
+        assert any("5 cells and 1 push replayed in" in n for n in notes), notes
+        assert any("not replayed: cell 5 (marked --once)" in n for n in notes), notes
         assert any("restarted without loading a checkpoint" in n for n in notes), notes
 
 

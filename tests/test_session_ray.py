@@ -176,3 +176,11 @@ def test_ray_train_loop_code_runs_unchanged(group):
     }
     frame = group.result().metrics_dataframe
     assert sorted(frame.dropna(subset=["from_ray_train"])["rank"].tolist()) == [0, 1]
+
+
+def test_a_rank_process_holds_no_driver_code(group):
+    value = group.run(
+        "import sys, rtnb\nrtnb.report; rtnb.get_checkpoint\n"
+        "sorted(m for m in sys.modules if m.startswith(('rtnb.driver', 'rtnb.batch', 'rtnb.magics', 'rtnb.widgets')))"
+    )
+    assert value == {0: [], 1: []}

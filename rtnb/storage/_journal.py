@@ -22,7 +22,7 @@ import json
 import posixpath
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from rtnb.storage._rundir import RunDirectory
@@ -75,7 +75,8 @@ class JournalEntry:
     reported: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
-        record = {k: v for k, v in asdict(self).items() if v not in (None, [], False)}
+        # Fields at their default are left out, so entries stay small to read back.
+        record = {k: v for k, v in asdict(self).items() if k in _ALWAYS or v != _DEFAULTS[k]}
         record["kind"] = str(self.kind)
         if self.outcome is not None:
             record["outcome"] = str(self.outcome)
@@ -89,6 +90,11 @@ class JournalEntry:
         if entry.outcome is not None:
             entry.outcome = CellOutcome(entry.outcome)
         return entry
+
+
+_DEFAULTS = {f.name: f.default for f in fields(JournalEntry) if f.default is not MISSING}
+_DEFAULTS["names"] = []
+_ALWAYS = {"seq", "kind", "time"}
 
 
 @dataclass

@@ -69,9 +69,7 @@ class RunDirectory:
         return f"{base}/{name}" + (f"?{query}" if query else "")
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
-        self._write_atomically(
-            posixpath.join(self.path, name), json.dumps(payload, indent=2, default=str).encode()
-        )
+        self.write_bytes(name, json.dumps(payload, indent=2, default=str).encode())
 
     def _write_atomically(self, target: str, data: bytes) -> None:
         # Write-then-rename so a reader never sees half a file.
