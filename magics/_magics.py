@@ -90,6 +90,11 @@ def _cell_options(func):
     action="store_true",
     help="rebuild the ranks' state from the journal of run --name (a new kernel)",
 )
+@argument(
+    "--listen",
+    default=None,
+    help="address an embedded Ray listens on (default 127.0.0.1, loopback only)",
+)
 def _start_args(line):
     """%rtnb start options."""
 
@@ -274,6 +279,7 @@ class RtnbMagics(Magics):
             tensorboard=args.tensorboard,
             allow_local_storage=args.allow_local_storage,
             replay=args.replay,
+            listen=args.listen,
         )
         session.start()
         if session.last_replay is not None:

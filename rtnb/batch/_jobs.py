@@ -26,6 +26,8 @@ from rtnb.errors import ClusterError, ConfigError, one_line
 
 __all__ = ["JobRow", "default_job_address", "job_logs", "list_jobs", "submit_notebook"]
 
+# Inside a submitted job's working dir: the --storage URI (kept out of its metadata).
+STORAGE_FILE = ".rtnb-storage"
 # Ray's own `ray job` CLI reads the same variable.
 _ADDRESS_ENV = "RAY_API_SERVER_ADDRESS"
 _FINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -92,29 +94,34 @@ def submit_notebook(
         raise ConfigError(f"notebook {str(notebook)!r} does not exist or is not a .ipynb file")
     parse_parameters(list(parameters))  # names must be identifiers: refuse before submitting
     check_timeout(timeout_s)
-    client = _client(address)
-    staged = None
-    if working_dir is None:
-        # Only the notebook travels, not whatever else sits in its folder.
-        staged = tempfile.mkdtemp(prefix="rtnb-job-")
-        shutil.copy2(src, staged)
-        upload, relative = staged, src.name
-    else:
-        upload = str(Path(working_dir).resolve())
+    relative = src.name
+    if working_dir is not None:
+        folder = Path(working_dir).resolve()
         try:
-            relative = str(src.relative_to(upload))
+            relative = str(src.relative_to(folder))
         except ValueError:
             raise ConfigError(
-                f"the notebook {str(src)!r} is not inside --working-dir {upload!r}"
+                f"the notebook {str(src)!r} is not inside --working-dir {str(folder)!r}"
             ) from None
+    client = _client(address)
+    staged = tempfile.mkdtemp(prefix="rtnb-job-")
+    if working_dir is None:
+        # Only the notebook travels, not whatever else sits in its folder.
+        shutil.copy2(src, staged)
+    else:
+        shutil.copytree(folder, staged, dirs_exist_ok=True)
     command = ["rtnb", "run", relative]
+    if storage:
+        # The storage URI may hold credentials: it travels inside the uploaded
+        # working dir, never in the job's entrypoint, env or metadata (which the
+        # dashboard and `ray job list` show).
+        Path(staged, STORAGE_FILE).write_text(storage)
+        command += ["--storage-file", STORAGE_FILE]
     for name, value in parameters:
         command += ["-p", name, value]
     if timeout_s is not None:
         command += ["--timeout", f"{timeout_s:g}"]
-    runtime_env: dict = {"working_dir": upload}
-    if storage:
-        runtime_env["env_vars"] = {"RTNB_STORAGE": storage}
+    runtime_env: dict = {"working_dir": staged}
     stem = re.sub(r"[^A-Za-z0-9_-]+", "-", src.stem)[:40] or "notebook"
     submission_id = f"rtnb-{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     try:
@@ -127,8 +134,7 @@ def submit_notebook(
     except Exception as exc:  # noqa: BLE001 - Ray's HTTP errors
         raise ClusterError(f"the job server refused the job: {one_line(exc)}") from None
     finally:
-        if staged:
-            shutil.rmtree(staged, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def list_jobs(address: str, include_all: bool = False) -> list[JobRow]:

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rtnb.core._redact import is_secret_name, redact_uri
 from rtnb.errors import CellError, ConfigError
 from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
 
@@ -116,13 +117,14 @@ def _keep_in_run_dirs(output: Path, runs_file: str) -> list[str]:
     if not output.exists():
         return kept
     data = output.read_bytes()
+    # Sessions announce their storage masked; the real one is the runner's own.
+    ours = os.environ.get("RTNB_STORAGE", "")
     for line in dict.fromkeys(lines):  # each run once, in order
         with contextlib.suppress(ValueError, KeyError, OSError, ConfigError):
             where = json.loads(line)
+            storage = ours if ours and redact_uri(ours) == where["storage"] else where["storage"]
             kept.append(
-                RunDirectory(where["storage"], where["run"]).write_bytes(
-                    f"notebooks/{output.name}", data
-                )
+                RunDirectory(storage, where["run"]).write_bytes(f"notebooks/{output.name}", data)
             )
     return kept
 
@@ -139,6 +141,13 @@ def parse_parameters(pairs: list[tuple[str, str]]) -> dict:
                 f"parameter name {name!r} is not a Python identifier (letters, digits, _; "
                 "not starting with a digit): papermill inserts names into code as they are"
             )
+        if is_secret_name(name):
+            # papermill writes parameters into the output notebook as code.
+            raise ConfigError(
+                f"parameter {name!r} looks like a secret, and parameters are written into "
+                "the output notebook: pass it as an environment variable instead and read "
+                "it with os.environ in the notebook"
+            )
         try:
             params[name] = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
@@ -149,6 +158,53 @@ def parse_parameters(pairs: list[tuple[str, str]]) -> dict:
 def check_timeout(timeout_s: float | None) -> None:
     if timeout_s is not None and timeout_s <= 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, not {timeout_s:g}")
+
+
+# The kernel of the Python running rtnb: jupyter_client's native kernel spec
+# (ipykernel in this environment), needing no registration.
+NATIVE_KERNEL = "python3"
+
+
+@contextlib.contextmanager
+def example_notebook(name: str):
+    """A path to one of the example notebooks shipped inside the package."""
+    from importlib import resources
+
+    with resources.as_file(resources.files("rtnb.notebooks") / name) as path:
+        yield path
+
+
+def read_notebook(path: Path) -> dict:
+    """The notebook's JSON, or one ConfigError line saying what is wrong with it."""
+    try:
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{str(path)!r} is not a notebook: it is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{str(path)!r} is not a notebook: not valid JSON (line {exc.lineno}: {exc.msg})"
+        ) from None
+    if not isinstance(notebook, dict) or not isinstance(notebook.get("cells"), list):
+        raise ConfigError(f"{str(path)!r} is not a notebook: it has no list of cells")
+    return notebook
+
+
+def choose_kernel(path: Path, requested: str | None) -> str:
+    """``--kernel``, else the notebook's kernelspec, else this Python's kernel; a
+    kernel that does not exist gets one line listing those that do."""
+    notebook = read_notebook(path)
+    name = requested or (notebook.get("metadata", {}).get("kernelspec") or {}).get("name")
+    if not name:
+        return NATIVE_KERNEL  # written by nbformat, jupytext, ...: no kernelspec
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    known = KernelSpecManager().find_kernel_specs()
+    if name not in known:
+        raise ConfigError(
+            f"the notebook asks for kernel {name!r}, which is not installed here; "
+            f"installed: {', '.join(sorted(known)) or 'none'}. Pass --kernel NAME"
+        )
+    return name
 
 
 def run_notebook(
@@ -169,6 +225,7 @@ def run_notebook(
     if src.suffix != ".ipynb":
         raise ConfigError(f"{str(src)!r} is not a .ipynb notebook")
     check_timeout(timeout_s)
+    kernel_name = choose_kernel(src, kernel_name)
     dst = Path(output) if output else src.with_name(src.stem + ".output.ipynb")
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The kernel runs in the notebook's folder (relative paths in it keep working),

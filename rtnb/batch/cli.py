@@ -14,12 +14,12 @@ import os
 import sys
 from pathlib import Path
 
+from rtnb.core._redact import redact_uri
 from rtnb.core._text import format_table
-from rtnb.errors import RtnbError
+from rtnb.errors import ConfigError, RtnbError
 
 __all__ = ["main"]
 
-_REPO_NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def _notebook_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
 
     run = _notebook_options(sub.add_parser("run", help="execute a notebook with papermill"))
     run.add_argument("-o", "--output", default=None)
+    run.add_argument(
+        "--storage-file",
+        default=None,
+        help="read the storage path/URI (default $RTNB_STORAGE) from this file: keeps a URI "
+        "with credentials out of process listings (rtnb submit uses it)",
+    )
     run.add_argument(
         "--kernel", default=None, help="kernel name (default: the notebook's, in this Python)"
     )
@@ -107,13 +113,17 @@ def _storage(value: str | None) -> str:
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     import time
 
+    from rtnb.core._config import check_name
     from rtnb.errors import ConfigError
     from rtnb.storage._checkpoints import CheckpointStore
     from rtnb.storage._rundir import RunDirectory
 
+    check_name(run, "RUN")
+
     run_dir = RunDirectory(storage, run)
     if not run_dir.exists("run.json"):
-        raise ConfigError(f"no run {run!r} in {storage} (see `rtnb runs {storage}`)")
+        shown = redact_uri(storage)
+        raise ConfigError(f"no run {run!r} in {shown} (see `rtnb runs {shown}`)")
     rows = CheckpointStore(run_dir).list(include_incomplete)
     if not rows:
         print(f"run {run!r} has no checkpoints")
@@ -194,7 +204,7 @@ def _jobs_command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from rtnb.batch._runner import parse_parameters, run_notebook
+    from rtnb.batch._runner import example_notebook, parse_parameters, run_notebook
 
     try:
         if args.command in ("submit", "jobs", "logs"):
@@ -207,12 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "checkpoints":
             return _print_checkpoints(args.run, _storage(args.storage), args.all)
         if args.command == "demo":
-            notebook = _REPO_NOTEBOOKS / "quickstart.ipynb"
             output = Path(
                 args.output or Path("rtnb_runs") / "demo" / "quickstart.output.ipynb"
             ).resolve()
-            result = run_notebook(notebook, output, cwd=output.parent)
+            with example_notebook("quickstart.ipynb") as notebook:
+                result = run_notebook(notebook, output, cwd=output.parent)
         else:
+            if args.storage_file:
+                try:
+                    os.environ["RTNB_STORAGE"] = Path(args.storage_file).read_text().strip()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"--storage-file {args.storage_file!r} cannot be read ({exc.strerror})"
+                    ) from None
             result = run_notebook(
                 args.notebook,
                 args.output,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rtnb.core._redact import redact_uri
 from rtnb.errors import ConfigError
 
 __all__ = ["SessionConfig", "parse_ranks", "STRATEGIES", "BACKENDS"]
@@ -43,6 +45,9 @@ class SessionConfig:
     # Local --storage is refused when ranks span nodes unless it is declared shared.
     allow_local_storage: bool = False
     stop_grace_s: float = 3.0
+    # Where an embedded Ray listens: 127.0.0.1 unless asked (--listen HOST), so a
+    # laptop on a shared network exposes nothing. Ignored when joining a cluster.
+    listen: str | None = None
     connect_timeout_s: float = 15.0
     placement_timeout_s: float = 30.0
     env: dict[str, str] = field(default_factory=dict)
@@ -66,11 +71,21 @@ class SessionConfig:
             raise ConfigError("--backend nccl needs GPUs: add --gpu, or use --backend gloo")
         if self.address is not None:
             self.address = _check_address(self.address)
-        if self.name is not None and not _RUN_NAME.match(self.name):
-            raise ConfigError(
-                f"--name {self.name!r} must start with a letter or digit and use only "
-                "letters, digits, '.', '_' and '-' (it becomes a directory name)"
-            )
+        if self.name is not None:
+            check_name(self.name, "--name")
+        if self.listen is not None:
+            if self.address is not None:
+                raise ConfigError(
+                    "--listen sets where an embedded Ray listens; a cluster joined with "
+                    "--address listens where it was started"
+                )
+            try:
+                ipaddress.ip_address(self.listen)
+            except ValueError:
+                raise ConfigError(
+                    f"--listen {self.listen!r} is not an IP address of this machine "
+                    "(e.g. 127.0.0.1, the default, or 0.0.0.0 to accept other nodes)"
+                ) from None
         if self.max_failures < 0:
             raise ConfigError(f"--max-failures must be ≥ 0, got {self.max_failures}")
         if self.keep is not None and self.keep < 1:
@@ -91,7 +106,24 @@ class SessionConfig:
         return str(Path(self.storage).expanduser().resolve())
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The options as recorded in run.json: no secret in them. Environment
+        variables are kept by name only; credentials in URIs are masked."""
+        record = asdict(self)
+        record["env"] = sorted(self.env)
+        record["storage"] = redact_uri(self.storage)
+        record["address"] = redact_uri(self.address)
+        return record
+
+
+def check_name(name: object, what: str = "run name") -> str:
+    """A run name someone typed: it becomes one directory, so nothing in it may
+    lead elsewhere (no separators, no '..', no control characters)."""
+    if not isinstance(name, str) or not _RUN_NAME.match(name) or ".." in name:
+        raise ConfigError(
+            f"{what} {name!r} must start with a letter or digit and use only letters, "
+            "digits, '.', '_' and '-' (no '..'): it names a directory under the storage path"
+        )
+    return name
 
 
 def _check_address(address: str) -> str:

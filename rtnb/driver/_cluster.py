@@ -7,10 +7,12 @@ that does not answer is detected with a plain TCP probe first, because
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rtnb.core._net import probe_tcp, use_auth_token_if_present
@@ -55,11 +57,13 @@ def connect(
     address: str | None,
     timeout_s: float = 15.0,
     num_cpus: int | None = None,
+    listen: str | None = None,
 ) -> ClusterConnection:
     """Join (or start) the Ray cluster for ``address`` and return the connection.
 
     With ``address=None`` an already-initialised Ray in this process is reused; else
-    ``RAY_ADDRESS`` is honoured as Ray does; else a local Ray is embedded.
+    ``RAY_ADDRESS`` is honoured as Ray does; else a local Ray is embedded, listening
+    on ``listen`` (default 127.0.0.1: nothing it opens is reachable from the network).
     """
     target = address or os.environ.get("RAY_ADDRESS") or None
     if target is not None:
@@ -80,6 +84,9 @@ def connect(
             object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES,
             num_cpus=num_cpus,
         )
+        if (listen or LOOPBACK) not in ("0.0.0.0", "::"):
+            # 0.0.0.0: Ray's own default (the node's address, every interface).
+            kwargs["_node_ip_address"] = listen or LOOPBACK
     if target is not None and target != "auto":
         bare = target[len("ray://") :] if target.startswith("ray://") else target
         bare = bare.split("://", 1)[-1]
@@ -88,7 +95,8 @@ def connect(
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
-        _init_with_retry(ray, target, kwargs, timeout_s)
+        with _node_ip_as_given(target is None and (listen or LOOPBACK) == LOOPBACK):
+            _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
             f"could not connect to Ray at {target!r}: {one_line(exc)}. "
@@ -107,6 +115,33 @@ def connect(
     if client_mode:
         _mute_client_log_stream()
     return ClusterConnection(address=target or "embedded", owned=owned, client_mode=client_mode)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def _node_ip_as_given(loopback: bool) -> Iterator[None]:
+    """Let an embedded Ray keep 127.0.0.1 as its node address.
+
+    Ray 2.60 has no bind-address option: every component (GCS, raylet, object
+    manager, agents, each worker's gRPC server) listens on loopback only when the
+    node address is loopback, else on every interface. On Linux it replaces a
+    loopback ``_node_ip_address`` with the default route's address unless its
+    ``ENABLE_RAY_CLUSTER`` constant is off (as on macOS and Windows), which is read
+    at call time; it is switched off only around this ``ray.init``.
+    """
+    if not loopback:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _mute_client_log_stream() -> None:

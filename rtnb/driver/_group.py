@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtnb.core._config import SessionConfig
+from rtnb.core._redact import redact_uri
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
 
@@ -106,7 +107,9 @@ class WorkerGroup:
             )
             for info, device in zip(self.ranks, devices):
                 info.device = device
-            master_port = ray.get(self.actors[0].free_port.remote(), timeout=30)
+            master_port = ray.get(
+                self.actors[0].open_rendezvous.remote(self.ranks[0].node_ip), timeout=30
+            )
             ray.get(
                 [
                     a.init_distributed.remote(self.ranks[0].node_ip, master_port, 1800.0)
@@ -211,7 +214,7 @@ def check_storage_locality(node_count: int, storage_path: str, allowed: bool) ->
     keep its own part of every checkpoint and metrics file, and lose it with the node."""
     if node_count > 1 and "://" not in storage_path and not allowed:
         raise ConfigError(
-            f"the ranks run on {node_count} nodes but --storage {storage_path!r} is a local path: "
+            f"the ranks run on {node_count} nodes but --storage {redact_uri(storage_path)!r} is a local path: "
             "each node would write its own part of every checkpoint there, and it is lost with "
             "the node. Use shared storage (s3://..., gs://...) or, if that path is a filesystem "
             "shared by all nodes, pass --allow-local-storage"

@@ -26,7 +26,8 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rtnb.core._config import SessionConfig, parse_ranks
+from rtnb.core._config import SessionConfig, check_name, parse_ranks
+from rtnb.core._redact import redact_uri
 from rtnb.core._text import mean_over_ranks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle, _Restart
@@ -152,6 +153,7 @@ class Session:
                     self.connection = self._connector(
                         self.config.address,
                         timeout_s=self.config.connect_timeout_s,
+                        listen=self.config.listen,
                     )
                     _stop_sessions_at_exit()
                 self._group = self._new_group()
@@ -257,10 +259,10 @@ class Session:
         """This run's checkpoints, or those of another run in the same storage."""
         if run is None or run == self.run_name:
             return self.checkpoints
-        other = RunDirectory(self.config.storage_path, run)
+        other = RunDirectory(self.config.storage_path, check_name(run, "--run"))
         if not other.exists("run.json"):
             raise CheckpointError(
-                f"no run {run!r} in {self.config.storage_path} (see `%rtnb runs`)"
+                f"no run {run!r} in {redact_uri(self.config.storage_path)} (see `%rtnb runs`)"
             )
         return CheckpointStore(other)
 
@@ -303,6 +305,7 @@ class Session:
         }
         return Result(
             path=self.run_dir.uri,
+            _location=self.run_dir._uri,
             metrics=mean_over_ranks(per_rank),
             metrics_per_rank=per_rank,
             checkpoint=self.commits.latest(),
@@ -848,8 +851,9 @@ def _announce_to_batch_runner(storage: str, run_name: str) -> None:
     path = os.environ.get(BATCH_RUNS_ENV)
     if not path:
         return
+    # Masked: this file is on disk; the runner knows the real URI it passed us.
     with contextlib.suppress(OSError), open(path, "a") as out:
-        out.write(json.dumps({"storage": storage, "run": run_name}) + "\n")
+        out.write(json.dumps({"storage": redact_uri(storage), "run": run_name}) + "\n")
 
 
 def _stop_sessions_at_exit() -> None:

@@ -6,6 +6,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtnb.core._redact import redact_uri
 from rtnb.core._text import format_table, mean_over_ranks
 from rtnb.errors import ConfigError
 from rtnb.storage._metricslog import read_metrics
@@ -27,12 +28,14 @@ class Result:
     best_checkpoints: list = field(default_factory=list)
     error: BaseException | None = None
     run_name: str = ""
+    # Where to read the run back: ``path`` with its credentials, never shown.
+    _location: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def metrics_dataframe(self):
         import pandas as pd
 
-        rows = read_metrics(_run_dir(self.path))
+        rows = read_metrics(_run_dir(self._location or self.path))
         frame = pd.DataFrame(rows)
         if frame.empty:
             return frame
@@ -91,7 +94,7 @@ class RunTable:
         import time
 
         if not self.runs:
-            return f"no rtnb runs in {self.storage}"
+            return f"no rtnb runs in {redact_uri(self.storage)}"
         rows = [["run", "status", "workers", "updated", "path"]] + [
             [
                 r.name,

@@ -10,6 +10,7 @@ import posixpath
 import time
 from typing import Any
 
+from rtnb.core._redact import redact_text, redact_uri
 from rtnb.errors import ConfigError, one_line
 
 __all__ = ["BATCH_RUNS_ENV", "RunDirectory"]
@@ -26,15 +27,18 @@ class RunDirectory:
         # Query parameters (e.g. s3://b/p?endpoint_override=...&scheme=http) configure
         # the filesystem; the run name goes into the path before them.
         base, _, query = storage.partition("?")
-        self.storage = storage
-        self.uri = f"{base.rstrip('/')}/{run_name}" + (f"?{query}" if query else "")
+        # The real URI (it may carry credentials) stays in memory; ``uri`` is what
+        # is shown and stored.
+        self._uri = f"{base.rstrip('/')}/{run_name}" + (f"?{query}" if query else "")
+        self.uri = redact_uri(self._uri)
         try:
             self.fs, self.path = pafs.FileSystem.from_uri(
-                self.uri if "://" in self.uri else f"file://{self.uri}"
+                self._uri if "://" in self._uri else f"file://{self._uri}"
             )
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types
             raise ConfigError(
-                f"--storage {storage!r} is not a path or URI rtnb can use: {exc}"
+                f"--storage {redact_uri(storage)!r} is not a path or URI rtnb can use: "
+                f"{redact_text(one_line(exc))}"
             ) from None
 
     @property
@@ -56,7 +60,7 @@ class RunDirectory:
             self.fs.delete_file(probe)
         except Exception as exc:  # noqa: BLE001
             raise ConfigError(
-                f"storage {self.uri!r} is not writable ({one_line(exc)}); pass --storage a directory "
+                f"storage {self.uri!r} is not writable ({redact_text(one_line(exc))}); pass --storage a directory "
                 "or bucket you can write to"
             ) from None
 

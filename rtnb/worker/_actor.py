@@ -28,6 +28,7 @@ BATCH_S = 0.1
 class RankActor:
     def __init__(self, context: dict[str, Any], env: dict[str, str]) -> None:
         os.environ.update(env)
+        self._rendezvous: socket.socket | None = None
         self.runtime = RankRuntime(RankContext(**context))
         from rtnb.worker import _compat
 
@@ -47,10 +48,15 @@ class RankActor:
             "gpu_ids": gpu_ids,
         }
 
-    def free_port(self) -> int:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+    def open_rendezvous(self, host: str) -> int:
+        """Rank 0: a listening socket on ``host`` for torch.distributed's store; its
+        port. The socket is handed to the store itself (no port race, and it listens
+        on ``host`` only, not on every interface as a store opened by port would)."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, 0))
+        sock.listen(128)
+        self._rendezvous = sock
+        return sock.getsockname()[1]
 
     def set_placement(self, local_rank: int, local_world_size: int, node_rank: int) -> str:
         ctx = self.runtime.context
@@ -79,12 +85,27 @@ class RankActor:
 
         ctx = self.runtime.context
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if master_addr.startswith("127.") or master_addr == "::1":
+            # A group on loopback: gloo/NCCL's own sockets stay on loopback too.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        timeout = timedelta(seconds=timeout_s)
+        listening = self._rendezvous
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            ctx.world_size,
+            is_master=listening is not None,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listening.fileno() if listening is not None else None,
+        )
         dist.init_process_group(
             backend=ctx.backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=ctx.world_rank,
             world_size=ctx.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         return dist.is_initialized()
 

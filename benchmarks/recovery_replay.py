@@ -1,0 +1,139 @@
+"""What the run journal saves when the ranks' state must be rebuilt, in one run.
+
+(a) recovery after a SIGKILLed rank: the journal replay of a set-up cell and five
+    finished training cells written in Ray Train's resume pattern, vs the first run
+    of those cells (the bound the issue sets: < 10%);
+(b) ``scale`` (rebuild + replay, state kept) vs ``restart`` plus re-running the same
+    cells by hand (which, in the resume pattern, also skips the finished training);
+(c) the cost the journal adds to a warm trivial cell (a write-ahead entry and an
+    outcome entry on local disk), vs the same cell with journal writes skipped.
+
+An embedded 2-CPU Ray, 2 ranks, gloo, local storage.
+
+    .venv/bin/python benchmarks/recovery_replay.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SETUP = (
+    "import time, torch, rtnb, torch.distributed as dist\n"
+    "torch.manual_seed(0)\n"
+    "model = rtnb.prepare_model(torch.nn.Linear(64, 1))\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+    "x, y = torch.randn(256, 64), torch.randn(256, 1)"
+)
+TRAIN = (
+    "ck = rtnb.get_checkpoint()\n"
+    "if ck is not None:\n"
+    "    state = ck.load_state()\n"
+    "    model.load_state_dict(state['model'])\n"
+    "start = state['step'] + 1 if ck is not None else 0\n"
+    "for step in range(start, {end}):\n"
+    "    opt.zero_grad()\n"
+    "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
+    "    loss.backward(); opt.step(); time.sleep(0.02)\n"
+    "    rtnb.report({{'loss': loss.item()}}, checkpoint=rtnb.Checkpoint.from_state("
+    "{{'model': model.state_dict(), 'step': step}}) if dist.get_rank() == 0 else None)\n"
+)
+CELLS_PER_RUN = 5
+STEPS_PER_CELL = 60
+
+
+def _cells() -> list[str]:
+    return [SETUP] + [
+        TRAIN.format(end=STEPS_PER_CELL * (k + 1)) for k in range(CELLS_PER_RUN)
+    ]
+
+
+def main() -> None:
+    from _common import embedded_ray, quiet
+
+    import rtnb
+
+    embedded_ray()
+    storage = tempfile.mkdtemp(prefix="rtnb-bench-")
+    session = rtnb.Session(
+        workers=2, storage=storage, name="bench", max_failures=1, cpus_per_worker=0.5
+    ).start()
+
+    # (a) recovery
+    first_run = 0.0
+    for code in _cells():
+        t0 = time.perf_counter()
+        session.run(code, output=quiet)
+        first_run += time.perf_counter() - t0
+
+    def kill_when_running():
+        while session.active_cell is None:
+            time.sleep(0.01)
+        os.kill(session._group.ranks[1].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    t0 = time.perf_counter()
+    session.run("time.sleep(1.0)\n1", output=quiet)
+    recovered_s = time.perf_counter() - t0
+    killer.join()
+    replay = session.last_recovery.replay
+    print(
+        f"(a) recovery: {replay.cells} cells replayed in {replay.duration_s:.2f} s "
+        f"(whole recovery incl. rebuild and the 1 s cell: {recovered_s:.2f} s); their "
+        f"first run: {first_run:.2f} s → replay/first run = {replay.duration_s / first_run:.3f}×"
+    )
+
+    # (b) scale with state kept vs restart + re-run by hand
+    t0 = time.perf_counter()
+    session.scale(1)
+    session.scale(2)
+    scale_s = (time.perf_counter() - t0) / 2
+    t0 = time.perf_counter()
+    session.restart()
+    for code in _cells():
+        session.run(code, output=quiet)
+    restart_s = time.perf_counter() - t0
+    print(
+        f"(b) scale keeping state: {scale_s:.2f} s per scale; restart + re-run by hand: "
+        f"{restart_s:.2f} s → {scale_s / restart_s:.2f}×"
+    )
+
+    # (c) journal cost per trivial cell
+    for _ in range(30):
+        session.run("1", output=quiet)
+    with_journal = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        session.run("1", output=quiet)
+        with_journal.append(time.perf_counter() - t0)
+    append = session.journal.append
+    session.journal.append = lambda kind, values=None, **kw: _Entry()  # skip the writes
+    without = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        session.run("1", output=quiet)
+        without.append(time.perf_counter() - t0)
+    session.journal.append = append
+    a, b = statistics.median(with_journal), statistics.median(without)
+    print(
+        f"(c) warm trivial cell: {a * 1e3:.2f} ms with the journal, {b * 1e3:.2f} ms "
+        f"without → {a / b:.2f}×"
+    )
+    session.stop()
+
+
+class _Entry:
+    seq = 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""A normal (not editable) install of rtnb runs its demo: the example notebooks ship
+inside the package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(ray_cluster, tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         str(REPO), "-w", str(wheels)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("rtnb-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # rtnb's dependencies (torch, ray, ...) come from this environment, but not its
+    # editable rtnb: a plain directory on sys.path, whose .pth files are not read.
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "-q", "--no-deps", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import rtnb; print(rtnb.__file__)"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    ).stdout.strip()
+    assert where.startswith(str(site)), f"not the installed wheel: {where}"
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    proc = subprocess.run(
+        [str(venv / "bin" / "rtnb"), "demo"], capture_output=True, text=True, cwd=work,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quickstart.ipynb ran to completion" in proc.stdout
+    assert (work / "rtnb_runs" / "demo" / "quickstart.output.ipynb").exists()
