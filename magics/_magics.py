@@ -6,6 +6,7 @@ available from Python through ``rtnb.Session``.
 
 from __future__ import annotations
 
+import difflib
 import re
 import shlex
 
@@ -238,8 +239,10 @@ class RtnbMagics(Magics):
         sub, rest = words[0], line.strip()[len(words[0]) :].strip()
         handler = getattr(self, f"_rtnb_{sub}", None) if sub in _SUBCOMMANDS else None
         if handler is None:
+            close = difflib.get_close_matches(sub, _SUBCOMMANDS, n=1)
+            hint = f"did you mean `%rtnb {close[0]}`? " if close else ""
             raise UsageError(
-                f"%rtnb has no subcommand {sub!r}; use one of: " + ", ".join(_SUBCOMMANDS)
+                f"%rtnb has no subcommand {sub!r}; {hint}use one of: " + ", ".join(_SUBCOMMANDS)
             )
         try:
             return handler(rest)

@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "rtnb.errors",
     "RtnbError": "rtnb.errors",
     "SessionError": "rtnb.errors",
+    "WaitTimeout": "rtnb.errors",
     "WorkerGroupError": "rtnb.errors",
 }
 
@@ -87,6 +88,7 @@ __all__ = [
     "SessionConfig",
     "SessionError",
     "StateChange",
+    "WaitTimeout",
     "WorkerGroupError",
     "get_checkpoint",
     "get_context",
@@ -142,6 +144,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         ConfigError,
         RtnbError,
         SessionError,
+        WaitTimeout,
         WorkerGroupError,
     )
     from rtnb.metrics._store import MetricsStore, Progress, Report

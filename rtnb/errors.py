@@ -7,6 +7,7 @@ what the kit means to tell the user and nothing else::
     ├── ConfigError              bad option or argument (flag value, --ranks, address)
     ├── ClusterError             Ray could not be reached or cannot fit the group
     ├── SessionError             wrong lifecycle step (no group started, started twice)
+    │   └── WaitTimeout          a wait ran out of time (also a TimeoutError)
     ├── CellError                a cell failed on one or more ranks (remote traceback kept)
     ├── CellInterrupted          the user interrupted a cell; says what was kept or lost
     ├── WorkerGroupError         a rank died or the group had to be rebuilt
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "RtnbError",
     "SessionError",
+    "WaitTimeout",
     "WorkerGroupError",
     "one_line",
 ]
@@ -62,6 +64,10 @@ class ClusterError(RtnbError):
 
 class SessionError(RtnbError):
     """The worker group is not in a state that allows this call."""
+
+
+class WaitTimeout(SessionError, TimeoutError):
+    """Waiting for a cell ran past its timeout; the cell goes on."""
 
 
 class WorkerGroupError(RtnbError):

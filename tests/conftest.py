@@ -9,6 +9,7 @@ every Ray process on the machine.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -36,6 +37,21 @@ NODE_DEATH_DETECTION = {
     "RAY_health_check_timeout_ms": "500",
     "RAY_health_check_failure_threshold": "4",
 }
+
+
+def require(module: str, why: str):
+    """Import ``module`` for a test, or skip it; in CI (CI=true) fail instead, so CI
+    cannot go green without the browser, S3 and TensorBoard tests."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        missing(f"{module} is not installed ({why})")
+
+
+def missing(what: str):
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but {what}: install it (.ci/setup, .ci/run)", pytrace=False)
+    pytest.skip(what)
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import rtnb
-from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+from tests.conftest import CLUSTER_CPUS, require, wait_for_free_cpus
 
 pytestmark = pytest.mark.ray
 
@@ -134,7 +134,7 @@ def test_unwritable_storage_is_refused_before_any_rank_starts(ray_cluster, tmp_p
 def _read_scalars(folder):
     import struct
 
-    from tensorboardX.proto import event_pb2
+    event_pb2 = require("tensorboardX.proto.event_pb2", "the TensorBoard export test reads events")
 
     values = []
     for path in sorted(folder.glob("events.out.tfevents.*")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import rtnb
-from tests.conftest import free_port
+from tests.conftest import free_port, require
 
 pytestmark = pytest.mark.ray
 
@@ -19,8 +19,8 @@ CREDENTIALS = {
 
 @pytest.fixture(scope="module")
 def s3_storage():
-    server_mod = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
+    server_mod = require("moto.server", "the S3 tests run a moto server")
+    boto3 = require("boto3", "the S3 tests read the bucket with boto3")
     port = free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()

@@ -14,6 +14,7 @@ __all__ = ["LiveMetrics", "format_header"]
 
 _MAX_LOG_LINES = 2000
 _SHOWN_LOG_LINES = 200
+_MAX_LINE_CHARS = 2000
 
 
 def _fmt_s(seconds: float) -> str:
@@ -134,7 +135,8 @@ class LiveMetrics(w.VBox):
         lines = text.split("\n")
         self._log_partial[rank] = lines.pop()
         for line in lines:
-            self._logs.append((rank, line))
+            # at most _MAX_LOG_LINES lines of at most _MAX_LINE_CHARS each
+            self._logs.append((rank, line[:_MAX_LINE_CHARS]))
         self._logs_dirty = True
 
     # ---- drawing -----------------------------------------------------------------------

@@ -9,6 +9,8 @@ import ipywidgets as w
 
 __all__ = ["RankLog"]
 
+_MAX_SHOWN = 200_000
+
 
 class RankLog(w.VBox):
     """Header (state, elapsed, steps) plus the ranks' output, updated as it arrives.
@@ -22,6 +24,7 @@ class RankLog(w.VBox):
         self._header = w.HTML()
         self._out = w.Output(layout=w.Layout(max_height="320px", overflow="auto"))
         self._lock = threading.Lock()
+        self._shown = 0
         self._state = "running"
         super().__init__([self._header, self._out], **kwargs)
         self._render_header()
@@ -32,6 +35,16 @@ class RankLog(w.VBox):
         tag = f"[rank {rank}] " if rank >= 0 else ""
         tagged = "".join(f"{tag}{line}" for line in text.splitlines(keepends=True))
         with self._lock:
+            # The output area is saved into the notebook: it shows the first
+            # _MAX_SHOWN characters; the whole output is in {run}/logs/.
+            if self._shown >= _MAX_SHOWN:
+                return
+            self._shown += len(tagged)
+            if self._shown >= _MAX_SHOWN:
+                tagged += (
+                    f"\n[rtnb: more output than {_MAX_SHOWN // 1000} kB; every rank's full "
+                    "output is in the run directory's logs/rank-N.log]\n"
+                )
             if stream == "stderr":
                 self._out.append_stderr(tagged)
             else:

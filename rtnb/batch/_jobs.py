@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rtnb.batch._runner import check_timeout, parse_parameters
+from rtnb.batch._runner import check_parameters_cell, check_timeout, parse_parameters
 from rtnb.core._net import probe_tcp, use_auth_token_if_present
 from rtnb.errors import ClusterError, ConfigError, one_line
 
@@ -92,7 +92,8 @@ def submit_notebook(
     src = Path(notebook).resolve()
     if not src.is_file() or src.suffix != ".ipynb":
         raise ConfigError(f"notebook {str(notebook)!r} does not exist or is not a .ipynb file")
-    parse_parameters(list(parameters))  # names must be identifiers: refuse before submitting
+    # What the job would refuse, refused here, before the cluster is asked anything.
+    check_parameters_cell(src, parse_parameters(list(parameters)))
     check_timeout(timeout_s)
     relative = src.name
     if working_dir is not None:

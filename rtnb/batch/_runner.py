@@ -189,6 +189,20 @@ def read_notebook(path: Path) -> dict:
     return notebook
 
 
+def check_parameters_cell(path: Path, parameters: dict | None) -> None:
+    """``-p`` goes into the cell tagged ``parameters``; without one, refuse (papermill
+    would silently put the values before the first cell)."""
+    if not parameters:
+        return
+    cells = read_notebook(path)["cells"]
+    if not any("parameters" in (c.get("metadata", {}).get("tags") or []) for c in cells):
+        raise ConfigError(
+            f"{path.name} has no cell tagged 'parameters' for -p "
+            f"{', '.join(parameters)}: tag the cell that sets their defaults "
+            "(JupyterLab: property inspector → Cell Tags → parameters)"
+        )
+
+
 def choose_kernel(path: Path, requested: str | None) -> str:
     """``--kernel``, else the notebook's kernelspec, else this Python's kernel; a
     kernel that does not exist gets one line listing those that do."""
@@ -226,6 +240,7 @@ def run_notebook(
         raise ConfigError(f"{str(src)!r} is not a .ipynb notebook")
     check_timeout(timeout_s)
     kernel_name = choose_kernel(src, kernel_name)
+    check_parameters_cell(src, parameters)
     dst = Path(output) if output else src.with_name(src.stem + ".output.ipynb")
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The kernel runs in the notebook's folder (relative paths in it keep working),

@@ -43,11 +43,18 @@ def _address_option(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line (not usage text plus the error)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rtnb", description="Interactive distributed PyTorch on Ray, from notebooks"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="run the quickstart notebook on an embedded local Ray")
     demo.add_argument(

@@ -92,8 +92,16 @@ class SessionConfig:
             raise ConfigError(f"--keep must be ≥ 1, got {self.keep}")
         if self.mode not in ("min", "max"):
             raise ConfigError(f"--mode must be 'min' or 'max', got {self.mode!r}")
-        if self.stop_grace_s <= 0:
-            raise ConfigError("stop_grace_s must be > 0")
+        if not self.stop_grace_s > 0:
+            raise ConfigError(f"--stop-grace must be > 0 seconds, got {self.stop_grace_s!r}")
+        if not isinstance(self.env, dict):
+            raise ConfigError(
+                f"env must be a dict of environment variables for the ranks, got "
+                f"{type(self.env).__name__}"
+            )
+        bad = sorted(str(k) for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str)))
+        if bad:
+            raise ConfigError(f"env values must be strings (names and values): check {', '.join(bad)}")
 
     @property
     def storage_path(self) -> str:

@@ -20,6 +20,9 @@ class RemoteRepr:
 
 # A value's repr beyond this many characters is cut: it is shown, not stored.
 _MAX_REPR_CHARS = 10_000
+# A cell's value is sent back through the object store; past this it stays on
+# the rank and only its (cut) repr comes back.
+_MAX_VALUE_BYTES = 64 * 1024 * 1024
 
 
 def to_portable(value: Any) -> tuple[bytes | None, str]:
@@ -39,6 +42,13 @@ def to_portable(value: Any) -> tuple[bytes | None, str]:
         data = dumper.dumps(value)
     except Exception:  # noqa: BLE001 - unpicklable values come back as their repr
         data = None
+    if data is not None and len(data) > _MAX_VALUE_BYTES:
+        size = len(data) / 1e6
+        data = None
+        text = (
+            f"{text[:200]}{' …' if len(text) > 200 else ''} [{size:.0f} MB: too large to send "
+            "back; keep it on the ranks (assign it) or save it to storage]"
+        )
     return data, text
 
 

@@ -36,6 +36,7 @@ from rtnb.errors import (
     CheckpointError,
     RtnbError,
     SessionError,
+    WaitTimeout,
     WorkerGroupError,
     one_line,
 )
@@ -50,7 +51,9 @@ _TICK_S = 0.1
 # When some ranks have paused for a stop while others still run, give the others
 # this long to reach a report() before choosing a later common stop step.
 _PAUSE_SKEW_S = 0.5
-_LOG_LIMIT = 20_000
+# A cell keeps at most this much of its output in memory (for views opened late);
+# all of it is in {run}/logs/rank-N.log.
+_LOG_BYTES = 2_000_000
 
 
 class _Restart(Exception):
@@ -91,6 +94,7 @@ class CellHandle:
         self.steps: dict[int, int] = {r: 0 for r in ranks}
         self.states: dict[int, str] = {r: "running" for r in ranks}
         self.log: list[tuple[int, str, str]] = []
+        self._log_bytes = 0
         self.reported = False
         self.recoveries = 0
         self.recovering = False  # the group is being rebuilt for this cell right now
@@ -144,7 +148,10 @@ class CellHandle:
         while not self._done.wait(0.2):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise TimeoutError(f"cell {self.cell_id} is still running after {timeout} s")
+                raise WaitTimeout(
+                    f"cell {self.cell_id} is still running after {timeout:g} s; wait again, "
+                    "or stop it (`handle.stop()`, or interrupt the kernel)"
+                )
             if self.session.state.value in ("stopped", "failed", "new"):
                 gone_since = gone_since or now
                 if now - gone_since > self.session.config.stop_grace_s + 1.0:
@@ -379,13 +386,25 @@ class CellHandle:
         for offer in update.checkpoints:
             session.checkpoints.offer(rank, offer)
         for stream, text in update.output:
-            if len(self.log) < _LOG_LIMIT:
-                self.log.append((rank, stream, text))
+            if session.logs is not None and not self.replay:
+                session.logs.add(rank, text)
+            self._keep_in_log(rank, stream, text)
             for sink in list(self._sinks):
                 try:
                     sink(rank, stream, text)
                 except Exception:  # noqa: BLE001 - a broken view must not stop the cell
                     pass
+
+    def _keep_in_log(self, rank: int, stream: str, text: str) -> None:
+        if self._log_bytes > _LOG_BYTES:
+            return
+        self._log_bytes += len(text)
+        self.log.append((rank, stream, text))
+        if self._log_bytes > _LOG_BYTES:
+            where = self.session.logs.where(rank) if self.session.logs is not None else "the run"
+            self.log.append(
+                (-1, "stderr", f"[rtnb: output beyond {_LOG_BYTES // 1_000_000} MB is kept in {where}]\n")
+            )
 
     # ---- stopping ----------------------------------------------------------------------
     def _check_timeout(self) -> None:

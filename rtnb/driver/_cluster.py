@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -142,6 +143,14 @@ def _node_ip_as_given(loopback: bool) -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def will_embed(address: str | None) -> bool:
+    """Whether connecting to ``address`` starts an embedded Ray in this process."""
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        return False
+    ray = sys.modules.get("ray")
+    return not (ray is not None and ray.is_initialized())
 
 
 def _mute_client_log_stream() -> None:

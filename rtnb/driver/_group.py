@@ -15,7 +15,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
 
-__all__ = ["RankInfo", "WorkerGroup", "check_storage_locality"]
+__all__ = ["RankInfo", "WorkerGroup", "check_capacity", "check_storage_locality"]
 
 
 @dataclass
@@ -50,7 +50,7 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = self.config
-        self._check_capacity()
+        check_capacity(cfg)
         bundle: dict[str, float] = {"CPU": cfg.cpus_per_worker}
         if cfg.gpu:
             bundle["GPU"] = 1
@@ -128,24 +128,6 @@ class WorkerGroup:
             self.shutdown(graceful=False)
             raise
 
-    def _check_capacity(self) -> None:
-        import ray
-
-        cfg = self.config
-        total = ray.cluster_resources()
-        need_cpu = cfg.workers * cfg.cpus_per_worker
-        if need_cpu > total.get("CPU", 0):
-            raise ClusterError(
-                f"{cfg.workers} workers × {cfg.cpus_per_worker:g} CPU need {need_cpu:g} CPUs, "
-                f"but the Ray cluster has {total.get('CPU', 0):g}. Use fewer --workers or a "
-                "smaller --cpus-per-worker (e.g. 0.5)"
-            )
-        if cfg.gpu and cfg.workers > total.get("GPU", 0):
-            raise ClusterError(
-                f"--gpu needs one GPU per worker ({cfg.workers}), but the Ray cluster has "
-                f"{total.get('GPU', 0):g} GPUs. Use fewer --workers, or drop --gpu to train on CPU"
-            )
-
     def _assign_local_ranks(self, described: list[dict]) -> None:
         node_order: list[str] = []
         per_node: dict[str, int] = {}
@@ -207,6 +189,28 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - dead: what we want
                     break
                 time.sleep(0.05)
+
+
+def check_capacity(cfg: SessionConfig, total: dict[str, float] | None = None, where: str = "") -> None:
+    """One line when the group cannot fit: ``total`` resources (default: the Ray
+    cluster's), described as ``where`` ("this machine", "the Ray cluster")."""
+    if total is None:
+        import ray
+
+        total = ray.cluster_resources()
+    where = where or "the Ray cluster"
+    need_cpu = cfg.workers * cfg.cpus_per_worker
+    if need_cpu > total.get("CPU", 0):
+        raise ClusterError(
+            f"{cfg.workers} workers × {cfg.cpus_per_worker:g} CPU need {need_cpu:g} CPUs, "
+            f"but {where} has {total.get('CPU', 0):g}. Use fewer --workers or a "
+            "smaller --cpus-per-worker (e.g. 0.5)"
+        )
+    if cfg.gpu and cfg.workers > total.get("GPU", 0):
+        raise ClusterError(
+            f"--gpu needs one GPU per worker ({cfg.workers}), but {where} has "
+            f"{total.get('GPU', 0):g} GPUs. Use fewer --workers, or drop --gpu to train on CPU"
+        )
 
 
 def check_storage_locality(node_count: int, storage_path: str, allowed: bool) -> None:

@@ -31,9 +31,9 @@ from rtnb.core._redact import redact_uri
 from rtnb.core._text import mean_over_ranks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle, _Restart
-from rtnb.driver._cluster import ClusterConnection, connect
+from rtnb.driver._cluster import ClusterConnection, connect, will_embed
 from rtnb.driver._commits import CheckpointCoordinator
-from rtnb.driver._group import WorkerGroup
+from rtnb.driver._group import WorkerGroup, check_capacity
 from rtnb.driver._output import OutputSink, print_sink
 from rtnb.driver._recovery import FailurePolicy, RecoveryOutcome, Replayer, ReplayReport
 from rtnb.driver._state import GroupState, StateChange, StateMachine
@@ -53,6 +53,7 @@ from rtnb.metrics._tensorboard import TensorBoardExporter
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import CellOutcome, EntryKind, Journal
+from rtnb.storage._logs import RankLogs
 from rtnb.storage._metricslog import MetricsLog
 from rtnb.storage._result import Result
 from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
@@ -104,6 +105,7 @@ class Session:
         self._ready = threading.Event()
         self.state_machine.subscribe(self._track_ready)
         self.metrics = MetricsStore()
+        self.logs: RankLogs | None = None  # every rank's output, in {run}/logs/
         self.connection: ClusterConnection | None = None
         self._group: WorkerGroup | None = None
         self._group_factory = group_factory or WorkerGroup
@@ -149,6 +151,9 @@ class Session:
                 self._attach_metrics_outputs()
                 self.checkpoints.cleanup_incomplete()
                 self._continue_cell_numbers()
+                if will_embed(self.config.address) and not self.config.gpu:
+                    # Known before Ray starts (~10 s): an embedded Ray has this machine.
+                    check_capacity(self.config, {"CPU": os.cpu_count() or 1}, "this machine")
                 if self.connection is None:
                     self.connection = self._connector(
                         self.config.address,
@@ -157,18 +162,18 @@ class Session:
                     )
                     _stop_sessions_at_exit()
                 self._group = self._new_group()
-            except KeyboardInterrupt:
-                # WorkerGroup.start freed its placement group and actors on the way out.
-                self.state_machine.to(GroupState.FAILED, "interrupted")
-                raise SessionError(
-                    "starting the worker group was interrupted; its placement group and "
-                    "actors were freed"
-                ) from None
-            except RtnbError as exc:
-                self.state_machine.to(GroupState.FAILED, str(exc))
-                raise
             except BaseException as exc:
-                self.state_machine.to(GroupState.FAILED, str(exc))
+                # A start that fails stops the embedded Ray it started (WorkerGroup.start
+                # already freed its placement group and actors).
+                self._drop_owned_connection()
+                self.state_machine.to(GroupState.FAILED, one_line(exc))
+                if isinstance(exc, KeyboardInterrupt):
+                    raise SessionError(
+                        "starting the worker group was interrupted; its placement group and "
+                        "actors were freed"
+                    ) from None
+                if isinstance(exc, RtnbError):
+                    raise
                 raise SessionError(f"starting the worker group failed: {one_line(exc)}") from None
             self.state_machine.to(GroupState.READY)
             self._continue_step_count()
@@ -179,6 +184,16 @@ class Session:
                 self._replay_onto_new_group("start --replay")
             _announce_to_batch_runner(self.config.storage_path, self.run_name)
         return self
+
+    def _drop_owned_connection(self) -> None:
+        connection, self.connection = self.connection, None
+        if connection is not None and connection.owned:
+            try:
+                connection.shutdown()
+            except Exception:  # noqa: BLE001 - already failing; the first error is the news
+                pass
+        elif connection is not None:
+            self.connection = connection
 
     def _continue_cell_numbers(self) -> None:
         # A run carried on by a new kernel keeps numbering its cells, so the journal
@@ -239,6 +254,8 @@ class Session:
     def _attach_metrics_outputs(self) -> None:
         if self.metrics.log is None:
             self.metrics.log = MetricsLog(self.run_dir)
+        if self.logs is None:
+            self.logs = RankLogs(self.run_dir)
         if self.config.tensorboard and self.metrics.exporter is None:
             if not self.run_dir.is_local:
                 raise ConfigError(
@@ -401,6 +418,11 @@ class Session:
             raise
         if self.state in (GroupState.NEW, GroupState.STOPPED):
             return self.start()
+        try:
+            check_capacity(self.config)  # before the current group is taken down
+        except RtnbError:
+            self.config.workers = old
+            raise
         self._stop_active(f"stopped because the worker group scales to {workers} ranks")
         with self._lock:
             try:
@@ -641,6 +663,12 @@ class Session:
     def _cell_ended(self, handle: CellHandle) -> None:
         with self._lock:
             self.metrics.flush()
+            if self.logs is not None:
+                self.logs.flush()
+            try:
+                self.checkpoints.flush_index()
+            except Exception:  # noqa: BLE001 - a summary file; the manifests are the truth
+                pass
             self._last_error = handle.error
             if handle.reported:
                 self._last_training_code = handle.code

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,7 +60,8 @@ class StateMachine:
         self._state = GroupState.NEW
         self._lock = threading.RLock()
         self._subscribers: list[Callable[[StateChange], None]] = []
-        self.history: list[StateChange] = []
+        # The recent transitions (a long session makes thousands).
+        self.history: deque[StateChange] = deque(maxlen=200)
 
     @property
     def state(self) -> GroupState:

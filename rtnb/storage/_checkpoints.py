@@ -23,6 +23,7 @@ from rtnb.storage._rundir import RunDirectory
 __all__ = ["CheckpointInfo", "CheckpointStore", "checkpoint_id"]
 
 INDEX = "index.json"
+_INDEX_EVERY_S = 1.0
 
 
 def checkpoint_id(step: int) -> str:
@@ -67,6 +68,8 @@ class CheckpointStore:
         self.base = posixpath.join(run_dir.path, "checkpoints")
         self._pending: dict[str, dict] = {}
         self._manifests: dict[str, CheckpointInfo] = {}
+        self._index_dirty = False
+        self._index_at = 0.0
         self._lock = threading.RLock()
         self._subscribers: list[Callable[[CheckpointInfo], None]] = []
 
@@ -130,8 +133,9 @@ class CheckpointStore:
         self.run_dir.write_json(manifest, asdict(info))
         self._manifests[cid] = info
         try:
-            self._write_index()
-            self._apply_retention()
+            self._index_dirty = True
+            if not self._apply_retention() and time.monotonic() - self._index_at >= _INDEX_EVERY_S:
+                self.write_index()
         except Exception as exc:  # noqa: BLE001 - storage errors of any kind
             raise CheckpointError(
                 f"checkpoint {cid} is committed, but updating checkpoints/{INDEX} or "
@@ -217,18 +221,28 @@ class CheckpointStore:
         return Checkpoint(posixpath.join(self.base, cid), self.run_dir.fs, manifest=record)
 
     # ---- retention ---------------------------------------------------------------------
-    def _write_index(self) -> None:
+    def write_index(self) -> None:
+        """Rewrite ``checkpoints/index.json`` (a summary for people and tools; the
+        manifests are the truth). Commits rewrite it at most once a second; the end
+        of a cell writes the last state."""
+        self._index_dirty = False
+        self._index_at = time.monotonic()
         self.run_dir.write_json(
             posixpath.join("checkpoints", INDEX),
             {"checkpoints": [asdict(c) for c in self.list()], "updated": time.time()},
         )
 
-    def _apply_retention(self) -> None:
+    def flush_index(self) -> None:
+        if self._index_dirty:
+            self.write_index()
+
+    def _apply_retention(self) -> bool:
+        """Delete what --keep does not keep; True when the index was rewritten."""
         if self.keep is None:
-            return
+            return False
         committed = [c for c in self.list() if c.status == "committed"]
         if len(committed) <= self.keep:
-            return
+            return False
         latest = committed[-1]
         if self.score:
             sign = 1 if self.mode == "min" else -1
@@ -245,7 +259,8 @@ class CheckpointStore:
         doomed = [c for c in committed if c.id not in keep_ids]
         for info in doomed:
             self.delete(info.id, _index=False)
-        self._write_index()
+        self.write_index()
+        return True
 
     def delete(self, cid: str, _index: bool = True) -> None:
         """Delete a committed checkpoint (never the latest one)."""
@@ -263,7 +278,7 @@ class CheckpointStore:
             pass
         self.run_dir.fs.delete_dir(folder)
         if _index:
-            self._write_index()
+            self.write_index()
 
     def drop_pending(self) -> None:
         """Forget half-offered checkpoints (their ranks died): they will never commit."""

@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-import time
 from typing import Any
 
 from rtnb.core._text import to_number
+from rtnb.storage._appendlog import RankAppendLog
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["MetricsLog", "read_metrics"]
 
-_FLUSH_EVERY_S = 1.0
-_FLUSH_EVERY_RECORDS = 20_000
 
 
 
@@ -38,48 +36,19 @@ def _jsonable(value: Any) -> Any:
 
 class MetricsLog:
     def __init__(self, run_dir: RunDirectory) -> None:
-        self.run_dir = run_dir
-        self._local = run_dir.is_local
-        self._buffers: dict[int, list[str]] = {}
-        self._chunks: dict[int, int] = {}
-        self._buffered = 0
-        self._last_flush = time.monotonic()
-        self.dir = posixpath.join(run_dir.path, "metrics")
-        run_dir.fs.create_dir(self.dir, recursive=True)
+        self._log = RankAppendLog(run_dir, "metrics", ".jsonl")
+        self.dir = self._log.dir
 
     def add(self, rank: int, records: list[tuple[int, float, dict]]) -> None:
-        lines = self._buffers.setdefault(rank, [])
+        lines = []
         for step, timestamp, metrics in records:
             row = {k: _jsonable(v) for k, v in metrics.items()}
             row.update(rank=rank, step=step, timestamp=timestamp)
             lines.append(json.dumps(row))
-        self._buffered += len(records)
-        if (
-            self._buffered >= _FLUSH_EVERY_RECORDS
-            or time.monotonic() - self._last_flush >= _FLUSH_EVERY_S
-        ):
-            self.flush()
+        self._log.add(rank, ("\n".join(lines) + "\n").encode())
 
     def flush(self) -> None:
-        for rank, lines in self._buffers.items():
-            if not lines:
-                continue
-            data = ("\n".join(lines) + "\n").encode()
-            if self._local:
-                with open(posixpath.join(self.dir, f"rank-{rank}.jsonl"), "ab") as out:
-                    out.write(data)
-            else:
-                seq = self._chunks.get(rank, 0)
-                self._chunks[rank] = seq + 1
-                folder = posixpath.join(self.dir, f"rank-{rank}")
-                self.run_dir.fs.create_dir(folder, recursive=True)
-                with self.run_dir.fs.open_output_stream(
-                    posixpath.join(folder, f"{seq:08d}.jsonl")
-                ) as out:
-                    out.write(data)
-            lines.clear()
-        self._buffered = 0
-        self._last_flush = time.monotonic()
+        self._log.flush()
 
 
 def read_metrics(run_dir: RunDirectory) -> list[dict]:

@@ -1,0 +1,278 @@
+"""The bad-input corpus: each mistake a user can make is answered by one line that
+says what was wrong and what to do; no traceback from rtnb's internals, nothing left
+holding CPUs, nothing committed lost.
+
+Four tables, one per way in: magics in a real kernel, the `rtnb` command line,
+`Session(...)` arguments and cell contents on a real group.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+import rtnb
+from tests._kernel import Kernel, new_notebook
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+
+RTNB = [sys.executable, "-m", "rtnb.batch.cli"]
+
+# ---- %rtnb / %%rtrain / %rtrain in a kernel ----------------------------------------------
+BEFORE_START = [
+    ("%rtnb", "needs a subcommand"),
+    ("%rtnb launch", "no subcommand 'launch'"),
+    ("%rtnb strat", "did you mean"),
+    ("%rtnb start --bogus 1", "unrecognized arguments: --bogus"),
+    ("%rtnb start --workers 0", "--workers must be a whole number"),
+    ("%rtnb start --workers two", "invalid int value: 'two'"),
+    ("%rtnb start --strategy DIAGONAL", "--strategy 'DIAGONAL' is not one of"),
+    ("%rtnb start --backend mpi", "--backend 'mpi' is not one of"),
+    ("%rtnb start --backend nccl", "needs GPUs"),
+    ("%rtnb start --address nohost", "is not 'auto', HOST:PORT"),
+    ("%rtnb start --address 127.0.0.1:1", "cannot reach a Ray cluster at 127.0.0.1:1"),
+    ("%rtnb start --name ../x", "must start with a letter or digit"),
+    ("%rtnb start --max-failures -1", "--max-failures must be ≥ 0"),
+    ("%rtnb start --keep 0", "--keep must be ≥ 1"),
+    ("%rtnb start --mode up", "--mode must be 'min' or 'max'"),
+    ("%rtnb start --stop-grace 0", "--stop-grace must be > 0"),
+    ("%rtnb start --cpus-per-worker -1", "--cpus-per-worker must be ≥ 0"),
+    ("%rtnb start --workers 200", "need 200 CPUs"),
+    ("%rtnb start --listen nowhere", "--listen 'nowhere' is not an IP address"),
+    ("%rtnb start --replay", "--replay rebuilds a run from its journal"),
+    ("%rtnb start --storage /proc/nowhere", "is not writable"),
+    ("%rtnb start --storage nosuch://bucket/x", "is not a path or URI rtnb can use"),
+    ("%%rtrain\nx = 1", "run `%rtnb start` first"),
+    ("%rtrain x = 1", "run `%rtnb start` first"),
+    ("%rtnb status", "run `%rtnb start` first"),
+    ("%rtnb wait", "run `%rtnb start` first"),
+    ("%rtnb pull x", "run `%rtnb start` first"),
+]
+AFTER_START = [
+    ("%rtnb start", "already running"),
+    ("%rtrain --ranks 9 x = 1", "the group has ranks 0-1"),
+    ("%rtrain --ranks x 1", "is not a list like 0,1"),
+    ("%rtrain --timeout -1 1", "--timeout must be > 0"),
+    ("%rtrain --steps 0 1", "--steps must be ≥ 1"),
+    ("%rtrain", "%rtrain needs a statement"),
+    ("%%rtrain\nx = (", "SyntaxError and was not sent to the ranks"),
+    ("%rtnb pull 1x", "is not a Python variable name"),
+    ("%rtnb pull never_defined", "'never_defined' is not defined on ranks 0, 1"),
+    ("%rtnb push not_in_notebook", "'not_in_notebook' is not defined in the notebook"),
+    ("import threading\nlock = threading.Lock()\n%rtnb push lock", "not picklable"),
+    ("%rtnb load ../../etc", "is not a checkpoint id"),
+    ("%rtnb load step-999", "no committed checkpoint 'step-000000999'"),
+    ("%rtnb resume latest", "no committed checkpoint yet"),
+    ("%rtnb checkpoints ../../d", "--run '../../d' must start with a letter"),
+    ("%rtnb scale 0", "--workers must be a whole number"),
+    ("%rtnb scale 500", "need 500 CPUs"),
+    ("%rtnb wait", "no background cell was started"),
+    ("%rtnb status now", "takes no arguments"),
+    ("%rtnb restart --hard", "unrecognized arguments: --hard"),
+]
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster, tmp_path_factory):
+    k = Kernel(cwd=str(tmp_path_factory.mktemp("bad")))
+    assert k.execute("%load_ext rtnb").status == "ok"
+    yield k
+    k.execute("%rtnb stop")
+    k.shutdown()
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+
+
+def _one_line_error(run) -> str:
+    assert run.status == "error", run.text
+    shown = ("\n".join(run.traceback) + run.stderr).strip()
+    assert "Traceback" not in shown and "site-packages" not in shown and "/rtnb/" not in shown, shown
+    return shown
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_magic_mistakes_get_one_clear_line(kernel):
+    failures = []
+    for code, expected in BEFORE_START:
+        try:
+            shown = _one_line_error(kernel.execute(code))
+        except AssertionError as exc:
+            failures.append((code, str(exc)))
+            continue
+        if expected not in shown or len(_lines(shown)) != 1:
+            failures.append((code, shown))
+    run = kernel.execute("%rtnb start --stop-grace 1")
+    assert run.status == "ok", run.text
+    for code, expected in AFTER_START:
+        try:
+            shown = _one_line_error(kernel.execute(code))
+        except AssertionError as exc:
+            failures.append((code, str(exc)))
+            continue
+        # a SyntaxError shows the offending line and its caret under the one line
+        one = len(_lines(shown)) == 1 or "SyntaxError" in shown
+        if expected not in shown or not one:
+            failures.append((code, shown))
+    assert not failures, "\n\n".join(f"{c!r}:\n{s}" for c, s in failures)
+    # nothing above broke the group, and the refused scale kept the ranks' state
+    assert kernel.execute("%rtrain kept = 5").status == "ok"
+    assert "[5, 5]" in kernel.execute("%rtnb pull kept").results[-1]["text/plain"]
+
+
+# ---- the command line ----------------------------------------------------------------------
+def _notebooks(tmp_path) -> dict[str, str]:
+    plain = tmp_path / "plain.ipynb"
+    nbformat.write(new_notebook(["x = 1"]), plain)
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "broken.ipynb").write_text("{not json")
+    (tmp_path / "empty.ipynb").write_text("")
+    (tmp_path / "nocells.ipynb").write_text(json.dumps({"metadata": {}}))
+    dies = new_notebook(["x = 1"])
+    dies.metadata["kernelspec"] = {"name": "rtnb-dies", "display_name": "dies", "language": "python"}
+    nbformat.write(dies, tmp_path / "dies.ipynb")
+    return {p.stem: str(p) for p in tmp_path.iterdir()}
+
+
+CLI = [
+    ([], "the following arguments are required: command"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["run"], "the following arguments are required: notebook"),
+    (["run", "nope.ipynb"], "does not exist"),
+    (["run", "{notes}"], "is not a .ipynb notebook"),
+    (["run", "{broken}"], "not valid JSON"),
+    (["run", "{empty}"], "not valid JSON"),
+    (["run", "{nocells}"], "it has no list of cells"),
+    (["run", "{plain}", "-p", "x", "1"], "has no cell tagged 'parameters'"),
+    (["run", "{plain}", "-p", "1x", "1"], "is not a Python identifier"),
+    (["run", "{plain}", "-p", "db_password", "x"], "looks like a secret"),
+    (["run", "{plain}", "--timeout", "-5"], "--timeout must be a positive number"),
+    (["run", "{plain}", "--timeout", "abc"], "invalid float value: 'abc'"),
+    (["run", "{plain}", "--kernel", "julia-9"], "kernel 'julia-9', which is not installed"),
+    (["run", "{plain}", "--storage-file", "/nonexistent/f"], "--storage-file '/nonexistent/f' cannot be read"),
+    (["checkpoints", "../x"], "RUN '../x' must start with a letter"),
+    (["checkpoints", "nope", "--storage", "{tmp}"], "no run 'nope'"),
+    (["runs", "nosuch://x"], "is not a path or URI rtnb can use"),
+    (["submit", "{plain}", "--address", "ftp://x"], "is not a Ray dashboard URL"),
+    (["submit", "{plain}", "--address", "http://127.0.0.1:1"], "no Ray dashboard answers"),
+    (["submit", "nope.ipynb", "--address", "http://127.0.0.1:1"], "does not exist"),
+    (["submit", "{plain}", "--address", "http://127.0.0.1:1", "-p", "api_token", "x"], "looks like a secret"),
+    (["logs"], "the following arguments are required: job"),
+]
+
+
+@pytest.mark.slow
+def test_command_line_mistakes_get_one_clear_line(tmp_path):
+    names = {**_notebooks(tmp_path), "tmp": str(tmp_path)}
+    failures = []
+    for args, expected in CLI:
+        argv = [a.format(**names) for a in args]
+        proc = subprocess.run(RTNB + argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        lines = _lines(proc.stderr)
+        if proc.returncode != 2 or expected not in proc.stderr or len(lines) != 1:
+            failures.append((argv, proc.returncode, proc.stderr))
+    assert not failures, "\n\n".join(f"{a} → exit {c}:\n{e}" for a, c, e in failures)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_kernel_that_dies_on_start_is_one_line(ray_cluster, tmp_path):
+    spec = tmp_path / "kernels" / "rtnb-dies"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-c", "import sys; sys.exit(3)", "{connection_file}"],
+                "display_name": "dies",
+                "language": "python",
+            }
+        )
+    )
+    names = _notebooks(tmp_path)
+    env = {**__import__("os").environ, "JUPYTER_PATH": str(tmp_path)}
+    proc = subprocess.run(
+        [*RTNB, "run", names["dies"]], capture_output=True, text=True, cwd=tmp_path, env=env,
+        timeout=180,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "the kernel died" in proc.stderr.lower() or "kernel died" in proc.stderr.lower(), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- Session(...) arguments ------------------------------------------------------------------
+SESSION = [
+    (dict(workers=-1), rtnb.ConfigError, "--workers must be a whole number"),
+    (dict(workers=2.5), rtnb.ConfigError, "--workers must be a whole number"),
+    (dict(bogus=1), rtnb.ConfigError, "unknown Session option"),
+    (dict(cpus_per_worker=-1), rtnb.ConfigError, "--cpus-per-worker must be ≥ 0"),
+    (dict(strategy="ROUND"), rtnb.ConfigError, "--strategy 'ROUND'"),
+    (dict(address="ray://"), rtnb.ConfigError, "is not 'auto', HOST:PORT"),
+    (dict(address="10.0.0.1:port"), rtnb.ConfigError, "is not 'auto', HOST:PORT"),
+    (dict(storage="nosuch://bucket/x"), rtnb.ConfigError, "is not a path or URI rtnb can use"),
+    (dict(name="a/b"), rtnb.ConfigError, "must start with a letter or digit"),
+    (dict(name="x" * 200), rtnb.ConfigError, "must start with a letter or digit"),
+    (dict(env={"A": 1}), rtnb.ConfigError, "env values must be strings"),
+    (dict(env=["A"]), rtnb.ConfigError, "env must be a dict"),
+    (dict(listen="0.0.0.0", address="auto"), rtnb.ConfigError, "--listen sets where an embedded Ray"),
+    (dict(replay=True), rtnb.ConfigError, "--replay rebuilds a run"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, expected", SESSION, ids=[str(s[0]) for s in SESSION])
+def test_session_argument_mistakes_get_one_line(kwargs, error, expected, tmp_path):
+    kwargs = {"storage": str(tmp_path), **kwargs}
+    with pytest.raises(error) as info:
+        rtnb.Session(**kwargs)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_embedded_session_too_big_for_this_machine_fails_before_ray_starts(
+    tmp_path, monkeypatch
+):
+    import os
+    import time
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    session = rtnb.Session(workers=64, storage=str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(rtnb.ClusterError, match=f"need 64 CPUs, but this machine has {os.cpu_count()}"):
+        session.start()
+    assert time.monotonic() - started < 2, "checked before Ray starts"
+    import ray
+
+    assert not ray.is_initialized(), "no embedded Ray left running"
+
+
+# ---- cell contents on a real group -------------------------------------------------------
+@pytest.mark.ray
+@pytest.mark.slow
+def test_cell_content_mistakes_are_one_line_and_the_group_comes_back(group):
+    value = group.run("import threading\nthreading.Lock()")
+    assert "lock" in repr(value[0]), "an unpicklable value comes back as its repr"
+    value = group.run("b'x' * 80_000_000")
+    assert "too large to send back" in repr(value[0]) and len(repr(value[0])) < 500
+    with pytest.raises(rtnb.ConfigError, match="takes code \\(str\\) or a function"):
+        group.run(42)
+    with pytest.raises(rtnb.CellError, match="SystemExit: 3") as info:
+        group.run("import sys\nsys.exit(3)")
+    assert "\n" not in str(info.value)
+    group.run("kept = 'still here'")
+    assert group.pull("kept") == ["still here"] * 2, "sys.exit leaves the rank alive"
+    for deadly in (
+        "import os, torch.distributed as dist\nif dist.get_rank() == 1:\n    os._exit(1)\nimport time; time.sleep(5)",
+        "import ctypes, torch.distributed as dist\nif dist.get_rank() == 0:\n    ctypes.string_at(0)\nimport time; time.sleep(5)",
+    ):
+        with pytest.raises(rtnb.WorkerGroupError, match="died during cell") as info:
+            group.run(deadly, output=lambda *a: None)
+        assert "\n" not in str(info.value)
+        assert group.run("1") == {0: 1, 1: 1}, "the group was rebuilt and works"
+    with pytest.raises(rtnb.SessionError, match="still running after 0.3 s") as info:
+        group.run_background("import time\ntime.sleep(3)").wait(0.3)
+    assert isinstance(info.value, TimeoutError)
+    group.wait(30)
