@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SETUP = (
     "import time, torch, rtnb, torch.distributed as dist\n"
     "torch.manual_seed(0)\n"
-    "model = rtnb.prepare_model(torch.nn.Linear(64, 1))\n"
+    "net = torch.nn.Linear(64, 1)  # saved unwrapped: loads at any world size\n"
+    "model = rtnb.prepare_model(net)\n"
     "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
     "x, y = torch.randn(256, 64), torch.randn(256, 1)"
 )
@@ -37,14 +38,14 @@ TRAIN = (
     "ck = rtnb.get_checkpoint()\n"
     "if ck is not None:\n"
     "    state = ck.load_state()\n"
-    "    model.load_state_dict(state['model'])\n"
+    "    net.load_state_dict(state['model'])\n"
     "start = state['step'] + 1 if ck is not None else 0\n"
     "for step in range(start, {end}):\n"
     "    opt.zero_grad()\n"
     "    loss = torch.nn.functional.mse_loss(model(x), y)\n"
     "    loss.backward(); opt.step(); time.sleep(0.02)\n"
     "    rtnb.report({{'loss': loss.item()}}, checkpoint=rtnb.Checkpoint.from_state("
-    "{{'model': model.state_dict(), 'step': step}}) if dist.get_rank() == 0 else None)\n"
+    "{{'model': net.state_dict(), 'step': step}}) if dist.get_rank() == 0 else None)\n"
 )
 CELLS_PER_RUN = 5
 STEPS_PER_CELL = 60
