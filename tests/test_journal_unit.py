@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rtnb.core._messages import CheckpointOffer
-from rtnb.errors import CheckpointError
+from rtnb.errors import CheckpointError, SessionError
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import CellOutcome, EntryKind, Journal
 from rtnb.storage._rundir import RunDirectory
@@ -48,6 +48,7 @@ def test_replay_plan_follows_the_journal_since_the_last_fresh_start(tmp_path):
     assert plan(before=running.seq) == expected
     assert plan() == [*expected, ("cell", 7, "its outcome was never recorded")]
     # A new process reads the same journal back from storage, values included.
+    journal.flush()
     again = Journal(RunDirectory(str(tmp_path), "run"))
     assert [e.to_json() for e in again.entries()] == [e.to_json() for e in journal.entries()]
     assert again.read_values(again.cell_entry(push.seq)) == b"pickled"
@@ -61,6 +62,7 @@ def test_a_torn_last_entry_is_not_an_action(tmp_path):
     run_dir = RunDirectory(str(tmp_path), "run")
     journal = Journal(run_dir)
     _cell(journal, 1, CellOutcome.OK)
+    journal.flush()
     run_dir.write_bytes("journal/00000003-cell.json", b'{"seq": 3, "kind": "ce')
     again = Journal(run_dir)
     assert [e.seq for e in again.entries()] == [1, 2]
@@ -88,3 +90,38 @@ def test_commit_waits_for_every_rank_to_pass_the_step(tmp_path):
     store.offer(1, CheckpointOffer(step=5, time=1.0, metrics={}, files=shard))
     (info,) = store.commit_ready({0: 5, 1: 5}, {0, 1})
     assert info.ranks == [0, 1]
+
+
+def test_delete_touches_only_a_committed_checkpoint_of_this_run(tmp_path):
+    run_dir = RunDirectory(str(tmp_path), "run")
+    store = CheckpointStore(run_dir)
+    files = [{"path": "state-rank0.pt", "size": 1, "xxh3_128": "0"}]
+    for step in (1, 2):
+        store.offer(0, CheckpointOffer(step=step, time=1.0, metrics={}, files=files))
+    store.commit_ready({0: 2}, {0})
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (tmp_path / "run" / "checkpoints" / "step-000000009").mkdir()  # no manifest
+    for bad in ("../../precious", "step-000000009", "step-1/../../..", "latest"):
+        with pytest.raises(CheckpointError):
+            store.delete(bad)
+    with pytest.raises(CheckpointError, match="latest checkpoint of the run and is kept"):
+        store.delete("step-000000002")
+    assert outside.exists() and (tmp_path / "run" / "checkpoints" / "step-000000009").exists()
+    store.delete("step-000000001")
+    assert [c.id for c in store.list()] == ["step-000000002"]
+
+
+def test_a_journal_write_that_fails_is_raised_by_the_next_append(tmp_path):
+    run_dir = RunDirectory(str(tmp_path), "run")
+    journal = Journal(run_dir)
+    journal.append(EntryKind.START, workers=2, keep=False)
+    journal.flush()
+    blocked = tmp_path / "run" / "journal" / "00000002-cell.json"
+    blocked.mkdir()  # a directory where the entry's file must go
+    (blocked / "x").write_text("")
+    journal.append(EntryKind.CELL, cell_id=1, code="x = 1")
+    with pytest.raises(SessionError, match="the run journal could not be written"):
+        journal.flush()
+    with pytest.raises(SessionError, match="could not be written"):
+        journal.append(EntryKind.CELL, cell_id=2, code="x = 2")

@@ -385,6 +385,8 @@ class Session:
             if self.metrics.exporter is not None:
                 self.metrics.exporter.close()
                 self.metrics.exporter = None
+            with contextlib.suppress(RtnbError):
+                self.journal.flush(timeout=10.0)
             self.state_machine.to(GroupState.STOPPED)
             try:
                 self._write_run_json()

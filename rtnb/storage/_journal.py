@@ -8,6 +8,15 @@ ends, an entry with its outcome, duration and whether it reported. Values (pushe
 variables, functions) are stored beside their entry as ``{seq}.pkl`` and read
 back only when a replay needs them, so the driver keeps no copy in memory.
 
+An entry is in the journal (and in every replay plan of this process) the moment
+``append`` returns; one writer thread puts the files in storage in that order, off
+the cell's critical path (a trivial cell cost 0.6 ms more with the writes inline).
+``flush()`` waits for them; a write that fails is raised by the next append or
+flush. A process killed outright can lose the last few milliseconds of entries,
+never one in the middle; a cell whose entries were lost was running or had just
+ended, and a replay in a new kernel leaves it out, as it leaves out any cell whose
+outcome it cannot see.
+
 One file per entry works the same on a local disk and on object storage, which
 cannot append. Entries are never rewritten; a crash can lose at most the entry
 being written, never one before it. The journal is what recovery replays after a
@@ -20,11 +29,13 @@ from __future__ import annotations
 import enum
 import json
 import posixpath
+import queue
 import threading
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from rtnb.errors import SessionError, one_line
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["CellOutcome", "EntryKind", "Journal", "JournalEntry", "ReplayStep"]
@@ -119,6 +130,9 @@ class Journal:
         self.run_dir = run_dir
         self._lock = threading.Lock()
         self._entries: list[JournalEntry] | None = None
+        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
 
     # ---- reading -------------------------------------------------------------------
     def entries(self) -> list[JournalEntry]:
@@ -150,6 +164,7 @@ class Journal:
     def read_values(self, entry: JournalEntry) -> bytes:
         if entry.values is None:
             raise ValueError(f"journal entry {entry.seq} holds no values")
+        self.flush()
         with self.run_dir.fs.open_input_stream(
             posixpath.join(self.run_dir.path, FOLDER, entry.values)
         ) as src:
@@ -157,7 +172,8 @@ class Journal:
 
     # ---- writing -------------------------------------------------------------------
     def append(self, kind: EntryKind, values: bytes | None = None, **fields_: Any) -> JournalEntry:
-        """Write one entry (and its values first) and return it."""
+        """Add one entry (its values are written first) and return it."""
+        self._raise_write_error()
         with self._lock:
             if self._entries is None:
                 self._entries = self._read_all()
@@ -165,12 +181,43 @@ class Journal:
             entry = JournalEntry(seq=seq, kind=kind, **fields_)
             if values is not None:
                 entry.values = f"{seq:08d}.pkl"
-                self.run_dir.write_bytes(f"{FOLDER}/{entry.values}", values)
-            self.run_dir.write_bytes(
-                f"{FOLDER}/{seq:08d}-{kind}.json", json.dumps(entry.to_json()).encode()
-            )
+                self._write(f"{FOLDER}/{entry.values}", values)
+            self._write(f"{FOLDER}/{seq:08d}-{kind}.json", json.dumps(entry.to_json()).encode())
             self._entries.append(entry)
             return entry
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every entry appended so far is in storage."""
+        if self._writer is not None:
+            self._writes.join() if timeout is None else _join(self._writes, timeout)
+        self._raise_write_error()
+
+    def _write(self, name: str, data: bytes) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="rtnb-journal", daemon=True
+            )
+            self._writer.start()
+        self._writes.put((name, data))
+
+    def _write_loop(self) -> None:
+        while True:
+            name, data = self._writes.get()
+            try:
+                if self._write_error is None:
+                    self.run_dir.write_bytes(name, data)
+            except BaseException as exc:  # noqa: BLE001 - reported by the next append
+                self._write_error = exc
+            finally:
+                self._writes.task_done()
+
+    def _raise_write_error(self) -> None:
+        error = self._write_error
+        if error is not None:
+            raise SessionError(
+                f"the run journal could not be written to {self.run_dir.uri!r} "
+                f"({one_line(error)}); replay after a failure would be incomplete"
+            )
 
     # ---- replay --------------------------------------------------------------------
     def replay_plan(self, before: int | None = None) -> list[ReplayStep]:
@@ -205,3 +252,9 @@ class Journal:
 
     def cell_entry(self, seq: int) -> JournalEntry | None:
         return next((e for e in self.entries() if e.seq == seq), None)
+
+
+def _join(pending: queue.Queue, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while pending.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.005)
