@@ -96,21 +96,10 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_magic_mistakes_get_one_clear_line(kernel):
+def _mistakes(kernel, table) -> list[tuple[str, str]]:
+    """The entries of ``table`` not answered by their one expected line."""
     failures = []
-    for code, expected in BEFORE_START:
-        try:
-            shown = _one_line_error(kernel.execute(code))
-        except AssertionError as exc:
-            failures.append((code, str(exc)))
-            continue
-        if expected not in shown or len(_lines(shown)) != 1:
-            failures.append((code, shown))
-    run = kernel.execute("%rtnb start --stop-grace 1")
-    assert run.status == "ok", run.text
-    for code, expected in AFTER_START:
+    for code, expected in table:
         try:
             shown = _one_line_error(kernel.execute(code))
         except AssertionError as exc:
@@ -120,6 +109,16 @@ def test_magic_mistakes_get_one_clear_line(kernel):
         one = len(_lines(shown)) == 1 or "SyntaxError" in shown
         if expected not in shown or not one:
             failures.append((code, shown))
+    return failures
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_magic_mistakes_get_one_clear_line(kernel):
+    failures = _mistakes(kernel, BEFORE_START)
+    run = kernel.execute("%rtnb start --stop-grace 1")
+    assert run.status == "ok", run.text
+    failures += _mistakes(kernel, AFTER_START)
     assert not failures, "\n\n".join(f"{c!r}:\n{s}" for c, s in failures)
     # nothing above broke the group, and the refused scale kept the ranks' state
     assert kernel.execute("%rtrain kept = 5").status == "ok"
