@@ -198,13 +198,12 @@ class Session:
     def _continue_cell_numbers(self) -> None:
         # A run carried on by a new kernel keeps numbering its cells, so the journal
         # and every message name each cell once.
-        last = max((e.cell_id or 0 for e in self.journal.entries()), default=0)
+        entries = self.journal.entries()
+        last = max((e.cell_id or 0 for e in entries), default=0)
         self._cell_ids = itertools.count(last + 1)
         if self._last_training_code is None:
-            ends = {
-                e.of for e in self.journal.entries() if e.kind is EntryKind.CELL_END and e.reported
-            }
-            trained = [e for e in self.journal.entries() if e.seq in ends]
+            ends = {e.of for e in entries if e.kind is EntryKind.CELL_END and e.reported}
+            trained = [e for e in entries if e.seq in ends]
             if trained:
                 self._last_training_code = trained[-1].code
 
@@ -363,9 +362,8 @@ class Session:
             return True
         active.stop(reason, final=True)
         active._done.wait(self.config.stop_grace_s + 0.5)
-        return active.done() and all(u.state.ended for u in active._finished.values()) and len(
-            active._finished
-        ) == len(active.ranks)
+        # Only ended ranks are in _finished; dead or stuck ones never get there.
+        return active.done() and len(active._finished) == len(active.ranks)
 
     def stop(self) -> None:
         """Stop any running cell and free every actor and the placement group;

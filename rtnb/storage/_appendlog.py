@@ -35,10 +35,9 @@ class RankAppendLog:
         run_dir.fs.create_dir(self.dir, recursive=True)
 
     def where(self, rank: int) -> str:
-        base, _, query = self.run_dir.uri.partition("?")
         folder = posixpath.basename(self.dir)
         name = f"rank-{rank}{self.suffix}" if self._local else f"rank-{rank}/"
-        return f"{base}/{folder}/{name}"
+        return self.run_dir.shown(f"{folder}/{name}")
 
     def add(self, rank: int, data: bytes) -> None:
         self._buffers.setdefault(rank, []).append(data)

@@ -74,6 +74,10 @@ class RunDirectory:
             self.fs.create_dir(folder, recursive=True)
             self._made.add(folder)
         self._write_atomically(target, data)
+        return self.shown(name)
+
+    def shown(self, name: str) -> str:
+        """The URI or path of ``name`` in this run, as messages show it (masked)."""
         base, _, query = self.uri.partition("?")
         return f"{base}/{name}" + (f"?{query}" if query else "")
 
