@@ -25,7 +25,9 @@ me = psutil.Process()
 found = []
 for proc in [me, *me.children(recursive=True)]:
     try:
-        name = " ".join(proc.cmdline())[:80]
+        # The process name, not the command line: on a deep checkout path the
+        # command line's first 80 characters are all directories.
+        name = proc.name()
         for conn in proc.net_connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN:
                 found.append([conn.laddr.ip, conn.laddr.port, name])

@@ -107,7 +107,7 @@ BIG_SAVE = (
 
 
 def test_kills_during_shard_writes_never_leave_a_partial_checkpoint_listed(ray_cluster, tmp_path):
-    kills = 20
+    kills = 8
     with rtnb.Session(
         workers=2, storage=str(tmp_path), name="torn", max_failures=kills, keep=3
     ) as session:

@@ -166,24 +166,26 @@ def _mute_client_log_stream() -> None:
 
 
 def _init_with_retry(ray, target: str | None, kwargs: dict, timeout_s: float) -> None:
-    # A Ray Client server spawns one "specific server" per connection; shortly after
-    # the head starts, that spawn can fail ("Initialization failure from server")
-    # and succeed a second later. Retry only that, within the connect timeout.
-    # A failed spawn is only reported when Ray's proxy gives up on it (~30 s), so
-    # allow time for one retry after that.
-    deadline = time.monotonic() + max(timeout_s, 75.0)
+    # A Ray Client server spawns one "specific server" per connection, and on a
+    # head that has run for a while that spawn can die at birth ("Initialization
+    # failure from server"; ray-project/ray#63202, a fork race in Ray's proxy) and
+    # succeed on the next try. Ray's proxy only reports the death after its 30 s
+    # channel timeout plus ~10 s of log-stream retries, so allow three tries.
+    deadline = time.monotonic() + max(timeout_s, 130.0)
     while True:
         try:
             ray.init(address=target, **kwargs)
             return
         except ConnectionError as exc:
             transient = "Initialization failure" in str(exc)
-            if (
-                not (target or "").startswith("ray://")
-                or not transient
-                or time.monotonic() > deadline
-            ):
+            if not (target or "").startswith("ray://") or not transient:
                 raise
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    "Ray's client server could not start a session for this kernel "
+                    "(ray-project/ray#63202); connect with HOST:PORT (the GCS address) "
+                    "instead of ray://, or restart the head's client server"
+                ) from None
             try:
                 ray.shutdown()
             except Exception:  # noqa: BLE001
