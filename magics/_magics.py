@@ -284,7 +284,18 @@ class RtnbMagics(Magics):
             replay=args.replay,
             listen=args.listen,
         )
-        session.start()
+        shown = display({"text/plain": "rtnb: starting…"}, raw=True, display_id=True)
+
+        def progress(line: str) -> None:
+            if shown is not None:
+                shown.update({"text/plain": line}, raw=True)
+
+        try:
+            session.start(progress=progress)
+        except BaseException:
+            progress("rtnb: the start failed (the reason follows)")
+            raise
+        progress(f"rtnb: run {session.run_name!r} {session.last_start}")
         if session.last_replay is not None:
             print(f"rtnb: run {session.run_name!r} rebuilt from its journal: {session.last_replay}")
         self.session = session

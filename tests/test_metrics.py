@@ -8,7 +8,7 @@ import pytest
 
 from rtnb.metrics._series import BoundedSeries
 from rtnb.metrics._store import MetricsStore
-from rtnb.storage._metricslog import MetricsLog
+from rtnb.storage._metricslog import MetricsLog, read_metrics
 from rtnb.storage._result import Result, list_runs
 from rtnb.storage._rundir import RunDirectory
 
@@ -73,7 +73,7 @@ def test_reports_with_tensors_and_non_finite_values_are_kept_readably(tmp_path):
     store.begin([0])
     store.add(0, [(1, 1.0, {"loss": torch.tensor(0.5), "bad": float("nan"), "obj": object()})])
     store.flush()
-    row = json.loads((tmp_path / "run-b" / "metrics" / "rank-0.jsonl").read_text().splitlines()[0])
+    [row] = read_metrics(run_dir)
     assert row["loss"] == 0.5 and row["bad"] == "nan" and row["obj"].startswith("<object")
     assert store.series("loss", 0)[2] == [0.5]
 
@@ -135,4 +135,110 @@ def test_mean_survives_ranks_that_deliver_whole_runs_in_one_batch(tmp_path):
     store.add(1, [(s, float(s), {"v": 3.0}) for s in range(1, 50_001)])
     steps, _t, values = store.mean_series("v")
     assert steps[-1] == 50_000 and set(values) == {2.0}
-    assert sum(len(p) for p in store._pending_mean.values()) == 0, "nothing left pending"
+    assert all(
+        len(waiting[0]) == 0 for mean in store._means.values() for waiting in mean._waiting.values()
+    ), "nothing left pending"
+
+
+def test_reports_cross_as_columns_and_come_back_as_the_rows_that_were_reported(tmp_path):
+    torch = pytest.importorskip("torch")
+    from rtnb.core._reports import ReportColumns
+
+    sent = [
+        (0, 10.0, {"loss": 1.5, "epoch": 0}),
+        (1, 11.0, {"loss": torch.tensor(0.75), "epoch": 0, "note": "warm-up done"}),
+        (2, 12.0, {"loss": float("inf"), "lr": 0.1}),
+        (3, 13.0, {"epoch": 1}),
+    ]
+    columns = ReportColumns()
+    for step, when, metrics in sent:
+        columns.add(step, when, metrics)
+    batch = columns.take()
+    assert columns.take() is None, "taking empties the rank's buffer"
+    store, run_dir = _store(tmp_path, "run-cols")
+    store.begin([0])
+    store.add(0, batch)
+    store.flush()
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["timestamp"]) for r in rows] == [(s, t) for s, t, _ in sent]
+    assert [{k: v for k, v in r.items() if k not in ("rank", "step", "timestamp")} for r in rows] == [
+        {"loss": 1.5, "epoch": 0},
+        {"loss": 0.75, "epoch": 0, "note": "warm-up done"},
+        {"loss": "inf", "lr": 0.1},
+        {"epoch": 1},
+    ]
+    assert type(rows[0]["epoch"]) is int, "ints stay ints in the record"
+    assert store.series("loss", 0)[0] == [0, 1, 2], "a metric a report lacked is not plotted there"
+    assert store.series("epoch", 0)[2] == [0.0, 0.0, 1.0]
+    assert "note" not in store.metric_names()
+    assert store.last[0].step == 3 and store.last[0].metrics == {"epoch": 1}
+    assert store.count(0) == 4
+
+
+def test_a_tensor_is_read_when_reported_not_when_the_batch_leaves(tmp_path):
+    torch = pytest.importorskip("torch")
+    from rtnb.core._reports import ReportColumns
+
+    running = torch.zeros(())
+    columns = ReportColumns()
+    for step in range(3):
+        running += 1  # changed in place after each report, as loops do
+        columns.add(step, float(step), {"running": running})
+    assert list(columns.take().columns["running"]) == [1.0, 2.0, 3.0]
+
+
+def test_the_mean_covers_the_steps_every_rank_reported(tmp_path):
+    store, _ = _store(tmp_path, "run-gaps")
+    store.begin([0, 1, 2])
+    store.add(0, [(s, float(s), {"v": 0.0}) for s in range(1, 11)])
+    store.add(1, [(s, float(s), {"v": 3.0}) for s in range(1, 11) if s != 4])
+    store.add(2, [(s, float(s), {"v": 6.0}) for s in range(1, 8)])
+    steps, _t, values = store.mean_series("v")
+    assert steps == [1, 2, 3, 5, 6, 7] and set(values) == {3.0}
+    store.add(2, [(s, float(s), {"v": 6.0}) for s in range(8, 13)])
+    assert store.mean_series("v")[0] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+
+
+def test_records_written_one_report_per_line_are_still_read(tmp_path):
+    run_dir = RunDirectory(str(tmp_path), "old")
+    run_dir.ensure_writable()
+    (tmp_path / "old" / "metrics").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "old" / "metrics" / "rank-0.jsonl").write_text(
+        '{"loss": 0.5, "rank": 0, "step": 1, "timestamp": 1.0}\n'
+        '{"rank": 0, "step": [2, 3], "timestamp": [2.0, 3.0], "metrics": {"loss": [0.25, null]}}\n'
+    )
+    assert read_metrics(run_dir) == [
+        {"loss": 0.5, "rank": 0, "step": 1, "timestamp": 1.0},
+        {"loss": 0.25, "rank": 0, "step": 2, "timestamp": 2.0},
+        {"rank": 0, "step": 3, "timestamp": 3.0},
+    ]
+
+
+def test_many_ranks_are_drawn_as_mean_band_and_outliers_with_any_rank_selectable(tmp_path):
+    from rtnb.widgets import LiveMetrics
+
+    store, _ = _store(tmp_path, "run-wide")
+    ranks = list(range(12))
+    store.begin(ranks)
+    for rank in ranks:
+        last = 36 if rank == 7 else 40  # rank 7 is behind
+        value = 10.0 if rank == 5 else 1.0 + rank / 100  # rank 5 is far off
+        store.add(rank, [(s, float(s), {"loss": value}) for s in range(1, last + 1)])
+    steps, _t, low, high = store.band_series("loss")
+    assert steps == list(range(1, 37)), "the band covers the steps every rank reported"
+    assert set(low) == {1.0} and set(high) == {10.0}
+    # 7 is behind; 5 is furthest from the mean (1.8, which 5 pulls up), then 0 (1.0)
+    assert store.outlier_ranks("loss") == [0, 5, 7]
+    view = LiveMetrics(store, max_points=200)
+    try:
+        view.redraw()
+        names = [t.name for t in view.figure.data]
+        assert names == ["min–max over ranks"] * 2 + ["rank 0", "rank 5", "rank 7", "mean"]
+        assert view.figure.data[1].fill == "tonexty"
+        assert list(view._ranks.options) == ranks and view._ranks.value == ()
+        view._ranks.value = (2,)  # the user adds a rank of their choice
+        view.redraw()
+        shown = [t.name for t in view.figure.data][2:]
+        assert shown == ["rank 0", "rank 2", "rank 5", "rank 7", "mean"]
+    finally:
+        view.close()

@@ -8,7 +8,7 @@ import time
 from collections import deque
 
 import ipywidgets as w
-from rtnb.widgets._plot import build_figure, series_xy, trace_keys
+from rtnb.widgets._plot import BAND_FROM_RANKS, build_figure, series_xy, trace_keys
 
 __all__ = ["LiveMetrics", "format_header"]
 
@@ -187,7 +187,12 @@ class LiveMetrics(w.VBox):
                 self._render_logs()
             ranks = store.ranks()
             if list(self._ranks.options) != ranks:
-                selected = set(self._ranks.value) | (set(ranks) - set(self._ranks.options))
+                # Few ranks: new ranks are shown. Many: the band view picks outliers
+                # itself and the selection adds the ranks the user wants to see.
+                new = set(ranks) - set(self._ranks.options)
+                selected = set(self._ranks.value) | (new if len(ranks) < BAND_FROM_RANKS else set())
+                if len(ranks) >= BAND_FROM_RANKS and len(self._ranks.options) < BAND_FROM_RANKS:
+                    selected = set()
                 self._ranks.options = ranks
                 self._ranks.value = tuple(r for r in ranks if r in selected)
                 self._log_filter.options = [("all ranks", -1)] + [(f"rank {r}", r) for r in ranks]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-__all__ = ["build_figure", "trace_keys", "smooth", "RANK_COLORS"]
+__all__ = ["BAND_FROM_RANKS", "build_figure", "trace_keys", "smooth", "RANK_COLORS"]
+
+# From this many ranks on, a metric is drawn as its mean, the min-max band over the
+# ranks and a few outlier ranks (plus any the user picks), not one line per rank:
+# 32 lines are unreadable and cost the browser more than the kernel.
+BAND_FROM_RANKS = 9
+_BAND = ("low", "high")
 
 RANK_COLORS = [
     "#1f77b4",
@@ -22,13 +28,21 @@ RANK_COLORS = [
 
 
 def trace_keys(store, ranks: list[int] | None = None) -> list[tuple[str, int | str]]:
-    """(metric, rank or "mean") for every trace, in figure order."""
-    shown = store.ranks() if ranks is None else ranks
+    """(metric, rank, "mean", "low" or "high") for every trace, in figure order.
+
+    Up to ``BAND_FROM_RANKS - 1`` ranks: ``ranks`` (default all) and the mean. From
+    there on: the band, the mean, the store's outlier ranks and ``ranks``."""
+    every = store.ranks()
+    banded = len(every) >= BAND_FROM_RANKS
     keys: list[tuple[str, int | str]] = []
     for name in store.metric_names():
-        for rank in shown:
-            keys.append((name, rank))
-        if len(store.ranks()) > 1:
+        if banded:
+            keys += [(name, "low"), (name, "high")]
+            shown = sorted(set(store.outlier_ranks(name)) | set(ranks or ()))
+        else:
+            shown = every if ranks is None else ranks
+        keys += [(name, rank) for rank in shown]
+        if len(every) > 1:
             keys.append((name, "mean"))
     return keys
 
@@ -47,11 +61,13 @@ def smooth(values: list[float], weight: float) -> list[float]:
 
 def series_xy(store, key, x_axis: str, weight: float, max_points: int):
     name, rank = key
-    steps, times, values = (
-        store.mean_series(name, max_points)
-        if rank == "mean"
-        else store.series(name, rank, max_points)
-    )
+    if rank in _BAND:
+        steps, times, low, high = store.band_series(name, max_points)
+        values = low if rank == "low" else high
+    elif rank == "mean":
+        steps, times, values = store.mean_series(name, max_points)
+    else:
+        steps, times, values = store.series(name, rank, max_points)
     xs = (
         steps
         if x_axis == "step"
@@ -85,6 +101,24 @@ def build_figure(
         name, rank = key
         xs, ys = series_xy(store, key, x_axis, weight, max_points)
         row = metrics.index(name) + 1
+        if rank in _BAND:
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="lines",
+                    name="min–max over ranks",
+                    legendgroup="band",
+                    showlegend=row == 1 and rank == "high",
+                    line={"width": 0, "color": "rgba(68,68,68,0.25)"},
+                    fill="tonexty" if rank == "high" else None,
+                    fillcolor="rgba(68,68,68,0.15)",
+                    hoverinfo="skip",
+                ),
+                row=row,
+                col=1,
+            )
+            continue
         color = "#444444" if rank == "mean" else RANK_COLORS[int(rank) % len(RANK_COLORS)]
         fig.add_trace(
             go.Scatter(

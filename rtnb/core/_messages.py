@@ -2,9 +2,9 @@
 
 A rank answers every long-poll with one :class:`RankUpdate`: what it printed,
 reported and checkpointed since the last poll, where its cell stands, and, once
-the cell ended, its value or error. Reports stay plain tuples
-(:data:`ReportRecord`): at 10 kHz per rank a class per report would cost more
-than the report itself.
+the cell ended, its value or error. Reports travel as one
+:class:`~rtnb.core._reports.ReportBatch` of columns per poll: at 10 kHz per rank
+anything per report would cost more than the report itself.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from rtnb.core._reports import ReportBatch
 
 __all__ = [
     "CellState",
@@ -84,7 +86,7 @@ class RankUpdate:
     step: int
     paused_at: int | None = None
     output: list[tuple[str, str]] = field(default_factory=list)
-    reports: list[ReportRecord] = field(default_factory=list)
+    reports: ReportBatch | None = None
     checkpoints: list[CheckpointOffer] = field(default_factory=list)
     value: Portable | None = None
     error: tuple[str, str] | None = None  # (one-line summary, user traceback)

@@ -40,6 +40,7 @@ from rtnb.errors import (
     WorkerGroupError,
     one_line,
 )
+from rtnb.worker._actor import poll_timing
 
 if TYPE_CHECKING:
     from rtnb.driver._session import Session
@@ -269,6 +270,7 @@ class CellHandle:
         import ray
 
         actors = self.session._require_group().actors
+        timing = poll_timing(len(actors))
         while len(self._finished) + len(self._dead) < len(self.ranks):
             self._ensure_polled(actors)
             refs = list(self._pending)
@@ -280,7 +282,7 @@ class CellHandle:
                     continue
                 self._apply(update)
                 if update.state is CellState.RUNNING:
-                    self._pending[actors[rank].poll.remote()] = rank
+                    self._pending[actors[rank].poll.remote(*timing)] = rank
                 else:
                     self._finished[rank] = update
             if self._dead:
@@ -369,7 +371,7 @@ class CellHandle:
         polled = set(self._pending.values())
         for rank in self.ranks:
             if rank not in polled and rank not in self._finished and rank not in self._dead:
-                self._pending[actors[rank].poll.remote()] = rank
+                self._pending[actors[rank].poll.remote(*poll_timing(len(actors)))] = rank
 
     def _apply(self, update: RankUpdate) -> None:
         rank = update.rank

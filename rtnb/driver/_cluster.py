@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rtnb.core._net import probe_tcp, use_auth_token_if_present
+from rtnb.core._startup import lazy_imports_for_children
 from rtnb.errors import ClusterError, one_line
 
 __all__ = ["ClusterConnection", "connect"]
@@ -96,7 +97,10 @@ def connect(
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
-        with _node_ip_as_given(target is None and (listen or LOOPBACK) == LOOPBACK):
+        with (
+            _node_ip_as_given(target is None and (listen or LOOPBACK) == LOOPBACK),
+            lazy_imports_for_children() if target is None else contextlib.nullcontext(),
+        ):
             _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(

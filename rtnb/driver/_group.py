@@ -12,6 +12,7 @@ from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.core._redact import redact_uri
+from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
 
@@ -44,24 +45,26 @@ class WorkerGroup:
         return len(self.actors)
 
     # ---- start -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, progress: StartProgress | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = self.config
+        progress = progress or StartProgress()
         check_capacity(cfg)
         bundle: dict[str, float] = {"CPU": cfg.cpus_per_worker}
         if cfg.gpu:
             bundle["GPU"] = 1
         bundle = {k: v for k, v in bundle.items() if v}
         try:
-            self._placement_group = placement_group(
-                [dict(bundle) for _ in range(cfg.workers)], strategy=cfg.strategy
-            )
-            ready = self._placement_group.ready()
-            ray.wait([ready], timeout=cfg.placement_timeout_s)
-            ray.get(ready, timeout=0.01)
+            with progress.phase("placement", f"placing {cfg.workers} ranks ({cfg.strategy})"):
+                self._placement_group = placement_group(
+                    [dict(bundle) for _ in range(cfg.workers)], strategy=cfg.strategy
+                )
+                ready = self._placement_group.ready()
+                ray.wait([ready], timeout=cfg.placement_timeout_s)
+                ray.get(ready, timeout=0.01)
         except BaseException as exc:  # timeout, infeasible, or Ctrl-C
             self.shutdown(graceful=False)
             if not isinstance(exc, Exception):
@@ -75,48 +78,50 @@ class WorkerGroup:
         remote_cls = ray.remote(RankActor)
         env = {"OMP_NUM_THREADS": str(max(1, int(cfg.cpus_per_worker))), **cfg.env}
         try:
-            for rank in range(cfg.workers):
-                context = {
-                    "world_rank": rank,
-                    "world_size": cfg.workers,
-                    "run_name": self.run_name,
-                    "storage_path": self.storage_path,
-                    "backend": cfg.backend,
-                }
-                actor = remote_cls.options(
-                    num_cpus=cfg.cpus_per_worker,
-                    num_gpus=1 if cfg.gpu else 0,
-                    max_concurrency=ACTOR_CONCURRENCY,
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self._placement_group, placement_group_bundle_index=rank
-                    ),
-                ).remote(context, env)
-                self.actors.append(actor)
-            described = ray.get([a.describe.remote() for a in self.actors], timeout=120)
-            self._assign_local_ranks(described)
-            check_storage_locality(self.node_count, self.storage_path, cfg.allow_local_storage)
-            devices = ray.get(
-                [
-                    a.set_placement.remote(
-                        info.local_rank, self._local_world_size(info), info.node_rank
-                    )
-                    for a, info in zip(self.actors, self.ranks)
-                ],
-                timeout=60,
-            )
-            for info, device in zip(self.ranks, devices):
-                info.device = device
-            master_port = ray.get(
-                self.actors[0].open_rendezvous.remote(self.ranks[0].node_ip), timeout=30
-            )
-            ray.get(
-                [
-                    a.init_distributed.remote(self.ranks[0].node_ip, master_port, 1800.0)
-                    for a in self.actors
-                ],
-                timeout=120,
-            )
+            with progress.phase("ranks", f"starting {cfg.workers} rank processes (Python, torch)"):
+                for rank in range(cfg.workers):
+                    context = {
+                        "world_rank": rank,
+                        "world_size": cfg.workers,
+                        "run_name": self.run_name,
+                        "storage_path": self.storage_path,
+                        "backend": cfg.backend,
+                    }
+                    actor = remote_cls.options(
+                        num_cpus=cfg.cpus_per_worker,
+                        num_gpus=1 if cfg.gpu else 0,
+                        max_concurrency=ACTOR_CONCURRENCY,
+                        max_restarts=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            self._placement_group, placement_group_bundle_index=rank
+                        ),
+                    ).remote(context, env)
+                    self.actors.append(actor)
+                described = ray.get([a.describe.remote() for a in self.actors], timeout=120)
+                self._assign_local_ranks(described)
+                check_storage_locality(self.node_count, self.storage_path, cfg.allow_local_storage)
+                devices = ray.get(
+                    [
+                        a.set_placement.remote(
+                            info.local_rank, self._local_world_size(info), info.node_rank
+                        )
+                        for a, info in zip(self.actors, self.ranks)
+                    ],
+                    timeout=60,
+                )
+                for info, device in zip(self.ranks, devices):
+                    info.device = device
+            with progress.phase("process group", f"joining the {cfg.backend} process group"):
+                master_port = ray.get(
+                    self.actors[0].open_rendezvous.remote(self.ranks[0].node_ip), timeout=30
+                )
+                ray.get(
+                    [
+                        a.init_distributed.remote(self.ranks[0].node_ip, master_port, 1800.0)
+                        for a in self.actors
+                    ],
+                    timeout=120,
+                )
         except ConfigError:
             self.shutdown()
             raise
@@ -191,7 +196,9 @@ class WorkerGroup:
                 time.sleep(0.05)
 
 
-def check_capacity(cfg: SessionConfig, total: dict[str, float] | None = None, where: str = "") -> None:
+def check_capacity(
+    cfg: SessionConfig, total: dict[str, float] | None = None, where: str = ""
+) -> None:
     """One line when the group cannot fit: ``total`` resources (default: the Ray
     cluster's), described as ``where`` ("this machine", "the Ray cluster")."""
     if total is None:
@@ -223,4 +230,3 @@ def check_storage_locality(node_count: int, storage_path: str, allowed: bool) ->
             "the node. Use shared storage (s3://..., gs://...) or, if that path is a filesystem "
             "shared by all nodes, pass --allow-local-storage"
         )
-

@@ -36,6 +36,7 @@ from rtnb.driver._commits import CheckpointCoordinator
 from rtnb.driver._group import WorkerGroup, check_capacity
 from rtnb.driver._output import OutputSink, print_sink
 from rtnb.driver._recovery import FailurePolicy, RecoveryOutcome, Replayer, ReplayReport
+from rtnb.driver._startup import StartProgress, StartReport
 from rtnb.driver._state import GroupState, StateChange, StateMachine
 from rtnb.driver._status import GroupStatus, RankStatus
 from rtnb.errors import (
@@ -101,6 +102,7 @@ class Session:
         self.replay_on_start = replay
         self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
         self.last_recovery: RecoveryOutcome | None = None
+        self.last_start: StartReport | None = None  # seconds per phase of the last start
         self.state_machine = StateMachine()
         self._ready = threading.Event()
         self.state_machine.subscribe(self._track_ready)
@@ -137,8 +139,13 @@ class Session:
         else:
             self._ready.clear()
 
-    def start(self) -> Session:
-        """Connect to Ray and start the worker group (``%rtnb start``)."""
+    def start(self, progress: Callable[[str], None] | None = None) -> Session:
+        """Connect to Ray and start the worker group (``%rtnb start``).
+
+        ``progress`` is called with a short line as each phase begins (starting or
+        joining Ray, placing the ranks, starting them, the process group);
+        :attr:`last_start` then holds the seconds each took."""
+        steps = StartProgress(progress)
         with self._lock:
             if self.state in (GroupState.READY, GroupState.RUNNING, GroupState.STARTING):
                 raise SessionError(
@@ -155,13 +162,14 @@ class Session:
                     # Known before Ray starts (~10 s): an embedded Ray has this machine.
                     check_capacity(self.config, {"CPU": os.cpu_count() or 1}, "this machine")
                 if self.connection is None:
-                    self.connection = self._connector(
-                        self.config.address,
-                        timeout_s=self.config.connect_timeout_s,
-                        listen=self.config.listen,
-                    )
+                    with steps.phase("Ray", self._connect_doing()):
+                        self.connection = self._connector(
+                            self.config.address,
+                            timeout_s=self.config.connect_timeout_s,
+                            listen=self.config.listen,
+                        )
                     _stop_sessions_at_exit()
-                self._group = self._new_group()
+                self._group = self._new_group(steps)
             except BaseException as exc:
                 # A start that fails stops the embedded Ray it started (WorkerGroup.start
                 # already freed its placement group and actors).
@@ -176,6 +184,7 @@ class Session:
                     raise
                 raise SessionError(f"starting the worker group failed: {one_line(exc)}") from None
             self.state_machine.to(GroupState.READY)
+            self.last_start = steps.report
             self._continue_step_count()
             self._write_run_json()
             replay = self.replay_on_start
@@ -347,10 +356,18 @@ class Session:
             },
         )
 
-    def _new_group(self) -> WorkerGroup:
+    def _new_group(self, progress: StartProgress | None = None) -> WorkerGroup:
         group = self._group_factory(self.config, self.run_name, self.config.storage_path)
-        group.start()
+        group.start(progress)
         return group
+
+    def _connect_doing(self) -> str:
+        if will_embed(self.config.address):
+            return f"starting an embedded Ray (listening on {self.config.listen or '127.0.0.1'})"
+        address = self.config.address or os.environ.get("RAY_ADDRESS")
+        if address is None:
+            return "joining the Ray this process already uses"
+        return f"joining Ray at {redact_uri(address)}"
 
     def _stop_active(self, reason: str) -> bool:
         """End the running cell, if any, because the group is going away: the ranks
@@ -761,7 +778,9 @@ class Session:
             except ray.exceptions.RayError as exc:
                 rebuilt = attempt == 0 and self._wait_for_recovery(group)
                 if rebuilt is None:
-                    raise WorkerGroupError(f"{what} failed: a rank died ({one_line(exc)})") from None
+                    raise WorkerGroupError(
+                        f"{what} failed: a rank died ({one_line(exc)})"
+                    ) from None
                 group = rebuilt
         raise AssertionError("unreachable")
 
@@ -769,9 +788,7 @@ class Session:
         """The group that recovery builds to replace ``lost``; None when no
         recovery is coming (no running cell, or --max-failures spent)."""
         active = self._active
-        if active is None or active.done() or not (
-            active.recovering or self.policy.can_recover()
-        ):
+        if active is None or active.done() or not (active.recovering or self.policy.can_recover()):
             return None
         deadline = time.monotonic() + _WAIT_FOR_GROUP_S
         while time.monotonic() < deadline:

@@ -1,37 +1,27 @@
 """The full-resolution record of every report, in ``{run}/metrics/``.
 
-One JSON object per report and line (``rank``, ``step``, ``timestamp`` and the
-metrics). On a local path each rank appends to ``rank-N.jsonl``; on object stores,
-which cannot append, each flush writes a new numbered chunk under ``rank-N/``.
-Readers take both.
+One JSON line per batch a rank sent (a poll's worth of reports, as columns):
+``{"rank": 0, "step": C, "timestamp": C, "metrics": {"loss": C, ...}}`` where a
+column ``C`` is either ``{"float64"|"int64": base64 of little-endian values}`` (every
+report had a finite number) or a plain list (``null`` where a report lacked the
+metric, non-finite numbers as "nan"/"inf", other values as text).
+Lines with one report as an object (``rank``, ``step``, ``timestamp`` and the
+metrics), as rtnb wrote before, are read too. On a local path each rank appends
+to ``rank-N.jsonl``; on object stores, which cannot append, each flush writes a
+new numbered chunk under ``rank-N/``. :func:`read_metrics` gives one row per report.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import posixpath
 from typing import Any
 
-from rtnb.core._text import to_number
+from rtnb.core._reports import ReportBatch, unpack_column
 from rtnb.storage._appendlog import RankAppendLog
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["MetricsLog", "read_metrics"]
-
-
-
-
-
-def _jsonable(value: Any) -> Any:
-    number = to_number(value)
-    if number is not None:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        return number if math.isfinite(number) else str(number)
-    if isinstance(value, (str, type(None))):
-        return value
-    return repr(value)
 
 
 class MetricsLog:
@@ -39,16 +29,25 @@ class MetricsLog:
         self._log = RankAppendLog(run_dir, "metrics", ".jsonl")
         self.dir = self._log.dir
 
-    def add(self, rank: int, records: list[tuple[int, float, dict]]) -> None:
-        lines = []
-        for step, timestamp, metrics in records:
-            row = {k: _jsonable(v) for k, v in metrics.items()}
-            row.update(rank=rank, step=step, timestamp=timestamp)
-            lines.append(json.dumps(row))
-        self._log.add(rank, ("\n".join(lines) + "\n").encode())
+    def add(self, rank: int, batch: ReportBatch) -> None:
+        self._log.add(rank, (json.dumps(batch.to_json(rank)) + "\n").encode())
 
     def flush(self) -> None:
         self._log.flush()
+
+
+def _rows(line: dict[str, Any]) -> list[dict[str, Any]]:
+    if "metrics" not in line:
+        return [line]  # one report per line
+    rank = line["rank"]
+    steps, times = unpack_column(line["step"]), unpack_column(line["timestamp"])
+    metrics = {name: unpack_column(column) for name, column in line["metrics"].items()}
+    rows = []
+    for i, (step, when) in enumerate(zip(steps, times)):
+        row = {name: column[i] for name, column in metrics.items() if column[i] is not None}
+        row.update(rank=rank, step=step, timestamp=when)
+        rows.append(row)
+    return rows
 
 
 def read_metrics(run_dir: RunDirectory) -> list[dict]:
@@ -70,5 +69,7 @@ def read_metrics(run_dir: RunDirectory) -> list[dict]:
     for path in sorted(files, key=order):
         with run_dir.fs.open_input_stream(path) as src:
             text = src.read().decode()
-        rows.extend(json.loads(line) for line in text.splitlines() if line.strip())
+        for line in text.splitlines():
+            if line.strip():
+                rows.extend(_rows(json.loads(line)))
     return rows

@@ -25,6 +25,7 @@ from typing import Any
 
 from rtnb.core._context import set_current_rank
 from rtnb.core._messages import CellState, CheckpointOffer, RankUpdate
+from rtnb.core._reports import ReportColumns
 from rtnb.core._values import to_portable
 from rtnb.worker._capture import flush_std, install_capture
 
@@ -130,7 +131,7 @@ class RankRuntime:
         self._output: list[tuple[str, str]] = []
         self._output_chars = 0
         self._dropped_chars = 0
-        self._reports: list[tuple[int, float, dict]] = []
+        self._reports = ReportColumns()
         self._checkpoints: list[CheckpointOffer] = []
         self._run_dir = None
         self.step = 0
@@ -247,20 +248,23 @@ class RankRuntime:
                 if now >= deadline:
                     break
                 self._cond.wait(wake - now)
-            return self._drain_locked()
+            update, reports = self._drain_locked()
+        # Packed outside the lock, so report() in the training loop never waits on it.
+        update.reports = reports.take()
+        return update
 
-    def _drain_locked(self) -> RankUpdate:
+    def _drain_locked(self) -> tuple[RankUpdate, ReportColumns]:
         output, self._output, self._output_chars = self._output, [], 0
         if self._dropped_chars:
             output.append(
                 ("stderr", f"[rtnb: {self._dropped_chars} characters of output dropped]\n")
             )
             self._dropped_chars = 0
-        reports, self._reports = self._reports, []
+        reports, self._reports = self._reports, ReportColumns()
         checkpoints, self._checkpoints = self._checkpoints, []
         if self._paused_at is not None:
             self._pause_reported = True
-        return RankUpdate(
+        update = RankUpdate(
             rank=self.context.world_rank,
             cell=self._cell_id,
             state=self._state,
@@ -270,12 +274,12 @@ class RankRuntime:
             step=self.step if self._in_flight_step is None else self._in_flight_step - 1,
             paused_at=self._paused_at,
             output=output,
-            reports=reports,
             checkpoints=checkpoints,
             value=self._value if self._state is CellState.DONE else None,
             error=self._error if self._state is CellState.ERROR else None,
             loaded_checkpoint=self._loaded_checkpoint,
         )
+        return update, reports
 
     # ---- output and reports (called from the cell thread) --------------------------
     def _add_output(self, stream: str, text: str) -> None:
@@ -344,7 +348,7 @@ class RankRuntime:
         return self.step
 
     def _publish_locked(self, step: int, when: float, metrics: dict, files) -> None:
-        self._reports.append((step, when, metrics))
+        self._reports.add(step, when, metrics)
         if files is not None:
             self._checkpoints.append(CheckpointOffer(step, when, metrics, files))
         if len(self._reports) == 1:

@@ -1,0 +1,154 @@
+"""Cold start as a user meets it: a fresh kernel to the first result of a cell on
+2 ranks, for rtnb and for its peers, measured side by side in one run.
+
+rtnb: ``%load_ext rtnb``, ``%rtnb start`` (embedded Ray, 2 ranks, gloo), then
+``%%rtrain`` ``x = 1``; with the phases ``%rtnb start`` reports (Ray, placement,
+rank processes, process group). Run twice: as installed, and with
+``RTNB_EAGER_IMPORTS=1`` (Ray's processes build jsonschema's IRI grammar at import,
+as they do without rtnb) to show what that costs.
+
+Peers (installed from PyPI into this environment by ``--install-peers``):
+nbdistributed (``%dist_init -n 2`` + a ``%%distributed`` cell) and
+jupyter-distributed (a Jupyter server extension: a kernel's process count set to 2
+through its REST API, then a cell). See ``_peers.py`` for exactly what each does.
+
+    .venv/bin/python benchmarks/cold_start.py [--install-peers] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _execute(client, code: str, timeout: float = 300.0) -> tuple[float, list[dict]]:
+    """Seconds until ``code`` finished, and its iopub messages."""
+    started = time.perf_counter()
+    msg_id = client.execute(code)
+    messages = []
+    while True:
+        left = timeout - (time.perf_counter() - started)
+        if left <= 0:
+            raise TimeoutError(f"no reply to {code!r} within {timeout} s")
+        try:
+            msg = client.get_iopub_msg(timeout=left)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return time.perf_counter() - started, messages
+
+
+def _texts(messages: list[dict]) -> str:
+    out = []
+    for msg in messages:
+        content = msg["content"]
+        if msg["msg_type"] == "stream":
+            out.append(content["text"])
+        elif msg["msg_type"] in ("execute_result", "display_data", "update_display_data"):
+            out.append(content.get("data", {}).get("text/plain", ""))
+        elif msg["msg_type"] == "error":
+            out.append(f"{content['ename']}: {content['evalue']}")
+    return "\n".join(out)
+
+
+def cold_start_rtnb(eager_imports: bool) -> dict:
+    from jupyter_client.manager import KernelManager
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if eager_imports:
+        env["RTNB_EAGER_IMPORTS"] = "1"
+    workdir = tempfile.mkdtemp(prefix="rtnb-cold-")
+    manager = KernelManager(kernel_name="python3")
+    started = time.perf_counter()
+    manager.start_kernel(cwd=workdir, env=env)
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=120)
+        kernel_s = time.perf_counter() - started
+        load_s, _ = _execute(client, "%load_ext rtnb")
+        start_s, messages = _execute(client, "%rtnb start")
+        phases = next(
+            (line for line in _texts(messages).splitlines() if "ready in" in line), "?"
+        )
+        cell_s, messages = _execute(client, "%%rtrain\nx = 1\nx")
+        assert "[rank 1] 1" in _texts(messages), _texts(messages)
+        total_s = time.perf_counter() - started
+        _execute(client, "%rtnb stop")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+    return {
+        "kernel_s": kernel_s,
+        "load_s": load_s,
+        "start_s": start_s,
+        "cell_s": cell_s,
+        "total_s": total_s,
+        "phases": phases,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--install-peers", action="store_true")
+    args = parser.parse_args()
+    if args.install_peers:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "nbdistributed==0.1.0",
+             "jupyter-distributed==0.1.1"],
+            check=True,
+        )
+    import _peers
+
+    print(f"cold_start: fresh kernel -> first result on 2 ranks; {args.rounds} rounds, median")
+    runs: dict[str, list[dict]] = {"rtnb": [], "rtnb_eager": [], "nbdistributed": [],
+                                   "jupyter_distributed": []}
+    for _ in range(args.rounds):
+        runs["rtnb"].append(cold_start_rtnb(eager_imports=False))
+        runs["rtnb_eager"].append(cold_start_rtnb(eager_imports=True))
+        workdir = tempfile.mkdtemp(prefix="peer-")
+        runs["nbdistributed"].append(_peers.cold_start_nbdistributed(sys.executable, workdir))
+        runs["jupyter_distributed"].append(
+            _peers.cold_start_jupyter_distributed(sys.executable, workdir)
+        )
+
+    def median(name: str, key: str) -> float | None:
+        values = [r[key] for r in runs[name] if isinstance(r.get(key), (int, float))]
+        return statistics.median(values) if values else None
+
+    print()
+    for name in ("rtnb", "rtnb_eager"):
+        r = runs[name]
+        label = "rtnb" if name == "rtnb" else "rtnb, eager imports"
+        print(
+            f"{label:22s} total {median(name, 'total_s'):5.1f} s = kernel {median(name, 'kernel_s'):.1f}"
+            f" + load_ext {median(name, 'load_s'):.2f} + start {median(name, 'start_s'):.1f}"
+            f" + first cell {median(name, 'cell_s'):.2f}   [{r[-1]['phases']}]"
+        )
+    for name in ("nbdistributed", "jupyter_distributed"):
+        for r in runs[name]:
+            print(f"{name:22s} {r}")
+    rtnb_total = median("rtnb", "total_s")
+    for name in ("nbdistributed", "jupyter_distributed"):
+        peer = median(name, "total_s")
+        if peer is not None:
+            print(f"rtnb vs {name}: {rtnb_total:.1f} s vs {peer:.1f} s = {rtnb_total / peer:.2f}x")
+    print(f"goal: rtnb total <= 4.0 s -> {rtnb_total:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""DDP throughput: the same training loop under torchrun, in an rtnb cell and in
+TorchTrainer.fit(), measured in one run of this script.
+
+The loop is a 3-layer MLP trained with DistributedDataParallel (gloo on CPU, nccl
+with --device cuda), big enough that a step takes tens of milliseconds. Each side
+times its own steps after a warm-up, on rank 0 after a barrier, so start-up costs
+(process launch, Ray, the worker group) are excluded: this compares the loop.
+Every side runs in a fresh process; the machine is noisy, so each side is run
+``--rounds`` times, interleaved, and the median is compared.
+
+    .venv/bin/python benchmarks/ddp_throughput.py [--rounds 2] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+WARMUP = 5
+STEPS = 40
+
+# One source for all three: the DDP model, the data, the timed loop. It reports
+# every 10 steps through the framework's own report (none under torchrun).
+LOOP = """
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+device = torch.device(DEVICE if DEVICE == "cpu" else f"cuda:{torch.cuda.current_device()}")
+torch.manual_seed(dist.get_rank())
+width = WIDTH
+model = torch.nn.Sequential(
+    torch.nn.Linear(width, 2 * width), torch.nn.ReLU(),
+    torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
+    torch.nn.Linear(2 * width, 1),
+).to(device)
+ddp = DDP(model, device_ids=None if DEVICE == "cpu" else [device.index])
+opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+x = torch.randn(BATCH, width, device=device)
+y = x.sum(dim=1, keepdim=True)
+
+def step():
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+for _ in range(WARMUP):
+    step()
+if DEVICE != "cpu":
+    torch.cuda.synchronize()
+dist.barrier()
+started = time.perf_counter()
+for i in range(STEPS):
+    loss = step()
+    if i % 10 == 9:
+        REPORT({"loss": loss.item()})
+if DEVICE != "cpu":
+    torch.cuda.synchronize()
+dist.barrier()
+step_s = (time.perf_counter() - started) / STEPS
+"""
+
+
+def _loop_source(device: str, report: str) -> str:
+    width, batch = (2048, 4096) if device == "cuda" else (768, 256)
+    return (
+        f"DEVICE = {device!r}\nWIDTH = {width}\nBATCH = {batch}\n"
+        f"WARMUP = {WARMUP}\nSTEPS = {STEPS}\nREPORT = {report}\n" + LOOP
+    )
+
+
+TORCHRUN_SCRIPT = """
+import json, os, torch.distributed as dist
+dist.init_process_group("{backend}")
+if "{device}" == "cuda":
+    import torch
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+exec(compile({source!r}, "<loop>", "exec"))
+if dist.get_rank() == 0:
+    print("RESULT " + json.dumps({{"step_s": step_s}}))
+dist.destroy_process_group()
+"""
+
+
+def phase_torchrun(device: str) -> dict:
+    backend = "nccl" if device == "cuda" else "gloo"
+    source = _loop_source(device, "lambda metrics: None")
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "loop.py"
+        script.write_text(TORCHRUN_SCRIPT.format(backend=backend, device=device, source=source))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"torchrun failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def phase_rtnb(device: str) -> dict:
+    from _common import quiet
+
+    import rtnb
+
+    session = rtnb.Session(workers=2, gpu=device == "cuda").start()
+    try:
+        source = _loop_source(device, "rtnb.report") + "\nstep_s"
+        values = session.run("import rtnb\n" + source, output=quiet)
+    finally:
+        session.stop()
+    return {"step_s": values[0]}
+
+
+def phase_trainer(device: str) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    source = _loop_source(device, "ray.train.report")
+
+    def loop_per_worker(config=None):
+        import ray.train
+
+        namespace = {"ray": ray, "__name__": "__loop__"}
+        exec(compile(source, "<loop>", "exec"), namespace)
+        ray.train.report({"step_s": namespace["step_s"]})
+
+    trainer = TorchTrainer(
+        loop_per_worker,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=device == "cuda"),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="rtnb-bench-")),
+    )
+    result = trainer.fit()
+    return {"step_s": result.metrics["step_s"]}
+
+
+def _run_phase(name: str, device: str) -> dict:
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--phase", name, "--device", device],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"phase {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+PHASES = {"torchrun": phase_torchrun, "rtnb": phase_rtnb, "trainer": phase_trainer}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=sorted(PHASES))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if args.phase:
+        print("RESULT " + json.dumps(PHASES[args.phase](args.device)))
+        return
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(
+        f"ddp_throughput: 2 ranks, {backend}, {args.device}; {STEPS} timed steps after "
+        f"{WARMUP} warm-up; {args.rounds} interleaved rounds, median"
+    )
+    seen: dict[str, list[float]] = {name: [] for name in PHASES}
+    for _ in range(args.rounds):
+        for name in PHASES:
+            seen[name].append(_run_phase(name, args.device)["step_s"])
+    step = {name: statistics.median(values) for name, values in seen.items()}
+    base = step["torchrun"]
+    print()
+    for name, label in (
+        ("torchrun", "torchrun"),
+        ("rtnb", "rtnb cell"),
+        ("trainer", "TorchTrainer.fit"),
+    ):
+        runs = ", ".join(f"{v * 1e3:.1f}" for v in seen[name])
+        print(
+            f"{label:17s} {step[name] * 1e3:8.1f} ms/step   throughput {base / step[name]:.3f}x "
+            f"torchrun   (runs: {runs} ms)"
+        )
+    print(f"goal: rtnb >= 0.98x torchrun's throughput -> {base / step['rtnb']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

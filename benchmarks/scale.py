@@ -1,0 +1,176 @@
+"""How rtnb's costs grow with the number of ranks, on one machine.
+
+For each world size (default 2, 4, 8, 16, 32; fractional CPUs so every size fits
+this 2-core machine) one fresh process with an embedded Ray measures:
+
+- start: ``Session.start()`` after ``ray.init`` (placement, rank processes, gloo);
+- trivial cell: median of a warm ``1`` cell;
+- print cell: a cell in which every rank prints 100 lines (all of them delivered);
+- ingest: the kernel's CPU (process time / wall time, all threads) while every rank
+  reports 100 times a second for 5 s, first without a view, then with the live
+  widget attached and redrawing; every report is counted as received;
+- commit: a cell in which every rank saves a 64 kB shard and reports it (the
+  driver commits it once every rank's shard landed).
+
+Ratios are printed against the 2-rank figures of the same run.
+
+    .venv/bin/python benchmarks/scale.py [--sizes 2,4,8,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+REPORT_CELL = """
+import time, rtnb
+sent = 0
+next_at = time.perf_counter()
+stop_at = next_at + SECONDS
+while next_at < stop_at:
+    rtnb.report({"loss": 1.0 / (sent + 1), "lr": 0.1})
+    sent += 1
+    next_at += 0.01
+    time.sleep(max(0.0, next_at - time.perf_counter()))
+sent
+"""
+
+SAVE_CELL = """
+import torch, rtnb
+rtnb.report({"saved": 1.0}, checkpoint=rtnb.Checkpoint.from_state({"w": torch.zeros(16384)}))
+"""
+
+
+def _cpu_while(session, code: str, *, view: bool) -> tuple[float, int, int]:
+    """(kernel CPU share, reports sent, reports received) while ``code`` runs."""
+    from _common import quiet
+
+    before = session.metrics.count()
+    widget = None
+    handle = session.run_background(code, output=quiet)
+    if view:
+        from rtnb.widgets import LiveMetrics
+
+        widget = LiveMetrics(session.metrics, handle)
+    wall, cpu = time.perf_counter(), time.process_time()
+    sent = handle.wait(120)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if widget is not None:
+        widget.redraw()
+        widget.close()
+    return cpu / wall, sum(sent.values()), session.metrics.count() - before
+
+
+def phase(world: int) -> dict:
+    import ray
+    from _common import quiet
+
+    import rtnb
+
+    ray.init(
+        num_cpus=2,
+        object_store_memory=500_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    storage = tempfile.mkdtemp(prefix="rtnb-scale-")
+    session = rtnb.Session(workers=world, cpus_per_worker=1.9 / world, storage=storage)
+    started = time.perf_counter()
+    session.start()
+    start_s = time.perf_counter() - started
+    for _ in range(10):
+        session.run("1", output=quiet)
+    trivial = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        session.run("1", output=quiet)
+        trivial.append(time.perf_counter() - t0)
+    lines = []
+    t0 = time.perf_counter()
+    session.run(
+        "for i in range(100):\n    print('line', i)",
+        output=lambda rank, stream, text: lines.append(text) if rank >= 0 else None,
+    )
+    print_s = time.perf_counter() - t0
+    printed = sum(text.count("\n") for text in lines)
+    code = REPORT_CELL.replace("SECONDS", "5.0")
+    cpu_plain, sent, got = _cpu_while(session, code, view=False)
+    cpu_view, sent_v, got_v = _cpu_while(session, code, view=True)
+    t0 = time.perf_counter()
+    session.run(SAVE_CELL, output=quiet)
+    commit_s = time.perf_counter() - t0
+    committed = session.checkpoints.latest()
+    session.stop()
+    ray.shutdown()
+    return {
+        "world": world,
+        "start_s": start_s,
+        "trivial_s": statistics.median(trivial),
+        "print_s": print_s,
+        "printed": printed,
+        "cpu_plain": cpu_plain,
+        "cpu_view": cpu_view,
+        "sent": sent + sent_v,
+        "received": got + got_v,
+        "commit_s": commit_s,
+        "committed_ranks": len(committed.ranks) if committed else 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", type=int)
+    parser.add_argument("--sizes", default="2,4,8,16,32")
+    args = parser.parse_args()
+    if args.phase:
+        print("RESULT " + json.dumps(phase(args.phase)))
+        return
+    sizes = [int(x) for x in args.sizes.split(",")]
+    print(f"scale: embedded Ray with 2 CPUs, ranks with 1.9/N CPUs each, sizes {sizes}")
+    rows = []
+    for world in sizes:
+        env = {**os.environ}
+        env.pop("RAY_ADDRESS", None)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--phase", str(world)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"{world} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        rows.append(json.loads(lines[-1][len("RESULT ") :]))
+        r = rows[-1]
+        print(
+            f"{world:3d} ranks: start {r['start_s']:6.1f} s | trivial cell {r['trivial_s'] * 1e3:6.1f} ms"
+            f" | 100 lines/rank {r['print_s'] * 1e3:6.0f} ms ({r['printed']} lines)"
+            f" | kernel CPU at 100 reports/s/rank {r['cpu_plain'] * 100:4.1f}% "
+            f"(with live view {r['cpu_view'] * 100:4.1f}%), {r['received']}/{r['sent']} received"
+            f" | commit {r['commit_s'] * 1e3:5.0f} ms ({r['committed_ranks']} shards)",
+            flush=True,
+        )
+    base = rows[0]
+    print()
+    for r in rows[1:]:
+        print(
+            f"{r['world']:3d} vs {base['world']} ranks: trivial cell {r['trivial_s'] / base['trivial_s']:.1f}x"
+            f" (goal <= 3x at 32), kernel CPU {r['cpu_plain'] * 100:.1f}% (goal <= 10% at 32),"
+            f" start {r['start_s'] / base['start_s']:.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
