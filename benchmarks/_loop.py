@@ -25,4 +25,14 @@ for step in range({STEPS}):
 
 
 def train_loop_per_worker(config=None):
+    stamp = (config or {}).get("stamp_file")
+    if stamp:
+        # When the loop starts on a worker: the "ready" moment of a Ray Train run.
+        import time
+
+        import ray.train
+
+        if ray.train.get_context().get_world_rank() == 0:
+            with open(stamp, "w") as out:
+                out.write(repr(time.time()))
     exec(LOOP_SOURCE, {"__name__": "__loop__"})

@@ -32,6 +32,7 @@ class Execution:
     evalue: str = ""
     traceback: list[str] = field(default_factory=list)
     results: list[dict] = field(default_factory=list)
+    updates: list[dict] = field(default_factory=list)  # update_display_data, in order
     stream_times: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
 
@@ -86,6 +87,8 @@ class Kernel:
                     )
                 elif kind in ("execute_result", "display_data"):
                     result.results.append(content["data"])
+                elif kind == "update_display_data":
+                    result.updates.append(content["data"])
                 elif kind == "status" and content["execution_state"] == "idle":
                     break
         finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests._kernel import Kernel
@@ -49,6 +51,12 @@ def test_start_run_pull_push_status_in_a_notebook(kernel):
     assert run.status == "ok", run.text + "\n".join(run.traceback)
     shown = str(run.results)
     assert "ready" in shown and "gloo" in shown and "rank" in shown
+    # What the start did, as it went, then what each phase cost.
+    lines = [update.get("text/plain", "") for update in run.updates]
+    assert any("joining Ray at" in line for line in lines), lines
+    assert any("placing 2 ranks" in line for line in lines), lines
+    assert any("joining the gloo process group" in line for line in lines), lines
+    assert re.search(r"ready in [\d.]+ s \(Ray [\d.]+ s · placement .* process group", lines[-1])
     assert "INFO" not in run.text and "auth" not in run.text.lower(), (
         f"Ray noise in the cell: {run.text}"
     )

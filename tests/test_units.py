@@ -11,6 +11,7 @@ import pytest
 
 from rtnb.core._config import SessionConfig, parse_ranks
 from rtnb.core._messages import CellState, RankUpdate
+from rtnb.core._reports import ReportBatch
 from rtnb.core._values import PerRank, RemoteRepr, from_portable
 from rtnb.driver._state import GroupState, StateMachine
 from rtnb.errors import CellError, CellInterrupted, ConfigError
@@ -119,9 +120,9 @@ def _run(rt: RankRuntime, code: str, cell_id: int = 1, timeout: float = 10.0) ->
     while time.monotonic() < deadline:
         update = rt.wait(0.2, 0.0)
         output += update.output
-        reports += update.reports
+        reports += update.reports.rows() if update.reports else []
         if update.state is not CellState.RUNNING:
-            update.output, update.reports = output, reports
+            update.output, update.reports = output, ReportBatch.from_records(reports)
             return update
     raise AssertionError("cell did not finish")
 
