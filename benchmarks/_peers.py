@@ -679,6 +679,8 @@ def cold_start_jupyter_distributed(
         "--ServerApp.port_retries=0",
         f"--IdentityProvider.token={token}",
         "--ServerApp.open_browser=False",
+        # CI and this VM run as root; the server refuses that without the flag.
+        "--ServerApp.allow_root=True",
         f"--ServerApp.root_dir={workdir}",
         # Enabled by the wheel's jupyter_server_config.d file too; said here in case
         # that file is not on this environment's config path.

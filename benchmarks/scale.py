@@ -3,7 +3,8 @@
 For each world size (default 2, 4, 8, 16, 32; fractional CPUs so every size fits
 this 2-core machine) one fresh process with an embedded Ray measures:
 
-- start: ``Session.start()`` after ``ray.init`` (placement, rank processes, gloo);
+- start: ``Session.start()`` without its embedded ``ray.init`` (placement, rank
+  processes, gloo), with every phase's seconds;
 - trivial cell: median of a warm ``1`` cell;
 - print cell: a cell in which every rank prints 100 lines (all of them delivered);
 - ingest: the kernel's CPU (process time / wall time, all threads) while every rank
@@ -77,18 +78,12 @@ def phase(world: int) -> dict:
 
     import rtnb
 
-    ray.init(
-        num_cpus=2,
-        object_store_memory=500_000_000,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
     storage = tempfile.mkdtemp(prefix="rtnb-scale-")
+    # rtnb's own embedded Ray, as %rtnb start makes it; the start below excludes it.
     session = rtnb.Session(workers=world, cpus_per_worker=1.9 / world, storage=storage)
-    started = time.perf_counter()
     session.start()
-    start_s = time.perf_counter() - started
+    start_s = session.last_start.total_s - session.last_start.seconds("Ray")
+    phases = str(session.last_start)
     for _ in range(10):
         session.run("1", output=quiet)
     trivial = []
@@ -116,6 +111,7 @@ def phase(world: int) -> dict:
     return {
         "world": world,
         "start_s": start_s,
+        "phases": phases,
         "trivial_s": statistics.median(trivial),
         "print_s": print_s,
         "printed": printed,
@@ -137,7 +133,7 @@ def main() -> None:
         print("RESULT " + json.dumps(phase(args.phase)))
         return
     sizes = [int(x) for x in args.sizes.split(",")]
-    print(f"scale: embedded Ray with 2 CPUs, ranks with 1.9/N CPUs each, sizes {sizes}")
+    print(f"scale: rtnb's embedded Ray (2 CPUs), ranks with 1.9/N CPUs each, sizes {sizes}")
     rows = []
     for world in sizes:
         env = {**os.environ}
@@ -159,7 +155,8 @@ def main() -> None:
             f" | 100 lines/rank {r['print_s'] * 1e3:6.0f} ms ({r['printed']} lines)"
             f" | kernel CPU at 100 reports/s/rank {r['cpu_plain'] * 100:4.1f}% "
             f"(with live view {r['cpu_view'] * 100:4.1f}%), {r['received']}/{r['sent']} received"
-            f" | commit {r['commit_s'] * 1e3:5.0f} ms ({r['committed_ranks']} shards)",
+            f" | commit {r['commit_s'] * 1e3:5.0f} ms ({r['committed_ranks']} shards)"
+            f" [{r['phases']}]",
             flush=True,
         )
     base = rows[0]

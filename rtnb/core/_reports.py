@@ -42,7 +42,7 @@ def portable_metric(value: Any) -> float | int | str | None:
 
 
 _NON_FINITE = ("nan", "inf", "-inf")
-_PLAIN = (float, int, str, type(None))
+_PLAIN = frozenset((float, int, str, type(None)))
 
 
 def _plottable(value: float | int | str | None) -> float | None:
@@ -155,31 +155,46 @@ class ReportColumns:
     """The rank's side: ``add`` is the hot path of ``rtnb.report``; ``take`` packs
     what was added into a :class:`ReportBatch` (in the poll thread)."""
 
-    __slots__ = ("_steps", "_times", "_columns")
+    __slots__ = ("_steps", "_times", "_columns", "_keys", "_same")
 
     def __init__(self) -> None:
         self._steps: list[int] = []
         self._times: list[float] = []
         self._columns: dict[str, list] = {}
+        # The previous report's keys and their columns: most loops report the same
+        # keys every step, and then a report is one append per value.
+        self._keys: tuple = ()
+        self._same: list[list] = []
 
     def __len__(self) -> int:
         return len(self._steps)
 
-    def add(self, step: int, when: float, metrics: dict) -> None:
-        n = len(self._steps)
-        columns = self._columns
-        for name, value in metrics.items():
-            if type(value) not in _PLAIN:
-                # Now, not at the next poll: a tensor may be changed in place later.
-                value = portable_metric(value)
-            column = columns.get(name)
-            if column is None:
-                column = columns[name] = [None] * n
-            elif len(column) != n:
-                column.extend([None] * (n - len(column)))
-            column.append(value)
+    def add(self, step: int, when: float, metrics: dict) -> int:
+        """Record one report; returns how many are buffered now."""
+        keys = tuple(metrics)
+        if keys == self._keys:
+            for column, value in zip(self._same, metrics.values()):
+                if type(value) not in _PLAIN:
+                    # Now, not at the next poll: a tensor may be changed in place later.
+                    value = portable_metric(value)
+                column.append(value)
+        else:
+            n = len(self._steps)
+            columns = self._columns
+            for name, value in metrics.items():
+                if type(value) not in _PLAIN:
+                    value = portable_metric(value)
+                column = columns.get(name)
+                if column is None:
+                    column = columns[name] = [None] * n
+                elif len(column) != n:
+                    column.extend([None] * (n - len(column)))
+                column.append(value)
+            self._keys = keys
+            self._same = [columns[name] for name in keys]
         self._steps.append(step)
         self._times.append(when)
+        return len(self._steps)
 
     def take(self) -> ReportBatch | None:
         n = len(self._steps)
@@ -187,6 +202,7 @@ class ReportColumns:
             return None
         steps, times, columns = self._steps, self._times, self._columns
         self._steps, self._times, self._columns = [], [], {}
+        self._keys, self._same = (), []
         for column in columns.values():
             if len(column) != n:
                 column.extend([None] * (n - len(column)))

@@ -28,13 +28,15 @@ BATCH_S = 0.1
 def poll_timing(world_size: int) -> tuple[float, float]:
     """(longest hold, batching window) of a poll for a group of ``world_size``.
 
-    Each answered poll costs the kernel a few hundred microseconds of Ray calls, so
-    past 8 ranks both grow with the group: at 32 ranks a reporting rank answers ~4
-    times a second and a quiet one once a second (still faster than a view redraws
-    usefully), instead of 10 and 4 times, which alone took a fifth of a core.
+    Each answered poll costs the kernel ~1.5-2 ms of CPU in Ray's call machinery
+    (measured on the 2-core development VM), so past 4 ranks the batching window
+    grows with the group: at 32 ranks a reporting rank answers about once a
+    second (0.8 s window) and a quiet one every 1.6 s, instead of 10 and 4 times
+    a second, which alone would take a third of a core. A cell's end and a pause
+    for a stop still answer at once.
     """
-    scale = max(1.0, world_size / 8)
-    return min(1.0, POLL_WAIT_S * scale), min(0.25, BATCH_S * scale)
+    batch = min(1.0, BATCH_S * max(1.0, world_size / 4))
+    return max(POLL_WAIT_S, min(2.0, 2 * batch)) if world_size > 4 else POLL_WAIT_S, batch
 
 
 class RankActor:
@@ -84,9 +86,12 @@ class RankActor:
             LOCAL_WORLD_SIZE=str(local_world_size),
             NODE_RANK=str(node_rank),
         )
-        if ctx.backend == "nccl":
-            import torch
+        # torch is imported here, on every rank at once, so the start's "ranks" phase
+        # holds that cost (~1.5 s of CPU a rank) and "process group" only the rendezvous.
+        import torch
+        import torch.distributed  # noqa: F401
 
+        if ctx.backend == "nccl":
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is cuda:0 here.
             torch.cuda.set_device(0)
             ctx.device = "cuda:0"

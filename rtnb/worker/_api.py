@@ -64,16 +64,20 @@ def report(
     step on every rank.
     """
     runtime = _runtime("report")
-    if not isinstance(metrics, Mapping):
+    if type(metrics) is not dict and not isinstance(metrics, Mapping):
         raise TypeError(f"rtnb.report() takes a dict of metrics, got {type(metrics).__name__}")
     if checkpoint is not None and not hasattr(checkpoint, "path"):
         raise TypeError(
             "rtnb.report(checkpoint=...) takes an rtnb.Checkpoint (or ray.train.Checkpoint), e.g. "
             "rtnb.Checkpoint.from_directory(d) or rtnb.Checkpoint.from_state({...})"
         )
-    if step is None and isinstance(metrics.get("step"), int):
-        step = metrics["step"]
-    runtime.report(dict(metrics), step, checkpoint)
+    if step is None:
+        given = metrics.get("step")
+        if type(given) is int:
+            step = given
+    # A checkpoint's metrics go with its files, later: they must not change meanwhile.
+    # Plain reports are read at once (ReportColumns.add), so they need no copy.
+    runtime.report(metrics if checkpoint is None else dict(metrics), step, checkpoint)
 
 
 def get_checkpoint():

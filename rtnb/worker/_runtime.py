@@ -132,6 +132,9 @@ class RankRuntime:
         self._output_chars = 0
         self._dropped_chars = 0
         self._reports = ReportColumns()
+        # Guards _reports and the step of plain reports; taken inside _cond, never
+        # the other way round.
+        self._reports_lock = threading.Lock()
         self._checkpoints: list[CheckpointOffer] = []
         self._run_dir = None
         self.step = 0
@@ -260,7 +263,8 @@ class RankRuntime:
                 ("stderr", f"[rtnb: {self._dropped_chars} characters of output dropped]\n")
             )
             self._dropped_chars = 0
-        reports, self._reports = self._reports, ReportColumns()
+        with self._reports_lock:
+            reports, self._reports = self._reports, ReportColumns()
         checkpoints, self._checkpoints = self._checkpoints, []
         if self._paused_at is not None:
             self._pause_reported = True
@@ -303,8 +307,26 @@ class RankRuntime:
         background while the cell goes on: the next report, a stop, or the cell's end
         waits for them first, and the report is only published once they landed.
         """
-        self._finish_upload()
         step = int(step) if step is not None else self.step + 1
+        if (
+            checkpoint is None
+            and self._upload is None
+            and self._upload_error is None
+            and not self._replay
+        ):
+            # The hot path (every step of a fast loop): one plain lock, no Condition;
+            # the poll thread is woken only by a batch's first report.
+            with self._reports_lock:
+                self.step = step
+                buffered = self._reports.add(step, time.time(), metrics)
+            if buffered == 1:
+                with self._cond:
+                    self._cond.notify_all()
+            if self._stop_requested:
+                with self._cond:
+                    self._stop_at_boundary_locked()
+            return step
+        self._finish_upload()
         when = time.time()
         if self._replay:
             # Rebuilding state after a failure: the first run already published
@@ -348,7 +370,8 @@ class RankRuntime:
         return self.step
 
     def _publish_locked(self, step: int, when: float, metrics: dict, files) -> None:
-        self._reports.add(step, when, metrics)
+        with self._reports_lock:
+            self._reports.add(step, when, metrics)
         if files is not None:
             self._checkpoints.append(CheckpointOffer(step, when, metrics, files))
         if len(self._reports) == 1:
