@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,8 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(ray_cluster, tmp_pat
         capture_output=True, text=True, check=True, cwd=tmp_path,
     ).stdout.strip()
     assert where.startswith(str(site)), f"not the installed wheel: {where}"
+    stand_in = Path(where).parent / "core" / "_lazy_imports" / "rfc3987_syntax" / "__init__.py"
+    assert stand_in.exists(), "the wheel ships the lazy-import stand-in"
     work = tmp_path / "elsewhere"
     work.mkdir()
     proc = subprocess.run(
