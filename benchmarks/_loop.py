@@ -24,7 +24,7 @@ for step in range({STEPS}):
 """
 
 
-def train_loop_per_worker(config=None):
+def train_loop_per_worker(config):
     stamp = (config or {}).get("stamp_file")
     if stamp:
         # When the loop starts on a worker: the "ready" moment of a Ray Train run.
