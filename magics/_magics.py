@@ -450,7 +450,9 @@ class RtnbMagics(Magics):
                 )
                 if not args.quiet:
                     self.last_view = (
-                        LiveMetrics(session.metrics, handle) if live else RankLog(handle)
+                        LiveMetrics(session.metrics, handle, label=self._cell_label())
+                        if live
+                        else RankLog(handle)
                     )
                     display(self.last_view)
                 return None
@@ -468,7 +470,7 @@ class RtnbMagics(Magics):
         reports_before = session.metrics.count()
         progress = None
         if live and not args.quiet:
-            self.last_view = LiveMetrics(session.metrics, handle)
+            self.last_view = LiveMetrics(session.metrics, handle, label=self._cell_label())
             display(self.last_view)
         elif not args.quiet:
             progress = ProgressLines(session.metrics, handle)
@@ -481,6 +483,12 @@ class RtnbMagics(Magics):
                     bundle = static_figure_bundle(session.metrics, title=f"run {session.run_name}")
                     if bundle is not None:
                         display(bundle, raw=True)
+
+
+    def _cell_label(self) -> str | None:
+        # While a cell runs, IPython's execution_count is the number of its In [N].
+        count = getattr(self.shell, "execution_count", None)
+        return f"[{count}]" if isinstance(count, int) else None
 
 
 # IPython names magics after the methods; %rtrain and %%rtrain share one name.

@@ -59,12 +59,31 @@ def test_progress_flags_a_rank_clearly_slower_than_the_median(tmp_path):
     now = 5000.0
     for i in range(50):
         t = now - 4 + i * 0.08
-        store.add(0, [(i * 10, t, {"x": 1})])
-        store.add(1, [(i * 10, t, {"x": 1})])
-        store.add(2, [(i * 3, t, {"x": 1})])
+        store.add(0, [(i, t, {"x": 1})])
+        store.add(1, [(i, t, {"x": 1})])
+        if i % 3 == 0:  # rank 2 reports a third as often
+            store.add(2, [(i // 3, t, {"x": 1})])
     progress = store.progress(now=now)
     assert progress.stragglers == [2]
-    assert progress.step == 147 and progress.total_steps == 1000 and progress.eta_s is not None
+    assert progress.step == 17 and progress.total_steps == 1000 and progress.eta_s is not None
+
+
+def test_the_header_counts_the_steps_of_this_cell_not_of_the_run(tmp_path):
+    from rtnb.widgets import format_header
+
+    store, _ = _store(tmp_path)
+    store.begin([0, 1], total_steps=500)
+    for step in range(1, 501):
+        store.add(0, [(step, float(step), {"loss": 1.0})])
+        store.add(1, [(step, float(step), {"loss": 1.0})])
+    store.begin([0, 1], total_steps=300)  # the next %%rtrain --steps 300 cell
+    for step in range(501, 801):
+        store.add(0, [(step, float(step), {"loss": 1.0})])
+        store.add(1, [(step, float(step), {"loss": 1.0})])
+    progress = store.progress(now=800.0)
+    assert progress.step == 300 and progress.run_step == 800
+    header = format_header(progress, "done", label="[5]")
+    assert "step 300/300" in header and "run step 800" in header and header.startswith("[5]")
 
 
 def test_reports_with_tensors_and_non_finite_values_are_kept_readably(tmp_path):

@@ -72,6 +72,9 @@ def test_a_32_rank_group_runs_end_to_end(ray_cluster, tmp_path):
             names = [trace.name for trace in view.figure.data]
             assert names[:2] == ["min–max over ranks"] * 2 and names[-1] == "mean"
             assert len(names) <= 2 + 3 + 1, "a few outlier ranks, not 32 lines"
+            # After the cell: the controls still work (the redraw thread has ended).
+            view._log_y.value = True
+            assert view.figure.layout.yaxis.type == "log"
         finally:
             view.close()
         latest = session.checkpoints.latest()

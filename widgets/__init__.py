@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rtnb.widgets._checkpoints import CheckpointBrowser
 from rtnb.widgets._frontend import has_live_frontend
-from rtnb.widgets._live import LiveMetrics
+from rtnb.widgets._live import LiveMetrics, format_header
 from rtnb.widgets._logs import RankLog
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
 
@@ -13,6 +13,7 @@ __all__ = [
     "LiveMetrics",
     "ProgressLines",
     "RankLog",
+    "format_header",
     "has_live_frontend",
     "static_figure_bundle",
 ]

@@ -9,7 +9,6 @@ from collections import deque
 
 import ipywidgets as w
 import numpy as np
-
 from rtnb.widgets._plot import BAND_FROM_RANKS, build_figure, series_xy, trace_keys
 
 __all__ = ["LiveMetrics", "format_header"]
@@ -34,10 +33,17 @@ def format_header(
     cell_id: int | None = None,
     restarts: int = 0,
     restarted_from: str | None = None,
+    *,
+    label: str | None = None,
+    running_ranks: set[int] | None = None,
 ) -> str:
-    """One line: state, restarts, step (of total), ETA, steps/s, elapsed, stragglers."""
+    """One line: the cell (``label``, e.g. Jupyter's ``[5]``, else rtnb's cell
+    number), state, restarts, this cell's step of its total (and the run's step when
+    that differs), ETA, steps/s, elapsed, stragglers among ``running_ranks``."""
     parts = [f"<b>{html.escape(state)}</b>"]
-    if cell_id is not None:
+    if label is not None:
+        parts.insert(0, html.escape(label))
+    elif cell_id is not None:
         parts.insert(0, f"cell {cell_id}")
     if restarts:
         origin = f" from {html.escape(restarted_from)}" if restarted_from else " from scratch"
@@ -45,13 +51,20 @@ def format_header(
     step = f"step {progress.step}"
     if progress.total_steps:
         step += f"/{progress.total_steps}"
+    if getattr(progress, "run_step", progress.step) != progress.step:
+        step += f" (run step {progress.run_step})"
     parts.append(step)
     if progress.eta_s is not None and state == "running":
         parts.append(f"ETA {_fmt_s(progress.eta_s)}")
     parts.append(f"{progress.rate:.1f} steps/s")
     parts.append(f"{_fmt_s(progress.elapsed_s)} elapsed")
-    if progress.stragglers:
-        ranks = ", ".join(str(r) for r in progress.stragglers)
+    stragglers = [
+        r
+        for r in progress.stragglers
+        if state == "running" and (running_ranks is None or r in running_ranks)
+    ]
+    if stragglers:
+        ranks = ", ".join(str(r) for r in stragglers)
         parts.append(f'<span style="color:#c0392b">⚠ straggler: rank {ranks}</span>')
     return " · ".join(parts)
 
@@ -64,9 +77,18 @@ class LiveMetrics(w.VBox):
     The widget never calls Ray: it only reads the store and subscribes to callbacks.
     """
 
-    def __init__(self, store, handle=None, *, max_hz: float = 10.0, max_points: int = 1000) -> None:
+    def __init__(
+        self,
+        store,
+        handle=None,
+        *,
+        max_hz: float = 10.0,
+        max_points: int = 1000,
+        label: str | None = None,
+    ) -> None:
         self.store = store
         self.handle = handle
+        self.label = label  # the cell's name in the header, e.g. Jupyter's "[5]"
         self.max_points = max_points
         self._period = 1.0 / max_hz
         self._header = w.HTML(value="starting…")
@@ -117,9 +139,10 @@ class LiveMetrics(w.VBox):
         self.redraws = 0
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._closed = False
         for control in (self._x_axis, self._smoothing, self._log_y, self._ranks):
             control.observe(self._on_control, names="value")
-        self._log_filter.observe(lambda _change: self._mark_logs(), names="value")
+        self._log_filter.observe(self._on_log_filter, names="value")
         if handle is not None:
             handle.add_sink(self._on_output)
             handle.add_done_callback(lambda _h: self._finish())
@@ -129,9 +152,21 @@ class LiveMetrics(w.VBox):
     # ---- inputs ------------------------------------------------------------------------
     def _on_control(self, _change) -> None:
         self._dirty_controls = True
+        if self._stopped.is_set() and not self._closed:
+            # The cell has ended and the redraw thread with it; a user who now ticks
+            # log-y or moves the EMA slider still expects the plot to follow.
+            try:
+                self.redraw()
+            except Exception:  # noqa: BLE001 - a drawing error must not reach the user
+                pass
 
     def _mark_logs(self) -> None:
         self._logs_dirty = True
+
+    def _on_log_filter(self, _change) -> None:
+        self._mark_logs()
+        if self._stopped.is_set() and not self._closed:
+            self.redraw()
 
     def _on_output(self, rank: int, stream: str, text: str) -> None:
         text = self._log_partial.pop(rank, "") + text
@@ -166,6 +201,7 @@ class LiveMetrics(w.VBox):
         self.redraw()
 
     def close(self) -> None:
+        self._closed = True
         self._stopped.set()
         super().close()
 
@@ -182,12 +218,17 @@ class LiveMetrics(w.VBox):
             store = self.store
             progress = store.progress()
             handle = self.handle
+            states = getattr(handle, "states", None)
             self._header.value = format_header(
                 progress,
                 self._state(),
                 getattr(handle, "cell_id", None),
                 getattr(handle, "recoveries", 0),
                 getattr(handle, "restarted_from", None),
+                label=self.label,
+                running_ranks=(
+                    {r for r, s in states.items() if s == "running"} if states else None
+                ),
             )
             if self._logs_dirty:
                 self._logs_dirty = False

@@ -38,13 +38,21 @@ class Report:
 
 @dataclass
 class Progress:
-    """How far the ranks are; what the live header shows."""
+    """How far the ranks are in the current cell; what the live header shows.
+
+    ``steps`` counts each rank's reports since the cell began (what ``--steps``
+    counts); ``run_steps`` is each rank's last reported step number in the run."""
 
     steps: dict[int, int] = field(default_factory=dict)
-    rates: dict[int, float] = field(default_factory=dict)  # steps/s, recent
+    rates: dict[int, float] = field(default_factory=dict)  # reports/s, recent
     elapsed_s: float = 0.0
     total_steps: int | None = None
     stragglers: list[int] = field(default_factory=list)
+    run_steps: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def run_step(self) -> int:
+        return min(self.run_steps.values()) if self.run_steps else 0
 
     @property
     def step(self) -> int:
@@ -149,6 +157,7 @@ class MetricsStore:
         self.exporter = exporter
         self.last: dict[int, Report] = {}
         self.counts: dict[int, int] = {}
+        self._counts_at_begin: dict[int, int] = {}
         self._series: dict[tuple[str, int], BoundedSeries] = {}
         self._means: dict[str, _Mean] = {}
         self._recent: dict[int, deque[tuple[float, int]]] = {}
@@ -169,6 +178,9 @@ class MetricsStore:
             self.expected_ranks = set(ranks)
             for mean in self._means.values():
                 mean.forget_pending()
+            # The header counts this cell's reports, not the run's.
+            self._counts_at_begin = dict(self.counts)
+            self._recent.clear()
             self.total_steps = total_steps
             self.started_at = time.time()
 
@@ -196,11 +208,12 @@ class MetricsStore:
                         mean = self._means[name] = _Mean(self.capacity)
                     mean.add(rank, number_steps, number_times, values, self.expected_ranks)
             recent = self._recent.setdefault(rank, deque(maxlen=256))
-            recent.append((times[0], steps[0]))
+            before = self.counts.get(rank, 0)
+            recent.append((times[0], before + 1))
             if len(batch) > 1:
-                recent.append((times[-1], steps[-1]))
+                recent.append((times[-1], before + len(batch)))
             self.last[rank] = Report(rank, steps[-1], times[-1], batch.last_metrics())
-            self.counts[rank] = self.counts.get(rank, 0) + len(batch)
+            self.counts[rank] = before + len(batch)
             self.generation += 1
             if self.log is not None:
                 self.log.add(rank, batch)
@@ -279,15 +292,14 @@ class MetricsStore:
     def progress(self, now: float | None = None) -> Progress:
         now = now or time.time()
         with self._lock:
-            steps = {
-                r: rep.step
-                for r, rep in self.last.items()
-                if not self.expected_ranks or r in self.expected_ranks
-            }
+            shown = [
+                r for r in self.last if not self.expected_ranks or r in self.expected_ranks
+            ]
+            steps = {r: self.counts.get(r, 0) - self._counts_at_begin.get(r, 0) for r in shown}
             rates = {}
             for rank in steps:
                 window = [
-                    (t, s) for t, s in self._recent.get(rank, ()) if t >= now - _RATE_WINDOW_S
+                    (t, n) for t, n in self._recent.get(rank, ()) if t >= now - _RATE_WINDOW_S
                 ]
                 if len(window) >= 2 and window[-1][0] > window[0][0]:
                     rates[rank] = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
@@ -305,4 +317,5 @@ class MetricsStore:
                 elapsed_s=now - self.started_at if self.started_at else 0.0,
                 total_steps=self.total_steps,
                 stragglers=stragglers,
+                run_steps={r: self.last[r].step for r in shown},
             )
