@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from rtnb.magics._magics import RtnbMagics
+from rtnb.magics._magics import RtnbMagics, completer
 
 __all__ = ["RtnbMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:
-    ipython.register_magics(RtnbMagics)
+    magics = RtnbMagics(shell=ipython)
+    ipython.register_magics(magics)
+    hook = completer(magics)
+    for command in ("%rtnb", "%rtrain", "%%rtrain"):
+        ipython.set_hook("complete_command", hook, str_key=command)
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
+from rtnb.magics._help import Subcommand, complete, full_help, subcommand_help
 from rtnb.widgets import (
     CheckpointBrowser,
     LiveMetrics,
@@ -28,7 +29,7 @@ from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
 from rtnb.errors import ConfigError
 from rtnb.storage._result import list_runs
 
-__all__ = ["RtnbMagics"]
+__all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
 
 
 def _ranks_option(func):
@@ -181,6 +182,36 @@ _SUBCOMMANDS = (
     "load",
 )
 
+SUBCOMMANDS = [
+    Subcommand("start", "start the worker group (embedded Ray unless --address)",
+               "%rtnb start --workers 4 --name mnist --max-failures 2", _start_args),
+    Subcommand("status", "ranks, nodes, pids, devices, state and the running cell",
+               "%rtnb status"),
+    Subcommand("stop", "free every actor and the placement group", "%rtnb stop"),
+    Subcommand("restart", "a fresh group (--replay keeps the ranks' state)",
+               "%rtnb restart --replay", _restart_args),
+    Subcommand("scale", "a group of N ranks holding the same state (journal replay)",
+               "%rtnb scale 4", _scale_args),
+    Subcommand("wait", "the value of the last --background cell",
+               "%rtnb wait --timeout 60", _wait_args),
+    Subcommand("pull", "a rank variable -> a list in the notebook", "%rtnb pull loss --ranks 0",
+               _pull_args),
+    Subcommand("push", "notebook variables -> every rank", "%rtnb push lr batch_size",
+               _push_args),
+    Subcommand("runs", "the runs found in a storage path or URI", "%rtnb runs s3://bucket/runs",
+               _runs_args),
+    Subcommand("result", "the run so far as an rtnb.Result (metrics, dataframe)",
+               "result = %rtnb result"),
+    Subcommand("checkpoints", "the checkpoint browser (Resume / Load / Delete)",
+               "%rtnb checkpoints", _checkpoints_args),
+    Subcommand("resume", "run the last training cell again from a checkpoint",
+               "%rtnb resume step-20", _resume_args),
+    Subcommand("load", "rtnb.get_checkpoint() returns this checkpoint on every rank",
+               "%rtnb load latest --run other-run", _resume_args),
+]
+assert [s.name for s in SUBCOMMANDS] == list(_SUBCOMMANDS)
+_BY_NAME = {s.name: s for s in SUBCOMMANDS}
+
 
 @magics_class
 class RtnbMagics(Magics):
@@ -237,6 +268,9 @@ class RtnbMagics(Magics):
                 "%rtnb needs a subcommand: " + ", ".join(_SUBCOMMANDS) + " (see %rtnb?)"
             )
         sub, rest = words[0], line.strip()[len(words[0]) :].strip()
+        if sub in _BY_NAME and ("--help" in words[1:] or "-h" in words[1:]):
+            print(subcommand_help("%rtnb", _BY_NAME[sub]))
+            return None
         handler = getattr(self, f"_rtnb_{sub}", None) if sub in _SUBCOMMANDS else None
         if handler is None:
             close = difflib.get_close_matches(sub, _SUBCOMMANDS, n=1)
@@ -489,6 +523,38 @@ class RtnbMagics(Magics):
         # While a cell runs, IPython's execution_count is the number of its In [N].
         count = getattr(self.shell, "execution_count", None)
         return f"[{count}]" if isinstance(count, int) else None
+
+
+# `%rtnb?` prints the magic's docstring: make it list every subcommand with its flags
+# and every %%rtrain flag, from the parsers themselves.
+_intro, _, _rest = RtnbMagics.rtnb.__doc__.partition("Subcommands::")
+RtnbMagics.rtnb.__doc__ = full_help(
+    _intro + "Example::" + _rest.partition("Example::")[2], SUBCOMMANDS, RtnbMagics.rtrain_cell.parser
+)
+
+
+def completer(magics: RtnbMagics):
+    """IPython custom completer for %rtnb, %rtrain and %%rtrain lines."""
+    cell_flags = sorted(
+        option
+        for action in RtnbMagics.rtrain_cell.parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    )
+
+    def run_names() -> list[str]:
+        session = magics.session
+        storage = session.config.storage_path if session is not None else None
+        return [run.name for run in list_runs(storage).runs]
+
+    def checkpoint_ids() -> list[str]:
+        session = magics.session
+        return [] if session is None else [c.id for c in session.list_checkpoints()]
+
+    def hook(event) -> list[str]:
+        return complete(event.line, SUBCOMMANDS, cell_flags, run_names, checkpoint_ids)
+
+    return hook
 
 
 # IPython names magics after the methods; %rtrain and %%rtrain share one name.

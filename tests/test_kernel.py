@@ -46,6 +46,27 @@ def test_user_mistakes_before_start_give_one_clear_line(kernel):
     assert "need 200 CPUs" in _one_line_error(kernel.execute("%rtnb start --workers 200"))
 
 
+def _complete(kernel, code: str) -> list[str]:
+    msg_id = kernel.kc.complete(code, len(code))
+    while True:
+        reply = kernel.kc.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]["matches"]
+
+
+def test_help_completion_and_did_you_mean(kernel):
+    subcommands = _complete(kernel, "%rtnb st")
+    assert {"start", "status", "stop"} <= set(subcommands), subcommands
+    assert not any("store" in m for m in subcommands), "IPython's own %store is not offered"
+    assert "--max-failures" in _complete(kernel, "%rtnb start --max")
+    assert "--background" in _complete(kernel, "%%rtrain --back")
+    assert "--timeout" in _complete(kernel, "%rtrain --time")
+    shown = kernel.execute("%rtnb start --help")
+    assert shown.status == "ok" and "--max-failures" in shown.stdout and "Example:" in shown.stdout
+    assert "usage: %rtnb start" in shown.stdout
+    assert "did you mean `%rtnb status`" in _one_line_error(kernel.execute("%rtnb statsu"))
+
+
 def test_start_run_pull_push_status_in_a_notebook(kernel):
     run = kernel.execute("%rtnb start --workers 2 --stop-grace 1")
     assert run.status == "ok", run.text + "\n".join(run.traceback)

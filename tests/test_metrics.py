@@ -121,7 +121,8 @@ def test_live_widget_draws_one_trace_per_rank_plus_mean_and_stays_bounded(tmp_pa
         )
         for trace in view.figure.data:
             assert 2 <= len(trace.y) <= 201
-        loss_rank1 = next(t for t in view.figure.data if t.name == "rank 1" and t.yaxis == "y2")
+        # subplots in the order the loop reports: loss (y) before acc (y2)
+        loss_rank1 = next(t for t in view.figure.data if t.name == "rank 1" and t.yaxis == "y")
         assert loss_rank1.y[-1] == pytest.approx(2.0 / 5000) and loss_rank1.x[-1] == 5000
         view._log_y.value = True
         view._smoothing.value = 0.9

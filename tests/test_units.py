@@ -200,3 +200,20 @@ def test_node_local_storage_is_refused_for_ranks_on_several_nodes():
     check_storage_locality(3, "/shared/nfs/runs", allowed=True)
     with pytest.raises(ConfigError, match="2 nodes.*--allow-local-storage"):
         check_storage_locality(2, "/data/runs", allowed=False)
+
+
+def test_rtnb_help_lists_every_subcommand_and_every_flag():
+    from rtnb.magics._magics import SUBCOMMANDS, RtnbMagics
+
+    text = RtnbMagics.rtnb.__doc__
+    assert "In [1]: %load_ext rtnb" in text, "the example stays"
+    for sub in SUBCOMMANDS:
+        assert f"%rtnb {sub.name}" in text
+        for flag in sub.flags():
+            assert flag in text, (sub.name, flag)
+    for flag in ("--max-failures", "--keep", "--score", "--mode", "--tensorboard", "--stop-grace"):
+        assert flag in text
+    for action in RtnbMagics.rtrain_cell.parser._actions:
+        for option in action.option_strings:
+            assert option in text or option in ("-h", "--help")
+    assert "%rtnb scale WORKERS" in text and "%rtnb pull NAME" in text

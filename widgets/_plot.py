@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from html import escape as html_escape
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -87,7 +89,7 @@ def build_figure(
     max_points: int = 1000,
     height_per_metric: int = 220,
 ):
-    metrics = sorted({k[0] for k in keys})
+    metrics = list(dict.fromkeys(k[0] for k in keys))  # the order they were reported in
     fig_cls = go.FigureWidget if widget else go.Figure
     base = make_subplots(
         rows=max(1, len(metrics)),
@@ -126,6 +128,11 @@ def build_figure(
                 y=ys,
                 mode="lines",
                 name="mean" if rank == "mean" else f"rank {rank}",
+                hovertemplate=(
+                    f"{'mean' if rank == 'mean' else f'rank {rank}'}<br>"
+                    f"{'step' if x_axis == 'step' else 's'} %{{x}}<br>"
+                    f"{html_escape(name)} %{{y:.6g}}<extra></extra>"
+                ),
                 legendgroup=str(rank),
                 showlegend=row == 1,
                 line={

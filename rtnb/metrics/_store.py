@@ -234,8 +234,10 @@ class MetricsStore:
 
     # ---- reading ---------------------------------------------------------------------
     def metric_names(self) -> list[str]:
+        """Plottable metrics in the order they were first reported (as the loop
+        reports them: loss before accuracy if that is what the user wrote)."""
         with self._lock:
-            return sorted({name for name, _rank in self._series})
+            return list(dict.fromkeys(name for name, _rank in self._series))
 
     def ranks(self) -> list[int]:
         with self._lock:
