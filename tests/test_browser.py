@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import rtnb
 from tests._kernel import new_notebook
 from tests.conftest import free_port, missing, require
 
@@ -245,9 +246,6 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         page.keyboard.press("Shift+Enter")  # wait for the resumed cell, stop the group
         page.wait_for_selector(".jp-OutputArea-output:has-text('stopped')", timeout=90_000)
     assert "step-000000003" in message and "running in the background" in message
-    rows = [
-        json.loads(line)
-        for line in (runs / "clicked" / "metrics" / "rank-0.jsonl").read_text().splitlines()
-    ]
-    values = [row["i"] for row in rows]
+    frame = rtnb.Result.from_path(str(runs / "clicked")).metrics_dataframe
+    values = frame[frame["rank"] == 0]["i"].tolist()
     assert values == [*range(8), *range(3, 8)], "trained 0..7, then resumed at 3 up to 7"

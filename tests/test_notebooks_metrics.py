@@ -9,6 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+import rtnb
 from tests._kernel import Kernel, new_notebook
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -79,9 +80,10 @@ def test_saved_batch_notebook_of_a_long_run_stays_small(ray_cluster, tmp_path):
     )
     size = path.stat().st_size
     assert size < 1_000_000, f"saved notebook is {size} bytes"
-    lines = (tmp_path / "runs" / "long" / "metrics" / "rank-1.jsonl").read_text().splitlines()
-    assert len(lines) == steps, "every report is on disk at full resolution"
-    assert json.loads(lines[-1])["step"] == steps
+    frame = rtnb.Result.from_path(str(tmp_path / "runs" / "long")).metrics_dataframe
+    rank1 = frame[frame["rank"] == 1]
+    assert len(rank1) == steps, "every report is on disk at full resolution"
+    assert rank1["step"].iloc[-1] == steps
 
 
 def test_live_widget_in_a_kernel_shows_every_rank_and_the_reported_values(ray_cluster, tmp_path):
