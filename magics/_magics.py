@@ -551,7 +551,8 @@ def completer(magics: RtnbMagics):
         session = magics.session
         return [] if session is None else [c.id for c in session.list_checkpoints()]
 
-    def hook(event) -> list[str]:
+    def hook(_shell, event) -> list[str]:
+        # IPython's set_hook binds a hook to the shell, so it gets the shell first.
         return complete(event.line, SUBCOMMANDS, cell_flags, run_names, checkpoint_ids)
 
     return hook

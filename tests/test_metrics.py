@@ -262,3 +262,30 @@ def test_many_ranks_are_drawn_as_mean_band_and_outliers_with_any_rank_selectable
         assert shown == ["rank 0", "rank 2", "rank 5", "rank 7", "mean"]
     finally:
         view.close()
+
+
+def test_after_the_cell_ends_redraws_and_controls_neither_hang_nor_go_dead(tmp_path):
+    import threading
+
+    from rtnb.widgets import LiveMetrics
+
+    store, _ = _store(tmp_path, "run-end")
+    store.begin([0, 1])
+    view = LiveMetrics(store)
+    try:
+        store.add(0, [(1, 1.0, {"loss": 1.0})])
+        view._finish()  # what the cell's done-callback calls
+        store.add(1, [(1, 1.0, {"loss": 2.0})])  # a new rank: the ranks control changes
+        finished = threading.Event()
+
+        def redraw_then_tick():
+            view.redraw()
+            view._log_y.value = True
+            finished.set()
+
+        threading.Thread(target=redraw_then_tick, daemon=True).start()
+        assert finished.wait(20), "a redraw after the end deadlocked on its own controls"
+        assert view.figure.layout.yaxis.type == "log"
+        assert list(view._ranks.options) == [0, 1]
+    finally:
+        view.close()

@@ -152,21 +152,30 @@ class LiveMetrics(w.VBox):
     # ---- inputs ------------------------------------------------------------------------
     def _on_control(self, _change) -> None:
         self._dirty_controls = True
-        if self._stopped.is_set() and not self._closed:
-            # The cell has ended and the redraw thread with it; a user who now ticks
-            # log-y or moves the EMA slider still expects the plot to follow.
-            try:
-                self.redraw()
-            except Exception:  # noqa: BLE001 - a drawing error must not reach the user
-                pass
+        self._redraw_after_end()
+
+    def _redraw_after_end(self) -> None:
+        # The cell has ended and the redraw thread with it; a user who now ticks
+        # log-y or moves the EMA slider still expects the plot to follow. A redraw
+        # itself sets controls (the ranks list), which lands here in the same thread
+        # while the lock is held: then there is nothing to do, that redraw goes on.
+        if not self._stopped.is_set() or self._closed:
+            return
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._redraw_locked()
+        except Exception:  # noqa: BLE001 - a drawing error must not reach the user
+            pass
+        finally:
+            self._lock.release()
 
     def _mark_logs(self) -> None:
         self._logs_dirty = True
 
     def _on_log_filter(self, _change) -> None:
         self._mark_logs()
-        if self._stopped.is_set() and not self._closed:
-            self.redraw()
+        self._redraw_after_end()
 
     def _on_output(self, rank: int, stream: str, text: str) -> None:
         text = self._log_partial.pop(rank, "") + text
@@ -215,68 +224,71 @@ class LiveMetrics(w.VBox):
 
     def redraw(self) -> None:
         with self._lock:
-            store = self.store
-            progress = store.progress()
-            handle = self.handle
-            states = getattr(handle, "states", None)
-            self._header.value = format_header(
-                progress,
-                self._state(),
-                getattr(handle, "cell_id", None),
-                getattr(handle, "recoveries", 0),
-                getattr(handle, "restarted_from", None),
-                label=self.label,
-                running_ranks=(
-                    {r for r, s in states.items() if s == "running"} if states else None
-                ),
+            self._redraw_locked()
+
+    def _redraw_locked(self) -> None:
+        store = self.store
+        progress = store.progress()
+        handle = self.handle
+        states = getattr(handle, "states", None)
+        self._header.value = format_header(
+            progress,
+            self._state(),
+            getattr(handle, "cell_id", None),
+            getattr(handle, "recoveries", 0),
+            getattr(handle, "restarted_from", None),
+            label=self.label,
+            running_ranks=(
+                {r for r, s in states.items() if s == "running"} if states else None
+            ),
+        )
+        if self._logs_dirty:
+            self._logs_dirty = False
+            self._render_logs()
+        ranks = store.ranks()
+        if list(self._ranks.options) != ranks:
+            # Few ranks: new ranks are shown. Many: the band view picks outliers
+            # itself and the selection adds the ranks the user wants to see.
+            new = set(ranks) - set(self._ranks.options)
+            selected = set(self._ranks.value) | (new if len(ranks) < BAND_FROM_RANKS else set())
+            if len(ranks) >= BAND_FROM_RANKS and len(self._ranks.options) < BAND_FROM_RANKS:
+                selected = set()
+            self._ranks.options = ranks
+            self._ranks.value = tuple(r for r in ranks if r in selected)
+            self._log_filter.options = [("all ranks", -1)] + [(f"rank {r}", r) for r in ranks]
+        if store.generation == self._drawn_generation and not self._dirty_controls:
+            return
+        self._drawn_generation = store.generation
+        self._dirty_controls = False
+        keys = trace_keys(store, sorted(self._ranks.value))
+        if not keys:
+            return
+        if keys != self._keys or self.figure is None:
+            self._keys = keys
+            self._y_type = "log" if self._log_y.value else "linear"
+            self.figure = build_figure(
+                store,
+                keys,
+                widget=True,
+                x_axis=self._x_axis.value,
+                weight=self._smoothing.value,
+                log_y=self._log_y.value,
+                max_points=self.max_points,
             )
-            if self._logs_dirty:
-                self._logs_dirty = False
-                self._render_logs()
-            ranks = store.ranks()
-            if list(self._ranks.options) != ranks:
-                # Few ranks: new ranks are shown. Many: the band view picks outliers
-                # itself and the selection adds the ranks the user wants to see.
-                new = set(ranks) - set(self._ranks.options)
-                selected = set(self._ranks.value) | (new if len(ranks) < BAND_FROM_RANKS else set())
-                if len(ranks) >= BAND_FROM_RANKS and len(self._ranks.options) < BAND_FROM_RANKS:
-                    selected = set()
-                self._ranks.options = ranks
-                self._ranks.value = tuple(r for r in ranks if r in selected)
-                self._log_filter.options = [("all ranks", -1)] + [(f"rank {r}", r) for r in ranks]
-            if store.generation == self._drawn_generation and not self._dirty_controls:
-                return
-            self._drawn_generation = store.generation
-            self._dirty_controls = False
-            keys = trace_keys(store, sorted(self._ranks.value))
-            if not keys:
-                return
-            if keys != self._keys or self.figure is None:
-                self._keys = keys
-                self._y_type = "log" if self._log_y.value else "linear"
-                self.figure = build_figure(
-                    store,
-                    keys,
-                    widget=True,
-                    x_axis=self._x_axis.value,
-                    weight=self._smoothing.value,
-                    log_y=self._log_y.value,
-                    max_points=self.max_points,
-                )
-                self._plot_box.children = (self.figure,)
-            else:
-                with self.figure.batch_update():
-                    for trace, key in zip(self.figure.data, keys):
-                        xs, ys = series_xy(
-                            store, key, self._x_axis.value, self._smoothing.value, self.max_points
-                        )
-                        # numpy arrays: plotly validates and compares lists element by
-                        # element in Python (~30 ms a redraw), arrays in C.
-                        trace.x, trace.y = np.asarray(xs), np.asarray(ys, dtype=float)
-                    y_type = "log" if self._log_y.value else "linear"
-                    if y_type != self._y_type:
-                        self.figure.update_yaxes(type=y_type)
-            self.redraws += 1
+            self._plot_box.children = (self.figure,)
+        else:
+            with self.figure.batch_update():
+                for trace, key in zip(self.figure.data, keys):
+                    xs, ys = series_xy(
+                        store, key, self._x_axis.value, self._smoothing.value, self.max_points
+                    )
+                    # numpy arrays: plotly validates and compares lists element by
+                    # element in Python (~30 ms a redraw), arrays in C.
+                    trace.x, trace.y = np.asarray(xs), np.asarray(ys, dtype=float)
+                y_type = "log" if self._log_y.value else "linear"
+                if y_type != self._y_type:
+                    self.figure.update_yaxes(type=y_type)
+        self.redraws += 1
 
     def _render_logs(self) -> None:
         wanted = self._log_filter.value
