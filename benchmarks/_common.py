@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 
@@ -30,3 +34,23 @@ def embedded_ray() -> float:
 
 def quiet(*_args) -> None:
     """An output sink that drops the ranks' prints (they would skew timings)."""
+
+
+def phase_result(proc: subprocess.CompletedProcess, what: str) -> dict:
+    """The JSON a phase printed on its last ``RESULT `` line; exits naming ``what``."""
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run_phase(
+    script: str, args: list[str], what: str, timeout: float, env_extra: dict | None = None
+) -> dict:
+    """Run ``script args`` in a fresh Python (its own embedded Ray, not RAY_ADDRESS's)."""
+    env = {**os.environ, **(env_extra or {}), "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    return phase_result(proc, what)

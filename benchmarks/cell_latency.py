@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -118,19 +117,9 @@ def phase_trainer(fits: int) -> dict:
 
 
 def _run_phase(name: str, env_extra: dict[str, str], arg: int) -> dict:
-    env = {**os.environ, **env_extra, "RAY_DEDUP_LOGS": "0"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--phase", name, "--arg", str(arg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"phase {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    from _common import run_phase
+
+    return run_phase(__file__, ["--phase", name, "--arg", str(arg)], f"phase {name}", 900, env_extra)
 
 
 def main() -> None:

@@ -114,10 +114,9 @@ def phase_torchrun(device: str) -> dict:
             timeout=900,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"torchrun failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    from _common import phase_result
+
+    return phase_result(proc, "torchrun")
 
 
 def phase_rtnb(device: str) -> dict:
@@ -164,19 +163,9 @@ def phase_trainer(device: str) -> dict:
 
 
 def _run_phase(name: str, device: str) -> dict:
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--phase", name, "--device", device],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1200,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"phase {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    from _common import run_phase
+
+    return run_phase(__file__, ["--phase", name, "--device", device], f"phase {name}", 1200)
 
 
 PHASES = {"torchrun": phase_torchrun, "rtnb": phase_rtnb, "trainer": phase_trainer}

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -132,23 +130,13 @@ def main() -> None:
     if args.phase:
         print("RESULT " + json.dumps(phase(args.phase)))
         return
+    from _common import run_phase
+
     sizes = [int(x) for x in args.sizes.split(",")]
     print(f"scale: rtnb's embedded Ray (2 CPUs), ranks with 1.9/N CPUs each, sizes {sizes}")
     rows = []
     for world in sizes:
-        env = {**os.environ}
-        env.pop("RAY_ADDRESS", None)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--phase", str(world)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=1800,
-        )
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{world} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        rows.append(json.loads(lines[-1][len("RESULT ") :]))
+        rows.append(run_phase(__file__, ["--phase", str(world)], f"{world} ranks", 1800))
         r = rows[-1]
         print(
             f"{world:3d} ranks: start {r['start_s']:6.1f} s | trivial cell {r['trivial_s'] * 1e3:6.1f} ms"
