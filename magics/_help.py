@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Subcommand", "complete", "full_help", "subcommand_help"]
+__all__ = ["Subcommand", "complete", "full_help", "parser_flags", "subcommand_help"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,17 @@ class Subcommand:
         ]
 
     def flags(self) -> list[str]:
-        parser = self.parser
-        if parser is None:
-            return []
-        return sorted(
-            option
-            for action in parser._actions
-            for option in action.option_strings
-            if option.startswith("--") and option != "--help"
-        )
+        return parser_flags(self.parser) if self.parser is not None else []
+
+
+def parser_flags(parser) -> list[str]:
+    """A magic_arguments parser's long flags, sorted, without --help."""
+    return sorted(
+        option
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    )
 
 
 def subcommand_help(prefix: str, sub: Subcommand) -> str:

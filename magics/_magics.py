@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from rtnb.magics._help import Subcommand, complete, full_help, subcommand_help
+from rtnb.magics._help import Subcommand, complete, full_help, parser_flags, subcommand_help
 from rtnb.widgets import (
     CheckpointBrowser,
     LiveMetrics,
@@ -166,22 +166,6 @@ _LEADING_OPTIONS = re.compile(
     r"\s*(?:(?:--(?:background|quiet|no-live|once)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
 
-_SUBCOMMANDS = (
-    "start",
-    "status",
-    "stop",
-    "restart",
-    "scale",
-    "wait",
-    "pull",
-    "push",
-    "runs",
-    "result",
-    "checkpoints",
-    "resume",
-    "load",
-)
-
 SUBCOMMANDS = [
     Subcommand("start", "start the worker group (embedded Ray unless --address)",
                "%rtnb start --workers 4 --name mnist --max-failures 2", _start_args),
@@ -209,7 +193,7 @@ SUBCOMMANDS = [
     Subcommand("load", "rtnb.get_checkpoint() returns this checkpoint on every rank",
                "%rtnb load latest --run other-run", _resume_args),
 ]
-assert [s.name for s in SUBCOMMANDS] == list(_SUBCOMMANDS)
+_SUBCOMMANDS = tuple(sub.name for sub in SUBCOMMANDS)
 _BY_NAME = {s.name: s for s in SUBCOMMANDS}
 
 
@@ -535,12 +519,7 @@ RtnbMagics.rtnb.__doc__ = full_help(
 
 def completer(magics: RtnbMagics):
     """IPython custom completer for %rtnb, %rtrain and %%rtrain lines."""
-    cell_flags = sorted(
-        option
-        for action in RtnbMagics.rtrain_cell.parser._actions
-        for option in action.option_strings
-        if option.startswith("--") and option != "--help"
-    )
+    cell_flags = parser_flags(RtnbMagics.rtrain_cell.parser)
 
     def run_names() -> list[str]:
         session = magics.session
