@@ -28,6 +28,9 @@ from rtnb.core._startup import with_lazy_imports
 # (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
 # leave this process unable to join the token-auth test cluster.
 use_auth_token_if_present()
+# Kernels the tests start embed their own Ray (or join the test cluster): a warm Ray
+# would outlive the test that started it. tests/test_warm_ray.py turns it on itself.
+os.environ["RTNB_WARM_RAY"] = "0"
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CPUS = 4  # logical CPUs: two 2-rank groups may coexist (kernel + this process)

@@ -66,9 +66,7 @@ def _client(address: str):
     try:
         return JobSubmissionClient(f"{parsed.scheme}://{parsed.hostname}:{port}")
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError/RuntimeError/...
-        raise ClusterError(
-            f"cannot use the Ray job server at {address}: {one_line(exc)}"
-        ) from None
+        raise ClusterError(f"cannot use the Ray job server at {address}: {one_line(exc)}") from None
 
 
 def _status_name(status) -> str:

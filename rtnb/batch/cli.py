@@ -21,7 +21,6 @@ from rtnb.errors import ConfigError, RtnbError
 __all__ = ["main"]
 
 
-
 def _notebook_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """What `rtnb run` and `rtnb submit` share: the notebook, its parameters, the timeout."""
     parser.add_argument("notebook")

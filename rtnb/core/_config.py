@@ -99,9 +99,13 @@ class SessionConfig:
                 f"env must be a dict of environment variables for the ranks, got "
                 f"{type(self.env).__name__}"
             )
-        bad = sorted(str(k) for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str)))
+        bad = sorted(
+            str(k) for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str))
+        )
         if bad:
-            raise ConfigError(f"env values must be strings (names and values): check {', '.join(bad)}")
+            raise ConfigError(
+                f"env values must be strings (names and values): check {', '.join(bad)}"
+            )
 
     @property
     def storage_path(self) -> str:

@@ -27,7 +27,6 @@ def probe_tcp(host: str, port: int, timeout: float) -> None:
         ) from None
 
 
-
 def use_auth_token_if_present() -> None:
     # Ray 2.5x+ clusters enable token auth by default and write the token to
     # ~/.ray/auth_token, but a client only sends it when RAY_AUTH_MODE=token; without

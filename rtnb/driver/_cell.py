@@ -233,9 +233,7 @@ class CellHandle:
                     return
                 recovered = False
                 while (
-                    self._dead
-                    and self._stop_reason is None
-                    and self.session.policy.can_recover()
+                    self._dead and self._stop_reason is None and self.session.policy.can_recover()
                 ):
                     try:
                         self._recover()
@@ -363,7 +361,9 @@ class CellHandle:
             if all(loaded.values())
             else "ranks " + ", ".join(str(r) for r, c in loaded.items() if c)
         )
-        self._note(f"[rtnb] cell {self.cell_id} restarted from {self.restarted_from} ({which} loaded it)\n")
+        self._note(
+            f"[rtnb] cell {self.cell_id} restarted from {self.restarted_from} ({which} loaded it)\n"
+        )
 
     def _ensure_polled(self, actors) -> None:
         # A Ctrl-C can land between taking an update and re-polling; make sure every
@@ -405,7 +405,11 @@ class CellHandle:
         if self._log_bytes > _LOG_BYTES:
             where = self.session.logs.where(rank) if self.session.logs is not None else "the run"
             self.log.append(
-                (-1, "stderr", f"[rtnb: output beyond {_LOG_BYTES // 1_000_000} MB is kept in {where}]\n")
+                (
+                    -1,
+                    "stderr",
+                    f"[rtnb: output beyond {_LOG_BYTES // 1_000_000} MB is kept in {where}]\n",
+                )
             )
 
     # ---- stopping ----------------------------------------------------------------------

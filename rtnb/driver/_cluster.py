@@ -7,24 +7,23 @@ that does not answer is detected with a plain TCP probe first, because
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rtnb.core._net import probe_tcp, use_auth_token_if_present
-from rtnb.core._startup import lazy_imports_for_children
+from rtnb.driver._embedded import start_embedded_ray
 from rtnb.errors import ClusterError, one_line
 
-__all__ = ["ClusterConnection", "connect"]
+if TYPE_CHECKING:
+    from rtnb.driver._warm import WarmRay
 
-# An embedded Ray takes 30% of RAM for its object store by default; a notebook
-# sharing the machine with the user's other work should not.
-_EMBEDDED_OBJECT_STORE_BYTES = 2 * 1024**3
+__all__ = ["ClusterConnection", "connect", "will_embed"]
 
 
 @dataclass
@@ -34,10 +33,14 @@ class ClusterConnection:
     address: str
     owned: bool
     client_mode: bool
+    # Set when this is the per-user warm Ray (rtnb.driver._warm): stopping detaches.
+    warm: WarmRay | None = None
 
     def shutdown(self) -> None:
         import ray
 
+        if self.warm is not None:
+            self.warm.detach()
         if self.owned and ray.is_initialized():
             ray.shutdown()
 
@@ -60,12 +63,18 @@ def connect(
     timeout_s: float = 15.0,
     num_cpus: int | None = None,
     listen: str | None = None,
+    need_cpus: float = 0.0,
+    ranks: int = 2,
+    progress: Callable[[str], None] | None = None,
 ) -> ClusterConnection:
     """Join (or start) the Ray cluster for ``address`` and return the connection.
 
     With ``address=None`` an already-initialised Ray in this process is reused; else
     ``RAY_ADDRESS`` is honoured as Ray does; else a local Ray is embedded, listening
-    on ``listen`` (default 127.0.0.1: nothing it opens is reachable from the network).
+    on ``listen`` (default 127.0.0.1: nothing it opens is reachable from the network),
+    or, in a notebook kernel, the per-user warm Ray is joined (:mod:`rtnb.driver._warm`)
+    when it has ``need_cpus`` free (a new one keeps ``ranks`` spare ranks);
+    ``progress`` hears which of these happens.
     """
     target = address or os.environ.get("RAY_ADDRESS") or None
     if target is not None:
@@ -78,18 +87,10 @@ def connect(
         return ClusterConnection(
             address=address or "existing", owned=False, client_mode=_in_client_mode()
         )
-    kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
-    owned = target is None
     if target is None:
-        kwargs.update(
-            include_dashboard=False,
-            object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES,
-            num_cpus=num_cpus,
-        )
-        if (listen or LOOPBACK) not in ("0.0.0.0", "::"):
-            # 0.0.0.0: Ray's own default (the node's address, every interface).
-            kwargs["_node_ip_address"] = listen or LOOPBACK
-    if target is not None and target != "auto":
+        return _embed(ray, num_cpus, listen, need_cpus, ranks, progress)
+    kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
+    if target != "auto":
         bare = target[len("ray://") :] if target.startswith("ray://") else target
         bare = bare.split("://", 1)[-1]
         host, port = _split_host_port(bare)
@@ -97,12 +98,7 @@ def connect(
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
-        with (
-            _node_ip_as_given(target is None and (listen or LOOPBACK) == LOOPBACK),
-            lazy_imports_for_children() if target is None else contextlib.nullcontext(),
-            _lean_embedded_ray() if target is None else contextlib.nullcontext(),
-        ):
-            _init_with_retry(ray, target, kwargs, timeout_s)
+        _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
             f"could not connect to Ray at {target!r}: {one_line(exc)}. "
@@ -113,74 +109,39 @@ def connect(
             )
         ) from None
     except Exception as exc:  # noqa: BLE001 - Ray raises many types here
-        raise ClusterError(
-            f"could not start or join Ray ({target or 'embedded'}): {one_line(exc)}"
-        ) from None
+        raise ClusterError(f"could not join Ray ({target}): {one_line(exc)}") from None
     _quiet_ray_logging()
     client_mode = _in_client_mode()
     if client_mode:
         _mute_client_log_stream()
-    return ClusterConnection(address=target or "embedded", owned=owned, client_mode=client_mode)
+    return ClusterConnection(address=target, owned=False, client_mode=client_mode)
 
 
-LOOPBACK = "127.0.0.1"
+def _embed(
+    ray,
+    num_cpus: int | None,
+    listen: str | None,
+    need_cpus: float,
+    ranks: int,
+    progress: Callable[[str], None] | None,
+) -> ClusterConnection:
+    """The kernel's warm Ray when it is wanted and has room (about a second), else a
+    Ray embedded in this process."""
+    from rtnb.driver import _warm
 
-
-@contextlib.contextmanager
-def _lean_embedded_ray() -> Iterator[None]:
-    """Start only the Ray processes an embedded, one-kernel Ray uses.
-
-    ``ray.init`` also starts, and waits ~2 s for, a dashboard process that only
-    reports usage statistics when the dashboard is off; an autoscaler monitor (no
-    nodes to add to a laptop); and a log monitor, which streams worker logs to the
-    driver (rtnb starts Ray with ``log_to_driver=False`` and collects the ranks'
-    output itself). Skipping them took ``ray.init`` from 6.9 s to 3.7 s here and
-    leaves one process fewer listening. ``RTNB_FULL_EMBEDDED_RAY=1`` keeps them.
-    Private Ray functions: each is only replaced if it exists, around this call.
-    """
-    if os.environ.get("RTNB_FULL_EMBEDDED_RAY", "") not in ("", "0"):
-        yield
-        return
-    from ray._private import node, services
-
-    replaced = []
-    for owner, name, stand_in in (
-        (services, "start_api_server", lambda *args, **kwargs: (None, None)),
-        (node.Node, "start_monitor", lambda self: None),
-        (node.Node, "start_log_monitor", lambda self: None),
-    ):
-        if callable(getattr(owner, name, None)):
-            replaced.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, stand_in)
+    if _warm.wanted(listen):
+        attached = _warm.attach(need_cpus, ranks, progress)
+        if attached is not None:
+            _quiet_ray_logging()
+            return ClusterConnection(
+                address=f"{attached.address} (the warm Ray)", owned=True, client_mode=False, warm=attached
+            )
     try:
-        yield
-    finally:
-        for owner, name, original in replaced:
-            setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def _node_ip_as_given(loopback: bool) -> Iterator[None]:
-    """Let an embedded Ray keep 127.0.0.1 as its node address.
-
-    Ray 2.60 has no bind-address option: every component (GCS, raylet, object
-    manager, agents, each worker's gRPC server) listens on loopback only when the
-    node address is loopback, else on every interface. On Linux it replaces a
-    loopback ``_node_ip_address`` with the default route's address unless its
-    ``ENABLE_RAY_CLUSTER`` constant is off (as on macOS and Windows), which is read
-    at call time; it is switched off only around this ``ray.init``.
-    """
-    if not loopback:
-        yield
-        return
-    from ray._private import ray_constants
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
+        start_embedded_ray(ray, num_cpus=num_cpus, listen=listen)
+    except Exception as exc:  # noqa: BLE001 - Ray raises many types here
+        raise ClusterError(f"could not start an embedded Ray: {one_line(exc)}") from None
+    _quiet_ray_logging()
+    return ClusterConnection(address="embedded", owned=True, client_mode=False)
 
 
 def will_embed(address: str | None) -> bool:

@@ -6,12 +6,15 @@ actors and the placement group, even when ranks are hung in a collective.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.core._redact import redact_uri
+from rtnb.driver import _warm
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
@@ -75,27 +78,50 @@ class WorkerGroup:
                 "held by something else (another group or notebook?). Free them or use "
                 "fewer --workers / --cpus-per-worker"
             ) from None
-        remote_cls = ray.remote(RankActor)
         env = {"OMP_NUM_THREADS": str(max(1, int(cfg.cpus_per_worker))), **cfg.env}
+        contexts = [
+            {
+                "world_rank": rank,
+                "world_size": cfg.workers,
+                "run_name": self.run_name,
+                "storage_path": self.storage_path,
+                "backend": cfg.backend,
+            }
+            for rank in range(cfg.workers)
+        ]
+        warm = _warm.active() if not cfg.gpu else None
         try:
-            with progress.phase("ranks", f"starting {cfg.workers} rank processes (Python, torch)"):
-                for rank in range(cfg.workers):
-                    context = {
-                        "world_rank": rank,
-                        "world_size": cfg.workers,
-                        "run_name": self.run_name,
-                        "storage_path": self.storage_path,
-                        "backend": cfg.backend,
-                    }
-                    actor = remote_cls.options(
-                        num_cpus=cfg.cpus_per_worker,
-                        num_gpus=1 if cfg.gpu else 0,
-                        max_concurrency=ACTOR_CONCURRENCY,
-                        max_restarts=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            self._placement_group, placement_group_bundle_index=rank
-                        ),
-                    ).remote(context, env)
+            doing = (
+                f"taking {cfg.workers} warm ranks (torch already imported)"
+                if warm is not None
+                else f"starting {cfg.workers} rank processes (Python, torch)"
+            )
+            with progress.phase("ranks", doing):
+                if warm is not None:
+                    self.actors = warm.claim(cfg.workers)
+                    kernel_env, cwd = _warm.rank_env(env), os.getcwd()
+                    ray.get(
+                        [
+                            a.adopt.remote(context, kernel_env, sys.path, cwd)
+                            for a, context in zip(self.actors, contexts)
+                        ],
+                        timeout=120,
+                    )
+                for context in contexts if warm is None else ():
+                    actor = (
+                        ray.remote(RankActor)
+                        .options(
+                            num_cpus=cfg.cpus_per_worker,
+                            num_gpus=1 if cfg.gpu else 0,
+                            max_concurrency=ACTOR_CONCURRENCY,
+                            max_restarts=0,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                self._placement_group,
+                                placement_group_bundle_index=context["world_rank"],
+                            ),
+                        )
+                        .remote(context, env)
+                    )
                     self.actors.append(actor)
                 described = ray.get([a.describe.remote() for a in self.actors], timeout=120)
                 self._assign_local_ranks(described)

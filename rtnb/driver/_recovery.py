@@ -104,9 +104,7 @@ class Replayer:
             if entry.kind is EntryKind.PUSH:
                 report.pushes += 1
                 continue
-            handle = CellHandle(
-                session, entry.cell_id or 0, entry.code or "", ranks, replay=True
-            )
+            handle = CellHandle(session, entry.cell_id or 0, entry.code or "", ranks, replay=True)
             handle.drive_replay()
             failed = {r: u for r, u in handle._finished.items() if u.error is not None}
             if failed:

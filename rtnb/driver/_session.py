@@ -30,6 +30,7 @@ from rtnb.core._config import SessionConfig, check_name, parse_ranks
 from rtnb.core._redact import redact_uri
 from rtnb.core._text import mean_over_ranks
 from rtnb.core._values import PerRank, from_portable
+from rtnb.driver import _warm
 from rtnb.driver._cell import CellHandle, _Restart
 from rtnb.driver._cluster import ClusterConnection, connect, will_embed
 from rtnb.driver._commits import CheckpointCoordinator
@@ -167,6 +168,9 @@ class Session:
                             self.config.address,
                             timeout_s=self.config.connect_timeout_s,
                             listen=self.config.listen,
+                            need_cpus=self.config.workers * self.config.cpus_per_worker,
+                            ranks=self.config.workers,
+                            progress=lambda text: steps.say(f"rtnb: {text}…"),
                         )
                     _stop_sessions_at_exit()
                 self._group = self._new_group(steps)
@@ -362,6 +366,8 @@ class Session:
         return group
 
     def _connect_doing(self) -> str:
+        if will_embed(self.config.address) and _warm.wanted(self.config.listen):
+            return "looking for the warm Ray"
         if will_embed(self.config.address):
             return f"starting an embedded Ray (listening on {self.config.listen or '127.0.0.1'})"
         address = self.config.address or os.environ.get("RAY_ADDRESS")

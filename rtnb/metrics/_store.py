@@ -148,9 +148,7 @@ class _Mean:
 
 
 class MetricsStore:
-    def __init__(
-        self, log: Any = None, capacity: int = 2000, exporter: Any = None
-    ) -> None:
+    def __init__(self, log: Any = None, capacity: int = 2000, exporter: Any = None) -> None:
         self._lock = threading.RLock()
         self.capacity = capacity
         self.log = log
@@ -294,9 +292,7 @@ class MetricsStore:
     def progress(self, now: float | None = None) -> Progress:
         now = now or time.time()
         with self._lock:
-            shown = [
-                r for r in self.last if not self.expected_ranks or r in self.expected_ranks
-            ]
+            shown = [r for r in self.last if not self.expected_ranks or r in self.expected_ranks]
             steps = {r: self.counts.get(r, 0) - self._counts_at_begin.get(r, 0) for r in shown}
             rates = {}
             for rank in steps:

@@ -6,8 +6,11 @@ calls (poll, stop, pull) are served while the cell thread is busy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -40,13 +43,58 @@ def poll_timing(world_size: int) -> tuple[float, float]:
 
 
 class RankActor:
-    def __init__(self, context: dict[str, Any], env: dict[str, str]) -> None:
-        os.environ.update(env)
+    """One rank. Made with its ``context`` (a cold start), or with ``None`` as a spare
+    of the warm Ray that imports torch ahead (:meth:`warm_up`) and becomes a rank
+    when a kernel claims it (:meth:`adopt`)."""
+
+    def __init__(self, context: dict[str, Any] | None, env: dict[str, str]) -> None:
         self._rendezvous: socket.socket | None = None
+        self._warm = threading.Event()
+        self.runtime: RankRuntime
+        if context is not None:
+            self._become_rank(context, env)
+            self._warm.set()
+
+    def _become_rank(self, context: dict[str, Any], env: dict[str, str]) -> None:
+        os.environ.update(env)
         self.runtime = RankRuntime(RankContext(**context))
         from rtnb.worker import _compat
 
         _compat.install_ray_train_aliases()
+
+    def warm_up(self, background: bool) -> None:
+        """Import what every rank needs (torch above all) before any kernel asks.
+        ``background``: at the lowest CPU priority, in a thread of its own (Linux
+        priorities are per thread), so the ranks already training keep the CPUs."""
+
+        def imports() -> None:
+            if background:
+                with contextlib.suppress(OSError, AttributeError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            try:
+                import torch  # noqa: F401
+                import torch.distributed  # noqa: F401
+            finally:
+                self._warm.set()
+
+        thread = threading.Thread(target=imports, name="rtnb-warm-up", daemon=True)
+        thread.start()
+        thread.join()
+
+    def adopt(
+        self, context: dict[str, Any], env: dict[str, str], sys_path: list[str], cwd: str
+    ) -> None:
+        """Become rank ``context['world_rank']`` of the claiming kernel's group, in its
+        working directory and with its import path (a cold rank inherits both)."""
+        self._warm.wait(120)
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+        sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        self._become_rank(context, env)
+        threads = env.get("OMP_NUM_THREADS")
+        if threads and "torch" in sys.modules:
+            # torch read OMP_NUM_THREADS when the spare imported it, before this env.
+            sys.modules["torch"].set_num_threads(int(threads))
 
     # ---- set-up ----------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

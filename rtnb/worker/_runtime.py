@@ -507,4 +507,3 @@ def _user_traceback(exc: BaseException, filename: str) -> str:
     if isinstance(exc, SyntaxError) or tb is None:
         return "".join(traceback.format_exception_only(type(exc), exc))
     return "".join(traceback.format_exception(type(exc), exc, tb))
-

@@ -1,0 +1,244 @@
+"""The kernel's side of the per-user warm Ray (see :mod:`rtnb.driver._warmhost`).
+
+A notebook kernel that would embed a Ray joins the user's warm Ray instead: a
+loopback Ray started by the first kernel that wanted one, with spare rank
+processes that have imported torch. Joining and claiming ranks takes about a
+second where an embedded start takes eight on a 2-core machine.
+
+When it is used: in a Jupyter kernel with no ``--address``/``RAY_ADDRESS``, on
+loopback, without ``--gpu``, not under ``rtnb run``; ``RTNB_WARM_RAY=1`` forces
+it on (scripts), ``0`` off. When it ends: ``RTNB_WARM_RAY_IDLE_S`` seconds
+(default 600) after the last kernel using it stopped its session or died.
+A warm Ray whose CPUs are taken by another kernel is left alone: this kernel
+embeds its own Ray, as without the warm Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rtnb.core._net import probe_tcp
+from rtnb.driver._embedded import LOOPBACK, node_ip_as_given
+from rtnb.errors import ClusterError, one_line
+from rtnb.storage._rundir import BATCH_RUNS_ENV
+
+__all__ = ["WarmRay", "active", "attach", "state_dir", "wanted"]
+
+SWITCH_ENV = "RTNB_WARM_RAY"
+IDLE_ENV = "RTNB_WARM_RAY_IDLE_S"
+HOME_ENV = "RTNB_HOME"
+DEFAULT_IDLE_S = 600.0
+_LAUNCH_TIMEOUT_S = 120.0
+# Variables a rank gets from Ray for itself, not from the kernel that claims it.
+_RAY_OWNED_ENV = ("RAY_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH")
+
+_active: WarmRay | None = None
+
+
+def wanted(listen: str | None) -> bool:
+    """Whether an embedded start in this process should join the warm Ray."""
+    if listen not in (None, LOOPBACK):
+        return False
+    switch = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if switch:
+        return switch not in ("0", "false", "no", "off")
+    return "ipykernel" in sys.modules and not os.environ.get(BATCH_RUNS_ENV)
+
+
+def idle_seconds() -> float:
+    try:
+        return float(os.environ.get(IDLE_ENV, DEFAULT_IDLE_S))
+    except ValueError:
+        return DEFAULT_IDLE_S
+
+
+def state_dir() -> Path:
+    home = os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "rtnb")
+    return Path(home) / "warm-ray"
+
+
+def _fingerprint() -> str:
+    """One warm Ray per Python, Ray and rtnb code: ranks of another version would
+    run other code than the kernel's."""
+    import ray
+
+    package = Path(__file__).resolve().parent.parent
+    newest = max(
+        (entry.stat().st_mtime_ns for entry in package.rglob("*.py")),
+        default=0,
+    )
+    text = f"{sys.executable}|{ray.__version__}|{os.getuid()}|{package}|{newest}|{os.cpu_count()}"
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class WarmRay:
+    """This kernel's attachment to the warm Ray."""
+
+    address: str
+    launcher_pid: int
+    pool: Any
+    launched: bool
+
+    def claim(self, count: int) -> list[Any]:
+        import ray
+
+        return ray.get(self.pool.claim.remote(os.getpid(), count), timeout=120)
+
+    def detach(self) -> None:
+        global _active
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get(self.pool.detach.remote(os.getpid()), timeout=5)
+        if _active is self:
+            _active = None
+
+
+def active() -> WarmRay | None:
+    """The warm Ray this process is attached to, if any."""
+    return _active
+
+
+def rank_env(extra: dict[str, str]) -> dict[str, str]:
+    """What an adopted rank sets in its environment: the kernel's (as a rank of an
+    embedded Ray inherits it) and the session's ``env``."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(_RAY_OWNED_ENV)}
+    return {**inherited, **extra}
+
+
+def _use_the_warm_rays_token() -> None:
+    # A Ray started by ray.init turns token auth on and keeps the token in
+    # ~/.ray/auth_token; a process joining it by address must opt in, and Ray reads
+    # the mode once, so a kernel that imported Ray already has it refreshed too.
+    from ray._private.authentication import authentication_token_setup as auth
+
+    auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _live_state(state_file: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads(state_file.read_text())
+        os.kill(int(state["pid"]), 0)
+        host, _, port = str(state["address"]).rpartition(":")
+        probe_tcp(host, int(port), 1.0)
+        return state
+    except (OSError, ValueError, KeyError, ClusterError):
+        return None
+
+
+def _launch(state_file: Path, key: str, spares: int) -> dict[str, Any]:
+    log_path = state_file.with_suffix(".log")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rtnb.driver._warmhost",
+                "--state",
+                str(state_file),
+                "--key",
+                key,
+                "--spares",
+                str(spares),
+                "--idle-s",
+                str(idle_seconds()),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=state_file.parent,
+            env=env,
+        )
+    deadline = time.monotonic() + _LAUNCH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = _live_state(state_file)
+        if state is not None and state.get("pid") == proc.pid:
+            return state
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise ClusterError(f"the warm Ray did not start: {tail[0][:300]} (log: {log_path})")
+        time.sleep(0.05)
+    proc.kill()
+    raise ClusterError(
+        f"the warm Ray did not start within {_LAUNCH_TIMEOUT_S:.0f} s (log: {log_path})"
+    )
+
+
+def attach(
+    need_cpus: float, spares: int, progress: Callable[[str], None] | None = None
+) -> WarmRay | None:
+    """Join (starting it if needed) the warm Ray; None when it has fewer than
+    ``need_cpus`` CPUs free, so the caller embeds a Ray of its own."""
+    global _active
+    say = progress or (lambda text: None)
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = _fingerprint()
+    state_file = directory / f"{key}.json"
+    launched = False
+    with _locked(directory / f"{key}.lock"):
+        state = _live_state(state_file)
+        if state is None:
+            minutes = idle_seconds() / 60
+            say(
+                "starting the warm Ray (later kernels join it in about a second; it ends "
+                f"{minutes:g} min after the last kernel leaves)"
+            )
+            state = _launch(state_file, key, spares)
+            launched = True
+    say(f"joining the warm Ray at {state['address']}")
+    import ray
+
+    try:
+        _use_the_warm_rays_token()
+        with node_ip_as_given(True):
+            ray.init(
+                address=state["address"],
+                _node_ip_address=LOOPBACK,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
+        from rtnb.driver._warmhost import POOL_NAME, POOL_NAMESPACE
+
+        pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)
+        free = ray.available_resources().get("CPU", 0.0)
+        if free + 1e-9 < need_cpus:
+            ray.shutdown()
+            say(
+                f"the warm Ray has {free:g} of {need_cpus:g} CPUs free (another kernel "
+                "holds them): starting an embedded Ray for this kernel"
+            )
+            return None
+        ray.get(pool.attach.remote(os.getpid()), timeout=30)
+    except Exception as exc:  # noqa: BLE001 - a broken warm Ray must not block the start
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        say(f"the warm Ray did not answer ({one_line(exc)}): starting an embedded Ray")
+        return None
+    _active = WarmRay(state["address"], int(state["pid"]), pool, launched)
+    return _active

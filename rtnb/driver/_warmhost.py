@@ -1,0 +1,234 @@
+"""The per-user warm Ray: a loopback Ray that outlives one kernel, with rank processes
+that have already imported torch, so the next ``%rtnb start`` takes about a second.
+
+Runs as its own process (``python -m rtnb.driver._warmhost``), started by the first
+kernel that wants it (:mod:`rtnb.driver._warm`). That process is the Ray driver of
+the warm Ray; Ray's own processes die with it. One :class:`WarmPool` actor keeps
+the spare ranks and the leases:
+
+* a kernel attaches with its pid and detaches when its session stops; the pool
+  checks every second that each attached kernel is still alive, and kills the
+  ranks a dead kernel had claimed;
+* with no kernel attached for ``idle_s`` (10 minutes unless ``RTNB_WARM_RAY_IDLE_S``
+  says otherwise), the pool says so and this process shuts the Ray down, removes
+  its state file and exits. A SIGTERM does the same at once.
+
+Spare ranks hold no CPU in Ray's accounting (``num_cpus=0``): the kernel that
+claims them reserves its CPUs with its own placement group, so capacity checks
+and "stop frees the CPUs" behave as for cold ranks. Spares are made again after
+each claim, importing torch in a thread at the lowest CPU priority, so a
+``restart`` or ``scale`` of the same size is warm too and the user's first cell
+does not wait for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["POOL_NAME", "POOL_NAMESPACE", "WarmPool", "main"]
+
+POOL_NAME = "rtnb-warm-pool"
+POOL_NAMESPACE = "rtnb-warm"
+# A claim's size is remembered as the number of spares to keep; more would hold
+# memory (a rank with torch imported is ~250 MB) for a size nobody asked for.
+MAX_SPARES = 8
+# After a claim, the user's first cells come first; spares are made after this.
+REFILL_DELAY_S = 3.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WarmPool:
+    """Spare rank actors and the kernels attached to this Ray (a Ray actor)."""
+
+    def __init__(self, idle_s: float, spares: int) -> None:
+        self._idle_s = idle_s
+        self._target = min(MAX_SPARES, max(0, spares))
+        self._lock = threading.Lock()
+        self._spares: list[Any] = []
+        self._claimed: dict[int, list[Any]] = {}
+        self._leases: set[int] = set()
+        self._idle_since = time.monotonic()
+        self._idle = threading.Event()
+        self._refill(delay_s=0.0, background=False)
+        threading.Thread(target=self._watch, name="rtnb-warm-watchdog", daemon=True).start()
+
+    # ---- kernels ---------------------------------------------------------------------
+    def attach(self, pid: int) -> None:
+        with self._lock:
+            self._leases.add(pid)
+
+    def detach(self, pid: int) -> None:
+        with self._lock:
+            self._leases.discard(pid)
+            actors = self._claimed.pop(pid, [])
+            if not self._leases:
+                self._idle_since = time.monotonic()
+        self._kill(actors)
+
+    def claim(self, pid: int, count: int) -> list[Any]:
+        """``count`` rank actors for the kernel ``pid``: the spares first, new ones for
+        the rest (made at once, since that kernel is waiting)."""
+        with self._lock:
+            self._leases.add(pid)
+            taken, self._spares = self._spares[:count], self._spares[count:]
+            self._target = min(MAX_SPARES, max(self._target, count))
+        taken += [self._new_rank(background=False) for _ in range(count - len(taken))]
+        with self._lock:
+            self._claimed.setdefault(pid, []).extend(taken)
+        self._refill(delay_s=REFILL_DELAY_S, background=True)
+        return taken
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "spares": len(self._spares),
+                "claimed": sum(len(a) for a in self._claimed.values()),
+                "kernels": len(self._leases),
+            }
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no kernel has been attached for the idle time."""
+        return self._idle.wait(timeout_s)
+
+    # ---- spares ----------------------------------------------------------------------
+    def _new_rank(self, background: bool) -> Any:
+        import ray
+
+        from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
+
+        actor = (
+            ray.remote(RankActor)
+            .options(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
+            .remote(None, {})
+        )
+        actor.warm_up.remote(background)
+        return actor
+
+    def _refill(self, delay_s: float, background: bool) -> None:
+        def refill() -> None:
+            if delay_s:
+                time.sleep(delay_s)
+            while True:
+                with self._lock:
+                    if len(self._spares) >= self._target:
+                        return
+                actor = self._new_rank(background)
+                with self._lock:
+                    self._spares.append(actor)
+
+        if delay_s:
+            threading.Thread(target=refill, name="rtnb-warm-refill", daemon=True).start()
+        else:
+            refill()
+
+    # ---- leases ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._idle.is_set():
+            time.sleep(1.0)
+            gone: list[Any] = []
+            with self._lock:
+                for pid in [p for p in self._leases if not _alive(p)]:
+                    self._leases.discard(pid)
+                    gone += self._claimed.pop(pid, [])
+                    if not self._leases:
+                        self._idle_since = time.monotonic()
+                idle = not self._leases and time.monotonic() - self._idle_since > self._idle_s
+            self._kill(gone)
+            if idle:
+                self._idle.set()
+
+    @staticmethod
+    def _kill(actors: list[Any]) -> None:
+        import ray
+
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rtnb.driver._warmhost")
+    parser.add_argument("--state", required=True, type=Path)
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--spares", type=int, default=2)
+    parser.add_argument("--idle-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    from rtnb.core._startup import defer_unused_imports
+
+    defer_unused_imports()
+    from rtnb.driver._embedded import start_embedded_ray
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # Leave the launching kernel's directory: this process outlives it.
+    os.chdir(args.state.parent)
+    import ray
+
+    start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE)
+    try:
+        pool = (
+            ray.remote(WarmPool)
+            .options(name=POOL_NAME, num_cpus=0, max_concurrency=16)
+            .remote(args.idle_s, args.spares)
+        )
+        ray.get(pool.counts.remote(), timeout=120)
+        _write_state(
+            args.state,
+            {
+                "key": args.key,
+                "pid": os.getpid(),
+                "address": ray.get_runtime_context().gcs_address,
+                "cpus": args.cpus,
+                "started": time.time(),
+            },
+        )
+        print(f"warm Ray ready for {args.key} (pid {os.getpid()})", flush=True)
+        while not stop.is_set():
+            try:
+                if ray.get(pool.wait_idle.remote(1.0), timeout=30):
+                    print("no kernel attached for the idle time: shutting down", flush=True)
+                    break
+            except Exception as exc:  # noqa: BLE001 - the pool died: nothing to keep
+                print(f"warm pool gone ({exc}): shutting down", flush=True)
+                break
+    finally:
+        try:
+            current = json.loads(args.state.read_text())
+            if current.get("pid") == os.getpid():
+                args.state.unlink()
+        except (OSError, ValueError):
+            pass
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The per-user warm Ray: later kernels join it and take ranks that imported torch
+already; a dead kernel's ranks are killed; with no kernel left it ends by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# A "kernel": starts a session on the warm Ray, runs a cell that looks at its
+# environment, and either stops (detaches) or dies without a word.
+KERNEL = r"""
+import json, os, sys, time
+os.environ["RTNB_TEST_VALUE"] = "set by the kernel"
+import rtnb
+from rtnb.driver import _warm
+s = rtnb.Session(workers=2, storage=sys.argv[1])
+s.start()
+s.run("import os, torch, rtnb\nseen = dict(cwd=os.getcwd(), value=os.environ.get('RTNB_TEST_VALUE'), "
+      "threads=torch.get_num_threads(), pid=os.getpid(), rank=rtnb.get_context().get_world_rank())")
+seen = s.pull("seen")
+warm = _warm.active()
+print(json.dumps({"seen": list(seen), "launched": warm.launched, "host": warm.launcher_pid,
+                  "ray_s": s.last_start.seconds("Ray")}), flush=True)
+if sys.argv[2] == "die":
+    os._exit(0)
+s.stop()
+"""
+
+
+def _kernel(tmp_path: Path, how: str, env: dict[str, str]) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL, str(tmp_path / "runs"), how],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path / "nb",
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        time.sleep(0.2)
+    return alive
+
+
+def test_kernels_share_one_warm_ray_that_ends_when_idle(tmp_path):
+    (tmp_path / "nb").mkdir()
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(home), RTNB_WARM_RAY_IDLE_S="4")
+    first = _kernel(tmp_path, "stop", env)
+    host = psutil.Process(first["host"])
+    try:
+        assert first["launched"], "the first kernel started the warm Ray"
+        # An adopted rank runs where a cold one would: the kernel's directory and
+        # environment, with the session's thread count.
+        for rank, seen in enumerate(first["seen"]):
+            assert seen["rank"] == rank
+            assert seen["cwd"] == str(tmp_path / "nb")
+            assert seen["value"] == "set by the kernel"
+            assert seen["threads"] == 1
+        second = _kernel(tmp_path, "die", env)
+        assert not second["launched"] and second["host"] == first["host"]
+        assert second["ray_s"] < 5.0, "joining took about a second, not a Ray start"
+        dead_kernels_ranks = [seen["pid"] for seen in second["seen"]]
+        assert not set(dead_kernels_ranks) & {seen["pid"] for seen in first["seen"]}
+        # The second kernel died holding its ranks: the warm Ray kills them.
+        assert _wait_gone(dead_kernels_ranks, 30) == []
+        # No kernel left: after the idle time the warm Ray ends, and every process
+        # it started with it.
+        family = [host, *host.children(recursive=True)]
+        assert _wait_gone([p.pid for p in family], 60) == [], "the warm Ray ended"
+        assert not list((home / "warm-ray").glob("*.json")), "its state file is gone"
+    finally:
+        for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+HOLDER = r"""
+import os, sys, rtnb
+s = rtnb.Session(workers=2, cpus_per_worker=os.cpu_count() / 2, storage=sys.argv[1])
+s.start()
+print("holding", flush=True)
+sys.stdin.read()
+s.stop()
+"""
+
+SECOND = r"""
+import sys, rtnb
+s = rtnb.Session(workers=1, cpus_per_worker=0.5, storage=sys.argv[1])
+s.start(progress=print)
+s.run("x = 1")
+print("connection:", s.connection.address, flush=True)
+s.stop()
+"""
+
+
+def test_a_warm_ray_whose_cpus_are_taken_is_left_to_its_kernel(tmp_path):
+    """Two notebooks at once: the second embeds its own Ray instead of waiting for
+    CPUs the first holds (as before the warm Ray existed)."""
+    from rtnb.driver import _warm
+
+    assert _warm.wanted(None) is False, "the test process itself never joins one"
+    (tmp_path / "nb").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="2")
+    runs = str(tmp_path / "runs")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, runs],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path / "nb",
+    )
+    host = None
+    try:
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()[-3000:]
+        host = psutil.Process(
+            json.loads(next((tmp_path / "home" / "warm-ray").glob("*.json")).read_text())["pid"]
+        )
+        second = subprocess.run(
+            [sys.executable, "-c", SECOND, runs],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path / "nb",
+            timeout=240,
+        )
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert "another kernel holds them" in second.stdout
+        assert "connection: embedded" in second.stdout
+    finally:
+        holder.communicate("", timeout=60)
+        if host is not None:
+            assert _wait_gone([host.pid], 60) == [], "the warm Ray ended once idle"
+
+
+def test_the_warm_ray_is_for_notebook_kernels_unless_asked(monkeypatch):
+    from rtnb.driver import _warm
+
+    monkeypatch.delenv("RTNB_WARM_RAY", raising=False)
+    monkeypatch.delenv("RTNB_BATCH_RUNS_FILE", raising=False)
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # any module: "in a kernel"
+    assert _warm.wanted(None) and _warm.wanted("127.0.0.1")
+    assert not _warm.wanted("0.0.0.0"), "a Ray listening on the network is the user's own"
+    monkeypatch.setenv("RTNB_BATCH_RUNS_FILE", "/tmp/x")
+    assert not _warm.wanted(None), "rtnb run: a batch run leaves nothing behind"
+    monkeypatch.setenv("RTNB_WARM_RAY", "1")
+    assert _warm.wanted(None)
+    monkeypatch.setenv("RTNB_WARM_RAY", "0")
+    monkeypatch.delenv("RTNB_BATCH_RUNS_FILE")
+    assert not _warm.wanted(None)
+    monkeypatch.delitem(sys.modules, "ipykernel")
+    monkeypatch.delenv("RTNB_WARM_RAY")
+    assert not _warm.wanted(None), "a plain script embeds, as before"
