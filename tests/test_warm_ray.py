@@ -25,6 +25,7 @@ from rtnb.driver import _warm
 s = rtnb.Session(workers=2, storage=sys.argv[1])
 s.start()
 s.run("import os, torch, rtnb\nseen = dict(cwd=os.getcwd(), value=os.environ.get('RTNB_TEST_VALUE'), "
+      "first_only=os.environ.get('RTNB_FIRST_KERNEL_ONLY'), "
       "threads=torch.get_num_threads(), pid=os.getpid(), rank=rtnb.get_context().get_world_rank())")
 seen = s.pull("seen")
 warm = _warm.active()
@@ -63,7 +64,8 @@ def test_kernels_share_one_warm_ray_that_ends_when_idle(tmp_path):
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(home), RTNB_WARM_RAY_IDLE_S="4")
-    first = _kernel(tmp_path, "stop", env)
+    # The kernel that starts the warm Ray has a variable the next kernel does not.
+    first = _kernel(tmp_path, "stop", {**env, "RTNB_FIRST_KERNEL_ONLY": "token-123"})
     host = psutil.Process(first["host"])
     try:
         assert first["launched"], "the first kernel started the warm Ray"
@@ -74,10 +76,14 @@ def test_kernels_share_one_warm_ray_that_ends_when_idle(tmp_path):
             assert seen["cwd"] == str(tmp_path / "nb")
             assert seen["value"] == "set by the kernel"
             assert seen["threads"] == 1
+            assert seen["first_only"] == "token-123"
         second = _kernel(tmp_path, "die", env)
         assert not second["launched"] and second["host"] == first["host"]
         assert second["ray_s"] < 5.0, "joining took about a second, not a Ray start"
         dead_kernels_ranks = [seen["pid"] for seen in second["seen"]]
+        assert [seen["first_only"] for seen in second["seen"]] == [None, None], (
+            "a rank has its own kernel's environment, not the one that started the warm Ray"
+        )
         assert not set(dead_kernels_ranks) & {seen["pid"] for seen in first["seen"]}
         # The second kernel died holding its ranks: the warm Ray kills them.
         assert _wait_gone(dead_kernels_ranks, 30) == []

@@ -33,6 +33,7 @@ from rtnb.core._net import probe_tcp
 from rtnb.driver._embedded import LOOPBACK, node_ip_as_given
 from rtnb.errors import ClusterError, one_line
 from rtnb.storage._rundir import BATCH_RUNS_ENV
+from rtnb.worker._actor import RAY_OWNED_ENV
 
 __all__ = ["WarmRay", "active", "attach", "state_dir", "wanted"]
 
@@ -41,8 +42,6 @@ IDLE_ENV = "RTNB_WARM_RAY_IDLE_S"
 HOME_ENV = "RTNB_HOME"
 DEFAULT_IDLE_S = 600.0
 _LAUNCH_TIMEOUT_S = 120.0
-# Variables a rank gets from Ray for itself, not from the kernel that claims it.
-_RAY_OWNED_ENV = ("RAY_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH")
 
 _active: WarmRay | None = None
 
@@ -115,7 +114,7 @@ def active() -> WarmRay | None:
 def rank_env(extra: dict[str, str]) -> dict[str, str]:
     """What an adopted rank sets in its environment: the kernel's (as a rank of an
     embedded Ray inherits it) and the session's ``env``."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(_RAY_OWNED_ENV)}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(RAY_OWNED_ENV)}
     return {**inherited, **extra}
 
 
@@ -204,10 +203,11 @@ def attach(
     with _locked(directory / f"{key}.lock"):
         state = _live_state(state_file)
         if state is None:
-            minutes = idle_seconds() / 60
+            idle = idle_seconds()
+            after = f"{idle / 60:.0f} min" if idle >= 120 else f"{idle:.0f} s"
             say(
                 "starting the warm Ray (later kernels join it in about a second; it ends "
-                f"{minutes:g} min after the last kernel leaves)"
+                f"{after} after the last kernel leaves)"
             )
             state = _launch(state_file, key, spares)
             launched = True

@@ -17,7 +17,10 @@ from typing import Any
 from rtnb.core._messages import RankUpdate
 from rtnb.worker._runtime import RankContext, RankRuntime
 
-__all__ = ["ACTOR_CONCURRENCY", "RankActor", "poll_timing"]
+__all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RankActor", "poll_timing"]
+
+# Variables a rank gets from Ray for itself, not from the kernel that adopts it.
+RAY_OWNED_ENV = ("RAY_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH")
 
 # One long-poll, one control call and one pull/push can be in flight at once.
 ACTOR_CONCURRENCY = 4
@@ -89,6 +92,10 @@ class RankActor:
         self._warm.wait(120)
         with contextlib.suppress(OSError):
             os.chdir(cwd)
+        # The kernel's environment, not the one of the kernel that started the warm
+        # Ray (which may have held other credentials); Ray's own variables stay.
+        for name in [n for n in os.environ if n not in env and not n.startswith(RAY_OWNED_ENV)]:
+            del os.environ[name]
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
         self._become_rank(context, env)
         threads = env.get("OMP_NUM_THREADS")
