@@ -166,14 +166,20 @@ def main() -> None:
         f"    (ray.init excluded on both sides: {r['ray_init_s']:.1f} s / {tuned['ray_init_s']:.1f} s;"
         f" whole first fit() {(default or tuned)['first_fit_s']:.2f} s)"
     )
-    from cold_start import cold_start_rtnb
+    from cold_start import cold_start_rtnb, cold_start_warm_pair
 
-    cold = cold_start_rtnb(eager_imports=False)
-    print(
-        f"(d) fresh kernel to first result of %%rtrain: {cold['total_s']:.1f} s (kernel "
-        f"{cold['kernel_s']:.1f} s, load_ext {cold['load_s']:.2f} s, start {cold['start_s']:.1f} s, "
-        f"cell {cold['cell_s']:.2f} s; goal <= 4.0 s) [{cold['phases']}]"
-    )
+    first, warm = cold_start_warm_pair()
+    embedded = cold_start_rtnb("embedded")
+    for label, cold in (
+        ("joining the warm Ray", warm),
+        ("the kernel that starts it", first),
+        ("embedded Ray", embedded),
+    ):
+        print(
+            f"(d) fresh kernel to first result of %%rtrain, {label}: {cold['total_s']:.1f} s "
+            f"(kernel {cold['kernel_s']:.1f} s, load_ext {cold['load_s']:.2f} s, start "
+            f"{cold['start_s']:.1f} s, cell {cold['cell_s']:.2f} s; goal <= 4.0 s) [{cold['phases']}]"
+        )
 
 
 if __name__ == "__main__":

@@ -110,6 +110,20 @@ def cold_start_rtnb(mode: str, home: str | None = None) -> dict:
     }
 
 
+def cold_start_warm_pair() -> tuple[dict, dict]:
+    """The kernel that starts a warm Ray (in a fresh RTNB_HOME), then the next kernel,
+    which joins it; the warm Ray is stopped afterwards."""
+    home = tempfile.mkdtemp(prefix="rtnb-home-")
+    try:
+        first = cold_start_rtnb("warm_first", home)
+        # A user opens the next notebook seconds later, not at once: the spare ranks
+        # made after the first kernel's claim are ready by then.
+        time.sleep(8)
+        return first, cold_start_rtnb("warm", home)
+    finally:
+        _stop_warm_ray(home)
+
+
 def _stop_warm_ray(home: str) -> None:
     """SIGTERM the warm Ray's host (it shuts its Ray down) and wait until it is gone."""
     import json
@@ -148,15 +162,9 @@ def main() -> None:
         "jupyter_distributed": [],
     }
     for _ in range(args.rounds):
-        home = tempfile.mkdtemp(prefix="rtnb-home-")
-        try:
-            runs["warm_first"].append(cold_start_rtnb("warm_first", home))
-            # A user opens the next notebook seconds later, not at once: the spare
-            # ranks made after the first kernel's claim are ready by then.
-            time.sleep(8)
-            runs["warm"].append(cold_start_rtnb("warm", home))
-        finally:
-            _stop_warm_ray(home)
+        first, warm = cold_start_warm_pair()
+        runs["warm_first"].append(first)
+        runs["warm"].append(warm)
         runs["embedded"].append(cold_start_rtnb("embedded"))
         runs["eager"].append(cold_start_rtnb("eager"))
         workdir = tempfile.mkdtemp(prefix="peer-")
