@@ -116,7 +116,7 @@ def complete(
     if sub is None:
         return []
     previous = words[-2]
-    if previous in ("--name", "--run") or (sub.name == "checkpoints" and len(words) == 3):
+    if previous in ("--name", "--run") or (sub.name in ("checkpoints", "plot") and len(words) == 3):
         if not typed.startswith("-"):
             return [r for r in _safe(run_names) if r.startswith(typed)]
     if sub.name in ("resume", "load") and not typed.startswith("-") and previous != "--run":

@@ -27,7 +27,8 @@ from rtnb.widgets import (
 from rtnb import Session
 from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
 from rtnb.errors import ConfigError
-from rtnb.storage._result import list_runs
+from rtnb.metrics._store import MetricsStore
+from rtnb.storage._result import list_runs, read_run_metrics
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
 
@@ -162,6 +163,23 @@ def _runs_args(line):
     """%rtnb runs options."""
 
 
+@magic_arguments()
+@argument("run", nargs="?", default=None, help="a run name (default: this session's run)")
+@argument(
+    "--metric",
+    action="append",
+    default=None,
+    help="only this metric (repeat for more; default: every metric)",
+)
+@argument(
+    "--storage",
+    default=None,
+    help="storage path or URI of the run (default: the session's, else ./rtnb_runs)",
+)
+def _plot_args(line):
+    """%rtnb plot options."""
+
+
 _LEADING_OPTIONS = re.compile(
     r"\s*(?:(?:--(?:background|quiet|no-live|once)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
@@ -184,6 +202,8 @@ SUBCOMMANDS = [
                _push_args),
     Subcommand("runs", "the runs found in a storage path or URI", "%rtnb runs s3://bucket/runs",
                _runs_args),
+    Subcommand("plot", "a static figure of any run's metrics (live or finished, local or S3)",
+               "%rtnb plot mnist --metric loss", _plot_args),
     Subcommand("result", "the run so far as an rtnb.Result (metrics, dataframe)",
                "result = %rtnb result"),
     Subcommand("checkpoints", "the checkpoint browser (Resume / Load / Delete)",
@@ -407,6 +427,35 @@ class RtnbMagics(Magics):
         )
         return list_runs(storage)
 
+    def _rtnb_plot(self, rest: str):
+        args = parse_argstring(_plot_args, rest)
+        session = self.session
+        storage = args.storage or (
+            session.config.storage_path if session else SessionConfig().storage_path
+        )
+        run = args.run or (session.run_name if session else None)
+        if run is None:
+            raise UsageError("%rtnb plot needs a run name (`%rtnb runs` lists them), e.g. %rtnb plot mnist")
+        if session is not None and run == session.run_name and args.storage is None:
+            store = session.metrics  # this session's run: what the kernel holds is newest
+        else:
+            try:
+                store = MetricsStore.from_rows(read_run_metrics(storage, run))
+            except ConfigError as exc:
+                raise UsageError(str(exc)) from None
+        missing = [m for m in args.metric or () if m not in store.metric_names()]
+        if missing:
+            raise UsageError(
+                f"run {run!r} has no metric {missing[0]!r}; it reported: "
+                f"{', '.join(store.metric_names()) or 'nothing yet'}"
+            )
+        bundle = static_figure_bundle(store, title=f"run {run}", metrics=args.metric)
+        if bundle is None:
+            print(f"rtnb: run {run!r} has reported no metrics yet")
+            return None
+        display(bundle, raw=True)
+        return None
+
     @staticmethod
     def _no_args(sub: str, rest: str) -> None:
         if rest:
@@ -467,12 +516,13 @@ class RtnbMagics(Magics):
                     once=args.once,
                 )
                 if not args.quiet:
-                    self.last_view = (
-                        LiveMetrics(session.metrics, handle, label=self._cell_label())
-                        if live
-                        else RankLog(handle)
-                    )
-                    display(self.last_view)
+                    if live:
+                        self.last_view = LiveMetrics(
+                            session.metrics, handle, label=self._cell_label()
+                        ).show()
+                    else:
+                        self.last_view = RankLog(handle)
+                        display(self.last_view)
                 return None
             quiet_sink = (lambda rank, stream, text: None) if (args.quiet or live) else None
             handle = session.begin_cell(
@@ -488,8 +538,7 @@ class RtnbMagics(Magics):
         reports_before = session.metrics.count()
         progress = None
         if live and not args.quiet:
-            self.last_view = LiveMetrics(session.metrics, handle, label=self._cell_label())
-            display(self.last_view)
+            self.last_view = LiveMetrics(session.metrics, handle, label=self._cell_label()).show()
         elif not args.quiet:
             progress = ProgressLines(session.metrics, handle)
         try:

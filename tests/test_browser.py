@@ -194,9 +194,10 @@ def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
                 if sum(a < b for a, b in zip(firsts, firsts[1:])) >= 3:
                     break  # seen growing three times while the cell runs
             time.sleep(0.5)
-        (tmp_path / "seen").write_text("stop")
         page.screenshot(path=str(tmp_path / "live_plot.png"), full_page=True)
+        # While it runs: at its end the live view gives way to the lasting figure.
         header = page.locator(".widget-html-content").first.inner_text()
+        (tmp_path / "seen").write_text("stop")
         page.keyboard.press("Shift+Enter")  # %rtnb stop
         _wait_idle(page)
     assert len(samples) >= 3, f"plot seen too rarely: {samples}"
@@ -249,3 +250,63 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
     frame = rtnb.Result.from_path(str(runs / "clicked")).metrics_dataframe
     values = frame[frame["rank"] == 0]["i"].tolist()
     assert values == [*range(8), *range(3, 8)], "trained 0..7, then resumed at 3 up to 7"
+
+
+def _plot_state(page) -> dict:
+    return page.evaluate(
+        "() => { const el = document.querySelector('.js-plotly-plot');"
+        " if (!el || !el.layout) return {};"
+        " return {type: el.layout.yaxis.type, traces: el.data.length,"
+        "  buttons: [...el.querySelectorAll('.updatemenu-button')].map(b => b.textContent)}; }"
+    )
+
+
+def test_a_saved_notebook_reopened_with_a_new_kernel_keeps_its_figure(lab, tmp_path):
+    """Train, save, close; reopen with a new kernel: the figure is there, not "model not
+    found", and its own buttons work without any kernel state (log y)."""
+    url, root = lab
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {tmp_path / 'runs'}",
+            "%%rtrain --steps 40\nimport rtnb, torch.distributed as dist\n"
+            "for s in range(40):\n    rtnb.report({'loss': 10.0 / (s + 1) + dist.get_rank()})",
+            "%rtnb stop",
+        ],
+    )
+    with _opened(url, name, tmp_path) as page:
+        page.keyboard.press("Shift+Enter")  # train
+        _wait_idle(page)
+        page.wait_for_selector(".js-plotly-plot .updatemenu-button", timeout=60_000)
+        page.keyboard.press("Shift+Enter")  # stop
+        _wait_idle(page)
+        page.keyboard.press("Control+s")
+        page.wait_for_timeout(1500)
+    # A new kernel: forget the old one, as closing JupyterLab would.
+    for session in json.load(urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}")):
+        request = urllib.request.Request(
+            f"{url}/api/sessions/{session['id']}?token={TOKEN}", method="DELETE"
+        )
+        urllib.request.urlopen(request)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--no-first-run"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/lab/tree/{name}?token={TOKEN}")
+            page.wait_for_selector(".js-plotly-plot .updatemenu-button", timeout=90_000)
+            before = _plot_state(page)
+            text = page.locator(".jp-Notebook").inner_text()
+            page.locator(".updatemenu-button:has-text('log y')").first.click()
+            page.wait_for_timeout(500)
+            after = _plot_state(page)
+            page.screenshot(path=str(tmp_path / "reopened.png"), full_page=True)
+        finally:
+            browser.close()
+    assert "model not found" not in text
+    assert before["traces"] == 3, "rank 0, rank 1 and the mean"
+    assert {"log y", "raw", "EMA 0.9"} <= set(before["buttons"])
+    assert before["type"] == "linear" and after["type"] == "log"

@@ -289,3 +289,58 @@ def test_after_the_cell_ends_redraws_and_controls_neither_hang_nor_go_dead(tmp_p
         assert list(view._ranks.options) == [0, 1]
     finally:
         view.close()
+
+
+def _spiky_store(tmp_path):
+    store, _ = _store(tmp_path, "spiky")
+    store.begin([0, 1])
+    for rank in (0, 1):
+        store.add(
+            rank,
+            [(s, float(s), {"loss": 100.0 if s < 3 else 1.0 / s + rank}) for s in range(1, 301)],
+        )
+    return store
+
+
+def test_y_ranges_leave_out_early_outliers_unless_asked(tmp_path):
+    from rtnb.widgets import LiveMetrics
+    from rtnb.widgets._plot import robust_range
+
+    assert robust_range([1.0] * 50) is None, "nothing to leave out: autorange"
+    assert robust_range([None, 2.0, float("nan")]) is None
+    spiky = [100.0, 90.0] + [1.0 / s for s in range(1, 200)]
+    low, high = robust_range(spiky)
+    assert high < 2.0 and low >= min(spiky), "the spike is out, the curve is in"
+    view = LiveMetrics(_spiky_store(tmp_path))
+    try:
+        view._finish()
+        layout = view.figure.layout
+        assert layout.yaxis.range[1] < 100.0 and layout.yaxis.autorange is False
+        view._outliers.value = False  # after the cell ended: the control still works
+        assert layout.yaxis.autorange is True and layout.yaxis.range is None
+        view._outliers.value = True
+        view._log_y.value = True  # log y: plotly's own range over every point
+        assert layout.yaxis.type == "log" and layout.yaxis.autorange is True
+    finally:
+        view.close()
+
+
+def test_the_lasting_figure_has_its_own_controls_and_an_svg_of_the_same_curves(tmp_path):
+    from rtnb.widgets import static_figure_bundle
+
+    bundle = static_figure_bundle(_spiky_store(tmp_path), title="cell [4] done")
+    figure = bundle["application/vnd.plotly.v1+json"]
+    assert figure["layout"]["yaxis"]["range"][1] < 100.0
+    buttons = {
+        b["label"]: b for menu in figure["layout"]["updatemenus"] for b in menu["buttons"]
+    }
+    assert buttons["log y"]["args"][0]["yaxis.type"] == "log"
+    assert buttons["fit all"]["args"][0]["yaxis.autorange"] is True
+    raw = buttons["raw"]["args"][0]["y"]
+    ema = buttons["EMA 0.9"]["args"][0]["y"]
+    assert [len(y) for y in raw] == [len(t["y"]) for t in figure["data"]] == [len(y) for y in ema]
+    assert raw[0] == figure["data"][0]["y"] and ema[0] != raw[0]
+    svg = bundle["image/svg+xml"]
+    assert svg.startswith("<svg") and svg.count("<polyline") == 3, "rank 0, rank 1, the mean"
+    assert "cell [4] done" in svg and ">loss<" in svg
+    assert len(json.dumps(bundle)) < 300_000

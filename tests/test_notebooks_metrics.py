@@ -116,3 +116,77 @@ def test_live_widget_in_a_kernel_shows_every_rank_and_the_reported_values(ray_cl
         assert kernel.execute("%rtnb stop").status == "ok"
     finally:
         kernel.shutdown()
+
+
+SVG = "image/svg+xml"
+
+
+def test_live_cells_leave_figures_that_last_in_the_saved_notebook(ray_cluster, tmp_path):
+    """A notebook run with the live view (as in JupyterLab) and saved: every widget is
+    replaced by a static figure with its own buttons (log y, outliers, EMA) and an SVG
+    (GitHub, nbviewer, nbconvert), the printed lines stay as text, a cell that
+    reported nothing leaves text only, and `%rtnb plot` draws any run's record."""
+    nb = new_notebook(
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {tmp_path}/runs --name lasting",
+            "%%rtrain --steps 50\nimport rtnb\nfor s in range(50):\n"
+            "    rtnb.report({'loss': 100.0 if s < 2 else 1.0 / (s + 1), 'acc': s / 50})\n"
+            "print('hello from the cell')",
+            "%rtrain x = 1",
+            "%%rtrain --background\nfor s in range(20):\n    rtnb.report({'loss': 0.5})",
+            "%rtnb wait",
+            "%rtnb plot lasting --metric loss",
+            "%rtnb plot no-such-run",
+            "%rtnb stop",
+        ]
+    )
+    saved = os.environ.get("RTNB_LIVE")
+    os.environ["RTNB_LIVE"] = "1"
+    try:
+        NotebookClient(
+            nb,
+            timeout=600,
+            kernel_name="python3",
+            allow_errors=True,
+            resources={"metadata": {"path": str(tmp_path)}},
+        ).execute()
+    finally:
+        if saved is None:
+            os.environ.pop("RTNB_LIVE")
+        else:
+            os.environ["RTNB_LIVE"] = saved
+    path = tmp_path / "lasting.ipynb"
+    nbformat.write(nb, path)
+    kinds = [k for cell in nb.cells for o in cell.outputs for k in o.get("data", {})]
+    assert WIDGET not in kinds, "no widget is left to read 'model not found' when reopened"
+
+    def data(cell_index: int) -> list[dict]:
+        return [o.get("data", {}) for o in nb.cells[cell_index].outputs]
+
+    trained = data(1)
+    figure = next(d for d in trained if PLOTLY in d)
+    assert SVG in figure and figure[SVG].startswith("<svg")
+    layout = figure[PLOTLY]["layout"]
+    labels = [b["label"] for menu in layout["updatemenus"] for b in menu["buttons"]]
+    assert {"log y", "fit all", "ignore outliers", "raw", "EMA 0.9"} <= set(labels)
+    assert "done" in layout["title"]["text"] and "50/50" in layout["title"]["text"]
+    loss_axis = layout["yaxis"]  # loss is reported first: the first subplot
+    assert loss_axis["range"][1] < 100.0, "the first steps' outliers are left out of the y range"
+    assert any("[rank 1] hello from the cell" in d.get("text/plain", "") for d in trained)
+
+    one_liner = data(2)
+    assert not any(PLOTLY in d for d in one_liner), "a cell that reported nothing: text only"
+    assert any("done" in d.get("text/plain", "") for d in one_liner)
+    assert any(PLOTLY in d for d in data(3)), "a background cell's view is replaced at its end"
+
+    plotted = next(d[PLOTLY] for d in data(5) if PLOTLY in d)
+    assert [a["text"] for a in plotted["layout"]["annotations"]] == ["loss"]
+    rank0 = next(t for t in plotted["data"] if t["name"] == "rank 0")
+    assert len(rank0["y"]) == 70, "both cells' reports, read from the run's record"
+    errors = [o for o in nb.cells[6].outputs if o.get("output_type") == "error"]
+    assert errors and "no run 'no-such-run'" in errors[0]["evalue"]
+
+    from nbconvert import HTMLExporter
+
+    html, _ = HTMLExporter().from_filename(str(path))
+    assert html.count("<svg") >= 3, "the figures show in nbconvert's HTML"

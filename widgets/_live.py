@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import html
+import re
 import threading
 import time
 from collections import deque
 
 import ipywidgets as w
 import numpy as np
-from rtnb.widgets._plot import BAND_FROM_RANKS, build_figure, series_xy, trace_keys
+from rtnb.widgets._plot import (
+    BAND_FROM_RANKS,
+    build_figure,
+    robust_range,
+    series_xy,
+    trace_keys,
+)
 
 __all__ = ["LiveMetrics", "format_header"]
 
@@ -113,7 +120,15 @@ class LiveMetrics(w.VBox):
         self._ranks = w.SelectMultiple(
             options=[], description="ranks", rows=2, layout=w.Layout(width="180px")
         )
-        self._controls = w.HBox([self._x_axis, self._smoothing, self._log_y, self._ranks])
+        self._outliers = w.Checkbox(
+            value=True,
+            description="ignore outliers",
+            indent=False,
+            layout=w.Layout(width="130px"),
+        )
+        self._controls = w.HBox(
+            [self._x_axis, self._smoothing, self._log_y, self._outliers, self._ranks]
+        )
         self._plot_box = w.Box()
         self._log_filter = w.Dropdown(
             options=[("all ranks", -1)], value=-1, description="log", layout=w.Layout(width="180px")
@@ -131,6 +146,14 @@ class LiveMetrics(w.VBox):
             ]
         )
         self.figure = None
+        # Where the view was shown with show(): at the cell's end it is replaced there
+        # by output that lasts in the saved notebook (see _leave_lasting_output).
+        self._display = None
+        self._logs_display = None
+        self._reports_at_start = store.count()
+        self.lasting: dict | None = None
+        self._leave_lock = threading.Lock()
+        self._left = False
         self._keys: list = []
         self._y_type = "linear"
         self._drawn_generation = -1
@@ -140,7 +163,7 @@ class LiveMetrics(w.VBox):
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._closed = False
-        for control in (self._x_axis, self._smoothing, self._log_y, self._ranks):
+        for control in (self._x_axis, self._smoothing, self._log_y, self._outliers, self._ranks):
             control.observe(self._on_control, names="value")
         self._log_filter.observe(self._on_log_filter, names="value")
         if handle is not None:
@@ -200,6 +223,18 @@ class LiveMetrics(w.VBox):
             # can cost tens of milliseconds in plotly).
             self._stopped.wait(max(self._period - spent, 9 * spent))
 
+    def show(self) -> LiveMetrics:
+        """Display the view; when its cell ends, the same place gets a static figure
+        (and the cell's output as text), so the saved notebook keeps the curves."""
+        from IPython.display import display
+
+        self._display = display(self, display_id=True)
+        # An empty output below the view, for the cell's printed lines at its end.
+        self._logs_display = display({"text/plain": ""}, raw=True, display_id=True)
+        if self._stopped.is_set():  # the cell ended before the view was shown
+            self._leave_lasting_output()
+        return self
+
     def _finish(self) -> None:
         for rank, rest in list(self._log_partial.items()):
             if rest:
@@ -208,10 +243,43 @@ class LiveMetrics(w.VBox):
         self._logs_dirty = True
         self._stopped.set()
         self.redraw()
+        try:
+            self._leave_lasting_output()
+        except Exception:  # noqa: BLE001 - the live view stays: worse, but not lost
+            pass
+
+    def _leave_lasting_output(self) -> None:
+        """Replace the widget (whose state a saved notebook does not keep: reopened, it
+        reads "model not found") by a static figure with its own buttons for log y,
+        outliers and smoothing, plus the cell's output as text; a cell that reported
+        nothing leaves only its text."""
+        from rtnb.widgets._static import static_figure_bundle
+
+        with self._leave_lock:
+            if self._display is None or self._closed or self._left:
+                return
+            self._left = True
+        header = html.unescape(re.sub(r"<[^>]+>", "", self._header.value))
+        logs = "\n".join(f"[rank {r}] {line}" for r, line in self._logs)
+        if len(self._logs) == self._logs.maxlen:
+            logs = f"(the last {len(self._logs)} lines; every line is in the run's logs/)\n" + logs
+        bundle = None
+        if self.store.count() > self._reports_at_start:
+            bundle = static_figure_bundle(self.store, title=header, max_points=self.max_points)
+        self.lasting = bundle
+        if bundle is None:
+            self._display.update({"text/plain": "\n".join(filter(None, [header, logs]))}, raw=True)
+        else:
+            self._display.update(bundle, raw=True)
+            if logs and self._logs_display is not None:
+                self._logs_display.update({"text/plain": logs}, raw=True)
+        self.close()
 
     def close(self) -> None:
         self._closed = True
         self._stopped.set()
+        if self.figure is not None:
+            self.figure.close()
         super().close()
 
     def _state(self) -> str:
@@ -287,8 +355,26 @@ class LiveMetrics(w.VBox):
                     trace.x, trace.y = np.asarray(xs), np.asarray(ys, dtype=float)
                 y_type = "log" if self._log_y.value else "linear"
                 if y_type != self._y_type:
+                    self._y_type = y_type
                     self.figure.update_yaxes(type=y_type)
+        self._apply_y_ranges()
         self.redraws += 1
+
+    def _apply_y_ranges(self) -> None:
+        """Each subplot's y range leaves out outliers unless unticked (or log y)."""
+        robust = self._outliers.value and not self._log_y.value
+        by_axis: dict[str, list] = {}
+        for trace, (_name, rank) in zip(self.figure.data, self._keys):
+            if rank not in ("low", "high") and trace.y is not None:
+                by_axis.setdefault(trace.yaxis or "y", []).append(np.asarray(trace.y, dtype=float))
+        for axis, ys in by_axis.items():
+            layout = self.figure.layout["yaxis" + axis[1:]]
+            span = robust_range(np.concatenate(ys)) if robust and ys else None
+            if span is None:
+                if layout.autorange is not True:
+                    layout.update(autorange=True, range=None)
+            elif layout.range is None or list(layout.range) != span:
+                layout.update(autorange=False, range=span)
 
     def _render_logs(self) -> None:
         wanted = self._log_filter.value

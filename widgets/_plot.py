@@ -7,7 +7,7 @@ from html import escape as html_escape
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-__all__ = ["BAND_FROM_RANKS", "build_figure", "trace_keys", "smooth", "RANK_COLORS"]
+__all__ = ["BAND_FROM_RANKS", "RANK_COLORS", "build_figure", "robust_range", "smooth", "trace_keys"]
 
 # From this many ranks on, a metric is drawn as its mean, the min-max band over the
 # ranks and a few outlier ranks (plus any the user picks), not one line per rank:
@@ -47,6 +47,24 @@ def trace_keys(store, ranks: list[int] | None = None) -> list[tuple[str, int | s
         if len(every) > 1:
             keys.append((name, "mean"))
     return keys
+
+
+def robust_range(values, low_pct: float = 2.0, high_pct: float = 98.0) -> list[float] | None:
+    """A y range that leaves out outliers (typically a loss's first steps, which would
+    flatten the rest of the curve): the 2nd-98th percentile, padded; None when that
+    is (nearly) the full range anyway. TensorBoard's default, "ignore outliers"."""
+    import numpy as np
+
+    data = np.asarray(values, dtype=float).ravel()
+    data = data[np.isfinite(data)]
+    if data.size < 10:
+        return None
+    lo, hi = np.percentile(data, [low_pct, high_pct])
+    full_lo, full_hi = float(data.min()), float(data.max())
+    if hi <= lo or (hi - lo) >= 0.8 * (full_hi - full_lo):
+        return None
+    pad = 0.1 * (hi - lo)
+    return [max(full_lo, float(lo) - pad), min(full_hi, float(hi) + pad)]
 
 
 def smooth(values: list[float], weight: float) -> list[float]:
@@ -149,7 +167,14 @@ def build_figure(
         margin={"l": 50, "r": 20, "t": 30, "b": 40},
         legend={"orientation": "h", "y": -0.12 if len(metrics) < 2 else -0.05},
         template="plotly_white",
+        # See-through, with grey text and grid: readable on JupyterLab's light and
+        # dark themes alike (a white box in a dark notebook is not).
+        paper_bgcolor="rgba(0,0,0,0)",
+        plot_bgcolor="rgba(0,0,0,0)",
+        font={"color": "#888"},
     )
+    fig.update_xaxes(gridcolor="rgba(128,128,128,0.25)", zerolinecolor="rgba(128,128,128,0.4)")
+    fig.update_yaxes(gridcolor="rgba(128,128,128,0.25)", zerolinecolor="rgba(128,128,128,0.4)")
     fig.update_yaxes(type="log" if log_y else "linear")
     fig.update_xaxes(
         title_text="step" if x_axis == "step" else "seconds", row=max(1, len(metrics)), col=1

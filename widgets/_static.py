@@ -12,9 +12,10 @@ import sys
 import time
 
 from rtnb.widgets._live import format_header
-from rtnb.widgets._plot import build_figure, trace_keys
+from rtnb.widgets._plot import build_figure, robust_range, smooth, trace_keys
+from rtnb.widgets._svg import figure_svg
 
-__all__ = ["ProgressLines", "static_figure_bundle"]
+__all__ = ["ProgressLines", "static_figure", "static_figure_bundle"]
 
 _MAX_LINES = 10
 
@@ -83,14 +84,111 @@ class ProgressLines:
         self._unsubscribe()
 
 
-def static_figure_bundle(store, title: str = "", max_points: int = 500) -> dict | None:
-    """A display bundle with the final figure as plotly JSON, or None if nothing was reported."""
-    keys = trace_keys(store)
+# The static figure's own controls (plotly buttons: they work with no kernel).
+_EMA_WEIGHTS = (0.6, 0.9)
+
+
+def static_figure(store, title: str = "", max_points: int = 500, metrics: list[str] | None = None):
+    """The store's figure for a saved notebook: every trace, y ranges that ignore early
+    outliers, and buttons for the y scale and for smoothing; None if nothing was reported."""
+    keys = [k for k in trace_keys(store) if metrics is None or k[0] in metrics]
     if not keys:
         return None
     fig = build_figure(store, keys, widget=False, max_points=max_points)
+    _add_views(fig, keys)
     if title:
-        fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 13}}, margin={"t": 50})
+        fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 13}})
+    fig.update_layout(margin={"t": 90})
+    return fig
+
+
+def _add_views(fig, keys) -> None:
+    axes = sorted({t.yaxis or "y" for t in fig.data}, key=lambda a: int(a[1:] or 1))
+    names = ["yaxis" + a[1:] for a in axes]
+    ranges = {}
+    for axis, name in zip(axes, names):
+        values = [
+            v
+            for trace, (_, rank) in zip(fig.data, keys)
+            if (trace.yaxis or "y") == axis and rank not in ("low", "high")
+            for v in (trace.y or ())
+        ]
+        ranges[name] = robust_range(values)
+    for name, span in ranges.items():
+        if span is not None:
+            fig.layout[name].range = span
+    robust = {f"{n}.range": r for n, r in ranges.items() if r is not None}
+    linear = {f"{n}.type": "linear" for n in names}
+    fit = {f"{n}.autorange": True for n in names}
+    raw = [list(t.y or ()) for t in fig.data]
+    smoothed = {
+        weight: [
+            list(t.y or ()) if rank in ("low", "high") else smooth(list(t.y or ()), weight)
+            for t, (_, rank) in zip(fig.data, keys)
+        ]
+        for weight in _EMA_WEIGHTS
+    }
+    menus = [
+        {
+            "type": "buttons",
+            "direction": "right",
+            "showactive": True,
+            "x": 1.0,
+            "xanchor": "right",
+            "y": 1.0,
+            "yanchor": "bottom",
+            "pad": {"b": 28},
+            "buttons": [
+                {"label": "ignore outliers", "method": "relayout", "args": [{**linear, **robust}]},
+                {"label": "fit all", "method": "relayout", "args": [{**linear, **fit}]},
+                {
+                    "label": "log y",
+                    "method": "relayout",
+                    "args": [{**{f"{n}.type": "log" for n in names}, **fit}],
+                },
+            ],
+        },
+        {
+            "type": "buttons",
+            "direction": "right",
+            "showactive": True,
+            "x": 0.0,
+            "xanchor": "left",
+            "y": 1.0,
+            "yanchor": "bottom",
+            "pad": {"b": 28},
+            "buttons": [
+                {"label": "raw", "method": "restyle", "args": [{"y": raw}]},
+                *(
+                    {"label": f"EMA {w:g}", "method": "restyle", "args": [{"y": ys}]}
+                    for w, ys in smoothed.items()
+                ),
+            ],
+        },
+    ]
+    if not robust:
+        menus[0]["buttons"].pop(0)
+    fig.update_layout(updatemenus=menus)
+
+
+def static_figure_bundle(
+    store, title: str = "", max_points: int = 500, metrics: list[str] | None = None
+) -> dict | None:
+    """A display bundle that lasts in a saved notebook: the figure as plotly JSON
+    (interactive wherever plotly.js renders it: JupyterLab, Notebook 7, VS Code), an
+    SVG of it for everything else (GitHub, nbviewer, nbconvert's HTML), and a text
+    summary; None if nothing was reported."""
+    fig = static_figure(store, title, max_points, metrics)
+    if fig is None:
+        return None
     progress = store.progress()
-    summary = f"rtnb metrics: {', '.join(store.metric_names())} for ranks {store.ranks()} up to step {max(progress.steps.values(), default=0)}"
-    return {"application/vnd.plotly.v1+json": json.loads(fig.to_json()), "text/plain": summary}
+    names = [m for m in store.metric_names() if metrics is None or m in metrics]
+    summary = (
+        f"rtnb metrics: {', '.join(names)} for ranks {store.ranks()} up to step "
+        f"{max(progress.steps.values(), default=0)}"
+    )
+    return {
+        "application/vnd.plotly.v1+json": json.loads(fig.to_json()),
+        "image/svg+xml": figure_svg(fig, title),
+        "text/plain": summary,
+    }

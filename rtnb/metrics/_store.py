@@ -166,6 +166,25 @@ class MetricsStore:
         self._subscribers: list[Callable[[int, ReportBatch], None]] = []
 
     # ---- writing ---------------------------------------------------------------------
+    @classmethod
+    def from_rows(cls, rows, capacity: int = 2000) -> MetricsStore:
+        """A store holding a run's metrics record (rows as ``read_metrics`` gives them:
+        rank, step, timestamp and the metrics), to draw a run that is not this
+        session's."""
+        per_rank: dict[int, list[tuple[int, float, dict]]] = {}
+        for row in rows:
+            metrics = {k: v for k, v in row.items() if k not in ("rank", "step", "timestamp")}
+            per_rank.setdefault(int(row["rank"]), []).append(
+                (int(row["step"]), float(row["timestamp"]), metrics)
+            )
+        store = cls(capacity=capacity)
+        store.begin(sorted(per_rank))
+        first = min((r[0][1] for r in per_rank.values() if r), default=None)
+        for rank in sorted(per_rank):
+            store.add(rank, ReportBatch.from_records(per_rank[rank]))
+        store.started_at = first
+        return store
+
     def subscribe(self, callback: Callable[[int, ReportBatch], None]) -> Callable[[], None]:
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None

@@ -12,7 +12,7 @@ from rtnb.errors import ConfigError
 from rtnb.storage._metricslog import read_metrics
 from rtnb.storage._rundir import RunDirectory
 
-__all__ = ["Result", "RunSummary", "list_runs"]
+__all__ = ["Result", "RunSummary", "list_runs", "read_run_metrics"]
 
 
 @dataclass
@@ -136,3 +136,18 @@ def list_runs(storage: str) -> RunTable:
         )
     runs.sort(key=lambda r: r.updated, reverse=True)
     return RunTable(storage, runs)
+
+
+def read_run_metrics(storage: str, run: str) -> list[dict]:
+    """Every report of run ``run`` under ``storage`` (live or finished, local or a URI),
+    as :func:`read_metrics` rows; one ConfigError line when there is no such run."""
+    from rtnb.core._config import check_name
+
+    check_name(run, "run")
+    run_dir = RunDirectory(storage, run)
+    if not run_dir.exists("run.json"):
+        raise ConfigError(
+            f"no run {run!r} in {redact_uri(storage)!r}: `%rtnb runs {redact_uri(storage)}` "
+            "lists the runs there"
+        )
+    return read_metrics(run_dir)
