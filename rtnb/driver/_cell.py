@@ -40,7 +40,7 @@ from rtnb.errors import (
     WorkerGroupError,
     one_line,
 )
-from rtnb.worker._actor import poll_timing
+from rtnb.worker._actor import POLL_WAIT_S, poll_timing
 
 if TYPE_CHECKING:
     from rtnb.driver._session import Session
@@ -49,6 +49,9 @@ __all__ = ["CellHandle"]
 
 # How often the driver loop wakes to check stop deadlines and Ctrl-C.
 _TICK_S = 0.1
+# How long rank 0 waits for the relayed ranks' answers: their first wait, and slack
+# for a busy machine. A rank that did not answer by then is asked directly.
+_RELAY_WAIT_S = POLL_WAIT_S + 2.0
 # When some ranks have paused for a stop while others still run, give the others
 # this long to reach a report() before choosing a later common stop step.
 _PAUSE_SKEW_S = 0.5
@@ -108,6 +111,10 @@ class CellHandle:
         self._error: BaseException | None = None
         # Driver loop state; kept on self so the loop can be re-entered after Ctrl-C.
         self._pending: dict[Any, int] = {}
+        # Rank 0's relay call while it is out (groups of RELAY_FROM_RANKS and more).
+        self._relay_ref: Any = None
+        self._relay_checkpoint: Any = None
+        self._token: int | None = None
         self._last: dict[int, RankUpdate] = {}
         self._finished: dict[int, RankUpdate] = {}
         self._dead: dict[int, str] = {}
@@ -219,9 +226,43 @@ class CellHandle:
     def _dispatch(self) -> None:
         group = self.session._require_group()
         checkpoint = self.session._checkpoint_for(self)
+        self._token = next(group.relay_tokens) if group.relay_tokens is not None else None
+        if self._token is not None and len(self.ranks) > 1:
+            # One call to rank 0 starts the cell everywhere and brings back the
+            # answers of ranks that finished at once; the others are asked directly.
+            self._relay_ref = group.actors[0].relay.remote(
+                self._token,
+                self.cell_id,
+                self.code,
+                checkpoint,
+                self.replay,
+                self.ranks,
+                _RELAY_WAIT_S,
+            )
+            self._relay_checkpoint = checkpoint
+            return
         for rank in self.ranks:
-            ref = group.actors[rank].run.remote(self.cell_id, self.code, checkpoint, self.replay)
+            ref = group.actors[rank].run.remote(
+                self.cell_id, self.code, checkpoint, self.replay, self._token
+            )
             self._pending[ref] = rank
+
+    def _take_relayed(self, answers, actors) -> None:
+        """Rank 0's relay came back: finish the ranks that answered with their last
+        update; ask the rest directly (the same token: none starts the cell twice)."""
+        self._relay_ref = None
+        if isinstance(answers, BaseException):
+            answers = {}  # rank 0 died: asking each rank directly finds out who else
+        for rank in self.ranks:
+            update = answers.get(rank)
+            if update is not None and update.state is not CellState.RUNNING:
+                self._apply(update)
+                self._finished[rank] = update
+            else:
+                ref = actors[rank].run.remote(
+                    self.cell_id, self.code, self._relay_checkpoint, self.replay, self._token
+                )
+                self._pending[ref] = rank
 
     def _loop(self) -> None:
         while True:
@@ -272,8 +313,13 @@ class CellHandle:
         while len(self._finished) + len(self._dead) < len(self.ranks):
             self._ensure_polled(actors)
             refs = list(self._pending)
+            if self._relay_ref is not None:
+                refs.append(self._relay_ref)
             ready, updates = _wait_and_get(ray, refs)
             for ref, update in zip(ready, updates):
+                if ref is self._relay_ref:
+                    self._take_relayed(update, actors)
+                    continue
                 rank = self._pending.pop(ref)
                 if isinstance(update, BaseException):
                     self._dead[rank] = one_line(update)
@@ -330,6 +376,7 @@ class CellHandle:
             f"cell {self.cell_id} restarted\n"
         )
         self._pending.clear()
+        self._relay_ref = None
         self._last.clear()
         self._finished.clear()
         self._dead.clear()
@@ -367,7 +414,9 @@ class CellHandle:
 
     def _ensure_polled(self, actors) -> None:
         # A Ctrl-C can land between taking an update and re-polling; make sure every
-        # unfinished rank always has a call in flight.
+        # unfinished rank always has a call in flight (the relay counts for all).
+        if self._relay_ref is not None:
+            return
         polled = set(self._pending.values())
         for rank in self.ranks:
             if rank not in polled and rank not in self._finished and rank not in self._dead:

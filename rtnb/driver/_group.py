@@ -6,6 +6,7 @@ actors and the placement group, even when ranks are hung in a collective.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
-from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
+from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor
 
 __all__ = ["RankInfo", "WorkerGroup", "check_capacity", "check_storage_locality"]
 
@@ -42,6 +43,9 @@ class WorkerGroup:
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
         self._placement_group = None
+        # Set when cells go through rank 0's relay (RELAY_FROM_RANKS and more ranks):
+        # the dispatch tokens, 1, 2, ... in the order the ranks listen for them.
+        self.relay_tokens: itertools.count | None = None
 
     @property
     def world_size(self) -> int:
@@ -148,6 +152,15 @@ class WorkerGroup:
                     ],
                     timeout=120,
                 )
+                if cfg.workers >= RELAY_FROM_RANKS:
+                    ray.get(
+                        [
+                            a.open_relay.remote(self.ranks[0].node_ip, master_port)
+                            for a in self.actors
+                        ],
+                        timeout=60,
+                    )
+                    self.relay_tokens = itertools.count(1)
         except ConfigError:
             self.shutdown()
             raise

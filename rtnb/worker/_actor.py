@@ -17,7 +17,7 @@ from typing import Any
 from rtnb.core._messages import RankUpdate
 from rtnb.worker._runtime import RankContext, RankRuntime
 
-__all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RankActor", "poll_timing"]
+__all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
 
 # Variables a rank gets from Ray for itself, not from the kernel that adopts it.
 RAY_OWNED_ENV = ("RAY_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH")
@@ -29,6 +29,16 @@ ACTOR_CONCURRENCY = 4
 POLL_WAIT_S = 0.25
 # Output and reports are held this long on the rank to batch them per round trip.
 BATCH_S = 0.1
+
+
+# From this many ranks, cells are started through rank 0's relay (see RankActor.relay):
+# each Ray call costs the kernel ~0.8 ms of CPU on a small machine, one per rank.
+RELAY_FROM_RANKS = 8
+_CELL_KEY = "rtnb/cell/{}"
+_ANSWER_KEY = "rtnb/answer/{}/{}"
+_RELAY_KEPT_CELLS = 256
+# A listener's blocking read of the next cell gives up after this and reads again.
+_RELAY_LISTEN_S = 3600.0
 
 
 def poll_timing(world_size: int) -> tuple[float, float]:
@@ -52,6 +62,7 @@ class RankActor:
 
     def __init__(self, context: dict[str, Any] | None, env: dict[str, str]) -> None:
         self._rendezvous: socket.socket | None = None
+        self._relay: Any = None
         self._warm = threading.Event()
         self.runtime: RankRuntime
         if context is not None:
@@ -187,12 +198,107 @@ class RankActor:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    # ---- the cell relay (groups of RELAY_FROM_RANKS and more) -------------------------
+    def open_relay(self, master_addr: str, master_port: int) -> None:
+        """Join the cell relay: a client of the group's own store (rank 0's TCPStore);
+        every rank but 0 listens there for the cells rank 0 relays."""
+        import torch.distributed as dist
+
+        self._relay = dist.TCPStore(
+            master_addr,
+            master_port,
+            is_master=False,
+            timeout=timedelta(seconds=_RELAY_LISTEN_S),
+            wait_for_workers=False,
+        )
+        if self.runtime.context.world_rank != 0:
+            threading.Thread(target=self._listen, name="rtnb-relay", daemon=True).start()
+
+    def relay(
+        self,
+        token: int,
+        cell_id: int,
+        code: str,
+        checkpoint: Any,
+        replay: bool,
+        ranks: list[int],
+        wait_s: float,
+    ) -> dict[int, RankUpdate | None]:
+        """Rank 0: start a cell on ``ranks`` with one write to the group's store (every
+        listening rank wakes at once) and gather the ranks' answers from it: one Ray
+        call for the whole group instead of one per rank. A rank's answer is its final
+        update when the cell ended within its first wait with nothing else to
+        deliver, else None: the driver then asks that rank directly (``run`` with the
+        same token, which does not start the cell twice)."""
+        from datetime import timedelta as _timedelta
+
+        from ray import cloudpickle
+
+        store = self._relay
+        store.set(
+            _CELL_KEY.format(token),
+            cloudpickle.dumps((token, cell_id, code, checkpoint, replay, ranks)),
+        )
+        answers: dict[int, RankUpdate | None] = {}
+        if 0 in ranks:
+            started = self.runtime.start_cell(cell_id, code, checkpoint, replay, token)
+            answers[0] = self.runtime.final_update(POLL_WAIT_S) if started else None
+        keys = {r: _ANSWER_KEY.format(token, r) for r in ranks if r != 0}
+        if keys:
+            try:
+                store.wait(list(keys.values()), _timedelta(seconds=wait_s))
+                present = keys
+            except Exception:  # noqa: BLE001 - a rank that did not answer in time
+                present = {r: k for r, k in keys.items() if store.check([k])}
+            values = store.multi_get(list(present.values())) if present else []
+            for rank, value in zip(present, values):
+                answers[rank] = cloudpickle.loads(value) if value else None
+            for key in present.values():
+                store.delete_key(key)
+        if token > _RELAY_KEPT_CELLS:
+            store.delete_key(_CELL_KEY.format(token - _RELAY_KEPT_CELLS))
+        return answers
+
+    def _listen(self) -> None:
+        from ray import cloudpickle
+
+        store, rank, token = self._relay, self.runtime.context.world_rank, 1
+        while True:
+            try:
+                payload = store.get(_CELL_KEY.format(token))
+            except Exception as exc:  # noqa: BLE001
+                if "timeout" in str(exc).lower():
+                    continue  # an idle group: keep listening
+                return  # the store is gone with rank 0: so is this group
+            token += 1
+            sent, cell_id, code, checkpoint, replay, ranks = cloudpickle.loads(payload)
+            if rank not in ranks:
+                continue
+            try:
+                started = self.runtime.start_cell(cell_id, code, checkpoint, replay, sent)
+                answer = self.runtime.final_update(POLL_WAIT_S) if started else None
+            except Exception:  # noqa: BLE001 - the driver's direct call reports it
+                answer = None
+            try:
+                store.set(
+                    _ANSWER_KEY.format(sent, rank),
+                    cloudpickle.dumps(answer) if answer is not None else b"",
+                )
+            except Exception:  # noqa: BLE001
+                return
+
     # ---- cells -------------------------------------------------------------------------
     def run(
-        self, cell_id: int, code: str, checkpoint: Any = None, replay: bool = False
+        self,
+        cell_id: int,
+        code: str,
+        checkpoint: Any = None,
+        replay: bool = False,
+        token: int | None = None,
     ) -> RankUpdate:
-        """Start a cell and long-poll once, so a short cell costs one round trip."""
-        self.runtime.start_cell(cell_id, code, checkpoint, replay)
+        """Start a cell (unless the relay already did, under ``token``) and long-poll
+        once, so a short cell costs one round trip."""
+        self.runtime.start_cell(cell_id, code, checkpoint, replay, token)
         return self.runtime.wait(POLL_WAIT_S, BATCH_S)
 
     def poll(self, wait_s: float = POLL_WAIT_S, batch_s: float = BATCH_S) -> RankUpdate:

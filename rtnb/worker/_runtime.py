@@ -151,6 +151,9 @@ class RankRuntime:
         self._in_flight_step: int | None = None  # guarded by _cond
         # Cell state, guarded by _cond.
         self._cell_id: int | None = None
+        # The last dispatch token started: a cell relayed through rank 0 may also
+        # arrive as a direct call, and starts once.
+        self._token = 0
         self._state = CellState.IDLE
         self._value: tuple[bytes | None, str] | None = None
         self._error: tuple[str, str] | None = None
@@ -167,12 +170,23 @@ class RankRuntime:
 
     # ---- cells -------------------------------------------------------------------
     def start_cell(
-        self, cell_id: int, code: str, checkpoint: Any = None, replay: bool = False
-    ) -> None:
+        self,
+        cell_id: int,
+        code: str,
+        checkpoint: Any = None,
+        replay: bool = False,
+        token: int | None = None,
+    ) -> bool:
         """Run ``code`` in the cell thread; ``get_checkpoint()`` returns ``checkpoint``
         during it. A ``replay`` rebuilds state after a failure: its reports are not
-        published and its checkpoints not saved (they were, the first time)."""
+        published and its checkpoints not saved (they were, the first time).
+        With a dispatch ``token``, a cell already started under it is not started
+        again (False)."""
         with self._cond:
+            if token is not None:
+                if token <= self._token:
+                    return False
+                self._token = token
             if self._state is CellState.RUNNING:
                 raise RuntimeError(f"rank {self.context.world_rank} is still running a cell")
             self._cell_id = cell_id
@@ -186,6 +200,7 @@ class RankRuntime:
             self._stop_target = None
             self._paused_at = None
         self._jobs.put((cell_id, code))
+        return True
 
     def _cell_loop(self) -> None:
         while True:
@@ -256,6 +271,30 @@ class RankRuntime:
         update.reports = reports.take()
         return update
 
+    def final_update(self, timeout: float) -> RankUpdate | None:
+        """The cell's last update if it ends within ``timeout`` and nothing waits to
+        be delivered with it (no output, reports or checkpoint offers), else None.
+        Nothing is drained: an update that gets lost on its way is simply asked for
+        again (``wait``), so a relayed answer can never lose a rank's output."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._state is CellState.RUNNING and self._paused_at is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            if (
+                self._state is CellState.RUNNING
+                or self._output
+                or self._dropped_chars
+                or self._checkpoints
+            ):
+                return None
+            with self._reports_lock:
+                if len(self._reports):
+                    return None
+            return self._update_locked([], [])
+
     def _drain_locked(self) -> tuple[RankUpdate, ReportColumns]:
         output, self._output, self._output_chars = self._output, [], 0
         if self._dropped_chars:
@@ -268,7 +307,10 @@ class RankRuntime:
         checkpoints, self._checkpoints = self._checkpoints, []
         if self._paused_at is not None:
             self._pause_reported = True
-        update = RankUpdate(
+        return self._update_locked(output, checkpoints), reports
+
+    def _update_locked(self, output: list, checkpoints: list) -> RankUpdate:
+        return RankUpdate(
             rank=self.context.world_rank,
             cell=self._cell_id,
             state=self._state,
@@ -283,7 +325,6 @@ class RankRuntime:
             error=self._error if self._state is CellState.ERROR else None,
             loaded_checkpoint=self._loaded_checkpoint,
         )
-        return update, reports
 
     # ---- output and reports (called from the cell thread) --------------------------
     def _add_output(self, stream: str, text: str) -> None:

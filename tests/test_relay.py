@@ -1,0 +1,59 @@
+"""Groups of 8 ranks and more start cells through rank 0's relay (one Ray call for the
+group, the ranks woken through their own store): nothing is lost or run twice, and a
+dead rank (rank 0 too) is found and recovered as without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import rtnb
+from rtnb.worker._actor import RELAY_FROM_RANKS
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+RANK = "import torch.distributed as dist\nrank = dist.get_rank()\n"
+
+
+def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tmp_path):
+    world = RELAY_FROM_RANKS
+    everyone = range(world)
+    with rtnb.Session(
+        workers=world, cpus_per_worker=0.2, storage=str(tmp_path), max_failures=2, stop_grace_s=1.0
+    ) as session:
+        assert session._group.relay_tokens is not None, "this size goes through the relay"
+        assert session.run(RANK + "rank") == {r: r for r in everyone}
+        lines: list[tuple[int, str]] = []
+        session.run(
+            RANK + "print('line from', rank)",
+            output=lambda rank, stream, text: lines.append((rank, text)),
+        )
+        said = [r for r, text in lines for _ in range(text.count("line from"))]
+        assert sorted(said) == list(everyone), "every rank's output, exactly once"
+        # A counter shows a relayed cell never runs twice on a rank.
+        session.run("runs = 0")
+        for i in range(25):
+            assert session.run(f"runs += 1\n{i}") == {r: i for r in everyone}
+        assert session.run("runs") == {r: 25 for r in everyone}
+        assert session.run("5", ranks=[1, 6]) == {1: 5, 6: 5}
+        with pytest.raises(rtnb.CellError, match="bad three"):
+            session.run(RANK + "if rank == 3:\n    raise ValueError('bad three')")
+        handle = session.run_background("import time\ntime.sleep(1.0)\n7")
+        assert handle.wait(120) == {r: 7 for r in everyone}
+        reported = session.run(
+            "import rtnb\nfor s in range(50):\n    rtnb.report({'x': s})\ns"
+        )
+        assert reported == {r: 49 for r in everyone}
+        assert all(session.metrics.count(r) == 50 for r in everyone)
+
+        # Rank 5 dies between cells: the next cell finds it and recovers.
+        os.kill(session.status().ranks[5].pid, signal.SIGKILL)
+        assert session.run("1") == {r: 1 for r in everyone}
+        assert session._group.relay_tokens is not None, "the rebuilt group relays too"
+        # Rank 0, the relay itself, dies: the same.
+        os.kill(session.status().ranks[0].pid, signal.SIGKILL)
+        assert session.run(RANK + "rank * 2") == {r: 2 * r for r in everyone}
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
