@@ -277,7 +277,9 @@ def test_a_saved_notebook_reopened_with_a_new_kernel_keeps_its_figure(lab, tmp_p
     with _opened(url, name, tmp_path) as page:
         page.keyboard.press("Shift+Enter")  # train
         _wait_idle(page)
-        page.wait_for_selector(".js-plotly-plot .updatemenu-button", timeout=60_000)
+        page.wait_for_selector(
+            ".js-plotly-plot .updatemenu-button", state="attached", timeout=60_000
+        )
         page.keyboard.press("Shift+Enter")  # stop
         _wait_idle(page)
         page.keyboard.press("Control+s")
@@ -297,7 +299,15 @@ def test_a_saved_notebook_reopened_with_a_new_kernel_keeps_its_figure(lab, tmp_p
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{url}/lab/tree/{name}?token={TOKEN}")
-            page.wait_for_selector(".js-plotly-plot .updatemenu-button", timeout=90_000)
+            # JupyterLab's plotly renderer shows the PNG it saved with the figure and
+            # makes it interactive when the pointer enters it.
+            rendered = page.locator(".jp-RenderedPlotly").first
+            rendered.wait_for(timeout=90_000)
+            saved_png = page.locator(".jp-RenderedPlotly img.plot-img").count()
+            rendered.hover()
+            page.wait_for_selector(
+                ".js-plotly-plot .updatemenu-button", state="attached", timeout=60_000
+            )
             before = _plot_state(page)
             text = page.locator(".jp-Notebook").inner_text()
             page.locator(".updatemenu-button:has-text('log y')").first.click()
@@ -307,6 +317,7 @@ def test_a_saved_notebook_reopened_with_a_new_kernel_keeps_its_figure(lab, tmp_p
         finally:
             browser.close()
     assert "model not found" not in text
+    assert saved_png == 1, "the figure was saved with its PNG (what GitHub shows)"
     assert before["traces"] == 3, "rank 0, rank 1 and the mean"
     assert {"log y", "raw", "EMA 0.9"} <= set(before["buttons"])
     assert before["type"] == "linear" and after["type"] == "log"

@@ -306,11 +306,14 @@ def test_y_ranges_leave_out_early_outliers_unless_asked(tmp_path):
     from rtnb.widgets import LiveMetrics
     from rtnb.widgets._plot import robust_range
 
-    assert robust_range([1.0] * 50) is None, "nothing to leave out: autorange"
-    assert robust_range([None, 2.0, float("nan")]) is None
-    spiky = [100.0, 90.0] + [1.0 / s for s in range(1, 200)]
-    low, high = robust_range(spiky)
-    assert high < 2.0 and low >= min(spiky), "the spike is out, the curve is in"
+    assert robust_range([[1.0] * 50]) is None, "nothing to leave out: autorange"
+    assert robust_range([[None, 2.0, float("nan")]]) is None
+    assert robust_range([[1.0 / s for s in range(1, 200)]]) is not None
+    rising = [float(s) for s in range(100)]
+    assert robust_range([rising]) is None, "no early outlier: everything stays in"
+    spiky = [100.0, 90.0] + [1.0 / s for s in range(1, 50)]
+    low, high = robust_range([spiky, [x + 1 for x in spiky]])
+    assert 1.0 < high < 3.0 and low < min(spiky[5:]), "the spike is out, every later point in"
     view = LiveMetrics(_spiky_store(tmp_path))
     try:
         view._finish()

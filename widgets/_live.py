@@ -264,7 +264,10 @@ class LiveMetrics(w.VBox):
         if len(self._logs) == self._logs.maxlen:
             logs = f"(the last {len(self._logs)} lines; every line is in the run's logs/)\n" + logs
         bundle = None
-        if self.store.count() > self._reports_at_start:
+        reported = getattr(self.handle, "reported", None)
+        if reported is None:  # no cell: whatever arrived while the view was up
+            reported = self.store.count() > self._reports_at_start
+        if reported:
             bundle = static_figure_bundle(self.store, title=header, max_points=self.max_points)
         self.lasting = bundle
         if bundle is None:
@@ -369,7 +372,7 @@ class LiveMetrics(w.VBox):
                 by_axis.setdefault(trace.yaxis or "y", []).append(np.asarray(trace.y, dtype=float))
         for axis, ys in by_axis.items():
             layout = self.figure.layout["yaxis" + axis[1:]]
-            span = robust_range(np.concatenate(ys)) if robust and ys else None
+            span = robust_range(ys) if robust and ys else None
             if span is None:
                 if layout.autorange is not True:
                     layout.update(autorange=True, range=None)

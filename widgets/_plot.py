@@ -49,22 +49,29 @@ def trace_keys(store, ranks: list[int] | None = None) -> list[tuple[str, int | s
     return keys
 
 
-def robust_range(values, low_pct: float = 2.0, high_pct: float = 98.0) -> list[float] | None:
-    """A y range that leaves out outliers (typically a loss's first steps, which would
-    flatten the rest of the curve): the 2nd-98th percentile, padded; None when that
-    is (nearly) the full range anyway. TensorBoard's default, "ignore outliers"."""
+def robust_range(traces, early: float = 0.1) -> list[float] | None:
+    """A y range for ``traces`` (each a sequence of y values, in step order) that
+    leaves out their first steps: a loss's first values would flatten the rest of
+    the curve (TensorBoard's "ignore outliers", on by default). The range of each
+    trace after its first ``early`` share of points, padded; None when that is
+    (nearly) the full range anyway or too few points remain."""
     import numpy as np
 
-    data = np.asarray(values, dtype=float).ravel()
-    data = data[np.isfinite(data)]
-    if data.size < 10:
+    rest, every = [], []
+    for ys in traces:
+        data = np.asarray(ys, dtype=float).ravel()
+        data = data[np.isfinite(data)]
+        every.append(data)
+        rest.append(data[max(1, int(len(data) * early)) :])
+    rest_all, every_all = np.concatenate(rest or [[]]), np.concatenate(every or [[]])
+    if rest_all.size < 5:
         return None
-    lo, hi = np.percentile(data, [low_pct, high_pct])
-    full_lo, full_hi = float(data.min()), float(data.max())
-    if hi <= lo or (hi - lo) >= 0.8 * (full_hi - full_lo):
+    lo, hi = float(rest_all.min()), float(rest_all.max())
+    full_lo, full_hi = float(every_all.min()), float(every_all.max())
+    if hi - lo >= 0.8 * (full_hi - full_lo):
         return None
-    pad = 0.1 * (hi - lo)
-    return [max(full_lo, float(lo) - pad), min(full_hi, float(hi) + pad)]
+    pad = 0.05 * (hi - lo) if hi > lo else max(abs(hi) * 0.05, 1e-12)
+    return [lo - pad, hi + pad]
 
 
 def smooth(values: list[float], weight: float) -> list[float]:

@@ -97,8 +97,11 @@ def static_figure(store, title: str = "", max_points: int = 500, metrics: list[s
     fig = build_figure(store, keys, widget=False, max_points=max_points)
     _add_views(fig, keys)
     if title:
-        fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 13}})
-    fig.update_layout(margin={"t": 90})
+        # The title on the first line, the buttons on the second, the plot below.
+        fig.update_layout(
+            title={"text": title, "x": 0.01, "y": 0.995, "yanchor": "top", "font": {"size": 13}}
+        )
+    fig.update_layout(margin={"t": 100})
     return fig
 
 
@@ -107,13 +110,13 @@ def _add_views(fig, keys) -> None:
     names = ["yaxis" + a[1:] for a in axes]
     ranges = {}
     for axis, name in zip(axes, names):
-        values = [
-            v
-            for trace, (_, rank) in zip(fig.data, keys)
-            if (trace.yaxis or "y") == axis and rank not in ("low", "high")
-            for v in (trace.y or ())
-        ]
-        ranges[name] = robust_range(values)
+        ranges[name] = robust_range(
+            [
+                trace.y or ()
+                for trace, (_, rank) in zip(fig.data, keys)
+                if (trace.yaxis or "y") == axis and rank not in ("low", "high")
+            ]
+        )
     for name, span in ranges.items():
         if span is not None:
             fig.layout[name].range = span

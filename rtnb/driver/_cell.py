@@ -107,6 +107,8 @@ class CellHandle:
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._done = threading.Event()
+        self._settled = threading.Event()  # the done-callbacks have run
+        self._finishing_thread: threading.Thread | None = None
         self._value: PerRank | None = None
         self._error: BaseException | None = None
         # Driver loop state; kept on self so the loop can be re-entered after Ctrl-C.
@@ -167,6 +169,10 @@ class CellHandle:
                         f"cell {self.cell_id} lost its worker group (the group is "
                         f"{self.session.state}); nothing is left to wait for"
                     )
+        if threading.current_thread() is not self._finishing_thread:
+            # What the cell's views do at its end (a live view leaves its lasting
+            # figure) is done when wait returns; bounded, so a slow view cannot hang it.
+            self._settled.wait(5.0)
         if self._error is not None:
             raise self._error
         assert self._value is not None
@@ -589,6 +595,7 @@ class CellHandle:
         self._finish(error=error)
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
+        self._finishing_thread = threading.current_thread()
         if not self.replay and self._commit_error is None:
             try:
                 self.session._commit_checkpoints(self)
@@ -611,11 +618,14 @@ class CellHandle:
         if not self.replay:
             self.session._cell_ended(self)
         self._done.set()
-        for callback in self._done_callbacks:
-            try:
-                callback(self)
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            for callback in self._done_callbacks:
+                try:
+                    callback(self)
+                except Exception:  # noqa: BLE001
+                    pass
+        finally:
+            self._settled.set()
 
 
 def _wait_and_get(ray, refs: list) -> tuple[list, list]:
