@@ -22,6 +22,7 @@ the group, exactly once. A rank that dies hands the cell to recovery
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -261,6 +262,8 @@ class CellHandle:
             answers = {}  # rank 0 died: asking each rank directly finds out who else
         for rank in self.ranks:
             update = answers.get(rank)
+            if isinstance(update, bytes):
+                update = pickle.loads(update)  # a RankUpdate, as the rank sent it
             if update is not None and update.state is not CellState.RUNNING:
                 self._apply(update)
                 self._finished[rank] = update

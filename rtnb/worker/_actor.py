@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -223,13 +224,13 @@ class RankActor:
         replay: bool,
         ranks: list[int],
         wait_s: float,
-    ) -> dict[int, RankUpdate | None]:
+    ) -> dict[int, bytes | RankUpdate | None]:
         """Rank 0: start a cell on ``ranks`` with one write to the group's store (every
         listening rank wakes at once) and gather the ranks' answers from it: one Ray
         call for the whole group instead of one per rank. A rank's answer is its final
-        update when the cell ended within its first wait with nothing else to
-        deliver, else None: the driver then asks that rank directly (``run`` with the
-        same token, which does not start the cell twice)."""
+        update (pickled, as the rank sent it) when the cell ended within its first
+        wait with nothing else to deliver, else None: the driver then asks that rank
+        directly (``run`` with the same token, which does not start the cell twice)."""
         from datetime import timedelta as _timedelta
 
         from ray import cloudpickle
@@ -252,7 +253,7 @@ class RankActor:
                 present = {r: k for r, k in keys.items() if store.check([k])}
             values = store.multi_get(list(present.values())) if present else []
             for rank, value in zip(present, values):
-                answers[rank] = cloudpickle.loads(value) if value else None
+                answers[rank] = value or None
             for key in present.values():
                 store.delete_key(key)
         if token > _RELAY_KEPT_CELLS:
@@ -282,7 +283,7 @@ class RankActor:
             try:
                 store.set(
                     _ANSWER_KEY.format(sent, rank),
-                    cloudpickle.dumps(answer) if answer is not None else b"",
+                    pickle.dumps(answer) if answer is not None else b"",
                 )
             except Exception:  # noqa: BLE001
                 return
