@@ -98,6 +98,9 @@ class RankContext:
 
 
 _CURRENT: RankRuntime | None = None
+# Reports buffered when a batch is due (500 in 0.1 s: 5,000 reports/s) from which the
+# batch is held three times as long.
+_BUSY_REPORTS = 500
 
 
 def current_runtime() -> RankRuntime | None:
@@ -258,9 +261,13 @@ class RankRuntime:
                     break
                 if self._output or self._reports:
                     first_event = first_event or now
-                    if now - first_event >= batch_s:
+                    # A loop reporting thousands of times a second gets longer
+                    # batches: each answered poll costs the kernel and Ray a
+                    # millisecond or two of CPU, taken from the ranks on a small machine.
+                    window = batch_s * (3 if len(self._reports) >= _BUSY_REPORTS else 1)
+                    if now - first_event >= window:
                         break
-                    wake = min(deadline, first_event + batch_s)
+                    wake = min(deadline, first_event + window)
                 else:
                     wake = deadline
                 if now >= deadline:
