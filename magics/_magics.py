@@ -18,6 +18,7 @@ from rtnb.magics._help import Subcommand, complete, full_help, parser_flags, sub
 from rtnb.widgets import (
     CheckpointBrowser,
     LiveMetrics,
+    LiveOnFirstReport,
     ProgressLines,
     RankLog,
     has_live_frontend,
@@ -26,6 +27,7 @@ from rtnb.widgets import (
 
 from rtnb import Session
 from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
+from rtnb.driver._output import print_sink
 from rtnb.errors import ConfigError
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._result import list_runs, read_run_metrics
@@ -185,33 +187,63 @@ _LEADING_OPTIONS = re.compile(
 )
 
 SUBCOMMANDS = [
-    Subcommand("start", "start the worker group (embedded Ray unless --address)",
-               "%rtnb start --workers 4 --name mnist --max-failures 2", _start_args),
-    Subcommand("status", "ranks, nodes, pids, devices, state and the running cell",
-               "%rtnb status"),
+    Subcommand(
+        "start",
+        "start the worker group (embedded Ray unless --address)",
+        "%rtnb start --workers 4 --name mnist --max-failures 2",
+        _start_args,
+    ),
+    Subcommand("status", "ranks, nodes, pids, devices, state and the running cell", "%rtnb status"),
     Subcommand("stop", "free every actor and the placement group", "%rtnb stop"),
-    Subcommand("restart", "a fresh group (--replay keeps the ranks' state)",
-               "%rtnb restart --replay", _restart_args),
-    Subcommand("scale", "a group of N ranks holding the same state (journal replay)",
-               "%rtnb scale 4", _scale_args),
-    Subcommand("wait", "the value of the last --background cell",
-               "%rtnb wait --timeout 60", _wait_args),
-    Subcommand("pull", "a rank variable -> a list in the notebook", "%rtnb pull loss --ranks 0",
-               _pull_args),
-    Subcommand("push", "notebook variables -> every rank", "%rtnb push lr batch_size",
-               _push_args),
-    Subcommand("runs", "the runs found in a storage path or URI", "%rtnb runs s3://bucket/runs",
-               _runs_args),
-    Subcommand("plot", "a static figure of any run's metrics (live or finished, local or S3)",
-               "%rtnb plot mnist --metric loss", _plot_args),
-    Subcommand("result", "the run so far as an rtnb.Result (metrics, dataframe)",
-               "result = %rtnb result"),
-    Subcommand("checkpoints", "the checkpoint browser (Resume / Load / Delete)",
-               "%rtnb checkpoints", _checkpoints_args),
-    Subcommand("resume", "run the last training cell again from a checkpoint",
-               "%rtnb resume step-20", _resume_args),
-    Subcommand("load", "rtnb.get_checkpoint() returns this checkpoint on every rank",
-               "%rtnb load latest --run other-run", _resume_args),
+    Subcommand(
+        "restart",
+        "a fresh group (--replay keeps the ranks' state)",
+        "%rtnb restart --replay",
+        _restart_args,
+    ),
+    Subcommand(
+        "scale",
+        "a group of N ranks holding the same state (journal replay)",
+        "%rtnb scale 4",
+        _scale_args,
+    ),
+    Subcommand(
+        "wait", "the value of the last --background cell", "%rtnb wait --timeout 60", _wait_args
+    ),
+    Subcommand(
+        "pull", "a rank variable -> a list in the notebook", "%rtnb pull loss --ranks 0", _pull_args
+    ),
+    Subcommand("push", "notebook variables -> every rank", "%rtnb push lr batch_size", _push_args),
+    Subcommand(
+        "runs", "the runs found in a storage path or URI", "%rtnb runs s3://bucket/runs", _runs_args
+    ),
+    Subcommand(
+        "plot",
+        "a static figure of any run's metrics (live or finished, local or S3)",
+        "%rtnb plot mnist --metric loss",
+        _plot_args,
+    ),
+    Subcommand(
+        "result", "the run so far as an rtnb.Result (metrics, dataframe)", "result = %rtnb result"
+    ),
+    Subcommand(
+        "checkpoints",
+        "the checkpoint browser (Resume / Load / Delete)",
+        "%rtnb checkpoints",
+        _checkpoints_args,
+    ),
+    Subcommand(
+        "resume",
+        "run the last training cell again from a checkpoint",
+        "%rtnb resume step-20",
+        _resume_args,
+    ),
+    Subcommand(
+        "load",
+        "rtnb.get_checkpoint() returns this checkpoint on every rank",
+        "%rtnb load latest --run other-run",
+        _resume_args,
+    ),
 ]
 _SUBCOMMANDS = tuple(sub.name for sub in SUBCOMMANDS)
 _BY_NAME = {s.name: s for s in SUBCOMMANDS}
@@ -435,7 +467,9 @@ class RtnbMagics(Magics):
         )
         run = args.run or (session.run_name if session else None)
         if run is None:
-            raise UsageError("%rtnb plot needs a run name (`%rtnb runs` lists them), e.g. %rtnb plot mnist")
+            raise UsageError(
+                "%rtnb plot needs a run name (`%rtnb runs` lists them), e.g. %rtnb plot mnist"
+            )
         if session is not None and run == session.run_name and args.storage is None:
             store = session.metrics  # this session's run: what the kernel holds is newest
         else:
@@ -501,11 +535,12 @@ class RtnbMagics(Magics):
         args = parse_argstring(self.rtrain_line, options)
         if not statement:
             raise UsageError("%rtrain needs a statement, e.g. `%rtrain x = 1`")
-        return self._run(statement, args)
+        # A one-liner prints plainly: no live view re-plotting the whole run for it.
+        return self._run(statement, args, live_view=False)
 
-    def _run(self, code: str, args):
+    def _run(self, code: str, args, live_view: bool = True):
         session = self._require()
-        live = not args.no_live and has_live_frontend()
+        live = live_view and not args.no_live and has_live_frontend()
         try:
             if args.background:
                 handle = session.run_background(
@@ -524,33 +559,42 @@ class RtnbMagics(Magics):
                         self.last_view = RankLog(handle)
                         display(self.last_view)
                 return None
-            quiet_sink = (lambda rank, stream, text: None) if (args.quiet or live) else None
+            late = None
+            if args.quiet:
+                sink = lambda rank, stream, text: None  # noqa: E731
+            elif live:
+                late = LiveOnFirstReport(session.metrics, print_sink(), self._cell_label())
+                sink = late
+            else:
+                sink = None
             handle = session.begin_cell(
                 code,
                 ranks=args.ranks,
                 timeout=args.timeout,
                 total_steps=args.steps,
-                output=quiet_sink,
+                output=sink,
                 once=args.once,
             )
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
         reports_before = session.metrics.count()
         progress = None
-        if live and not args.quiet:
-            self.last_view = LiveMetrics(session.metrics, handle, label=self._cell_label()).show()
+        if late is not None:
+            late.attach(handle)
         elif not args.quiet:
             progress = ProgressLines(session.metrics, handle)
         try:
             return _shown(handle.run_here())
         finally:
+            if late is not None:
+                late.close()
+                self.last_view = late.view or self.last_view
             if progress is not None:
                 progress.close()
                 if session.metrics.count() > reports_before:
                     bundle = static_figure_bundle(session.metrics, title=f"run {session.run_name}")
                     if bundle is not None:
                         display(bundle, raw=True)
-
 
     def _cell_label(self) -> str | None:
         # While a cell runs, IPython's execution_count is the number of its In [N].
@@ -562,7 +606,9 @@ class RtnbMagics(Magics):
 # and every %%rtrain flag, from the parsers themselves.
 _intro, _, _rest = RtnbMagics.rtnb.__doc__.partition("Subcommands::")
 RtnbMagics.rtnb.__doc__ = full_help(
-    _intro + "Example::" + _rest.partition("Example::")[2], SUBCOMMANDS, RtnbMagics.rtrain_cell.parser
+    _intro + "Example::" + _rest.partition("Example::")[2],
+    SUBCOMMANDS,
+    RtnbMagics.rtrain_cell.parser,
 )
 
 

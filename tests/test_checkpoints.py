@@ -169,21 +169,37 @@ def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint()
         lambda: list(rows),
         load=lambda cid: calls.append(("load", cid)),
         resume=lambda cid: calls.append(("resume", cid)) or "resumed",
+        delete=lambda cid: (
+            calls.append(("delete", cid)) or rows.remove(next(r for r in rows if r.id == cid))
+        ),
     )
     assert [c.id for c in browser.rows()] == ["step-000000003", "step-000000002", "step-000000001"]
+    assert browser._choice.value is None, "nothing is chosen until the user chooses"
+    assert all(b.disabled for b in browser._buttons.values()), "no button acts on nothing"
     browser._sort.value = "loss"
-    browser._descending.value = False
+    assert browser._descending.value is False, "by a metric, lowest (best loss) first"
     assert [c.id for c in browser.rows()][:2] == ["step-000000002", "step-000000001"]
-    assert list(browser._choice.options) == ["step-000000002", "step-000000001"], (
-        "incomplete ones are not offered"
-    )
+    assert [v for _label, v in browser._choice.options] == [
+        None,
+        "step-000000002",
+        "step-000000001",
+    ], "incomplete ones are not offered"
+    assert "step-000000002 (latest)" in browser._table.value
     assert "2.0 KB" in browser._table.value and "incomplete" in browser._table.value
+    assert 'text-align:right;padding:2px 10px">3' in browser._table.value, "numbers right"
+    browser._choice.value = "step-000000002"
+    assert browser._buttons["Delete"].disabled, "the latest committed one is never offered"
+    assert not browser._buttons["Load"].disabled
     browser._choice.value = "step-000000001"
     browser._buttons["Load"].click()
     browser._buttons["Resume"].click()
     assert calls == [("load", "step-000000001"), ("resume", "step-000000001")]
     assert "resumed" in browser.message.value
-    assert browser._buttons["Delete"].disabled
+    browser._buttons["Delete"].click()
+    assert calls[-1][0] != "delete" and "Confirm delete" in browser.message.value
+    browser._buttons["Delete"].click()
+    assert calls[-1] == ("delete", "step-000000001")
+    assert browser._choice.value is None and browser._buttons["Delete"].disabled
 
 
 def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_path):
@@ -199,8 +215,30 @@ def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_pa
         timeout=60,
     )
     assert runs.returncode == 0 and "cli-run" in runs.stdout and "stopped" in runs.stdout
+    head, row = runs.stdout.strip().splitlines()[:2]
+    assert head.split()[:8] == [
+        "run",
+        "status",
+        "ranks",
+        "started",
+        "updated",
+        "duration",
+        "steps",
+        "checkpoints",
+    ]
+    cells = row.split()
+    assert cells[:3] == ["cli-run", "stopped", "2"]
+    assert cells[8:10] == ["2", "2"], "steps and committed checkpoints of the run"
     table = subprocess.run(
-        [sys.executable, "-m", "rtnb.batch.cli", "checkpoints", "cli-run", "--storage", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "rtnb.batch.cli",
+            "checkpoints",
+            "cli-run",
+            "--storage",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

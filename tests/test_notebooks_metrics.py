@@ -132,7 +132,8 @@ def test_live_cells_leave_figures_that_last_in_the_saved_notebook(ray_cluster, t
             "%%rtrain --steps 50\nimport rtnb\nfor s in range(50):\n"
             "    rtnb.report({'loss': 100.0 if s < 2 else 1.0 / (s + 1), 'acc': s / 50})\n"
             "print('hello from the cell')",
-            "%rtrain x = 1",
+            "%%rtrain\nx = 1\nprint('no reports here')",
+            "%rtrain y = 2",
             "%%rtrain --background\nfor s in range(20):\n    rtnb.report({'loss': 0.5})",
             "%rtnb wait",
             "%rtnb plot lasting --metric loss",
@@ -174,16 +175,18 @@ def test_live_cells_leave_figures_that_last_in_the_saved_notebook(ray_cluster, t
     assert loss_axis["range"][1] < 100.0, "the first steps' outliers are left out of the y range"
     assert any("[rank 1] hello from the cell" in d.get("text/plain", "") for d in trained)
 
-    one_liner = data(2)
-    assert not any(PLOTLY in d for d in one_liner), "a cell that reported nothing: text only"
-    assert any("done" in d.get("text/plain", "") for d in one_liner)
-    assert any(PLOTLY in d for d in data(3)), "a background cell's view is replaced at its end"
+    kinds_2 = {o.get("output_type") for o in nb.cells[2].outputs}
+    assert kinds_2 == {"stream"}, "a cell that never reported gets no view, its lines print"
+    printed = "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    assert "[rank 0] no reports here" in printed and "[rank 1] no reports here" in printed
+    assert data(3) == [], "a one-liner shows no view (and here prints nothing)"
+    assert any(PLOTLY in d for d in data(4)), "a background cell's view is replaced at its end"
 
-    plotted = next(d[PLOTLY] for d in data(5) if PLOTLY in d)
+    plotted = next(d[PLOTLY] for d in data(6) if PLOTLY in d)
     assert [a["text"] for a in plotted["layout"]["annotations"]] == ["loss"]
     rank0 = next(t for t in plotted["data"] if t["name"] == "rank 0")
     assert len(rank0["y"]) == 70, "both cells' reports, read from the run's record"
-    said = "".join(o.get("text", "") for o in nb.cells[6].outputs)
+    said = "".join(o.get("text", "") for o in nb.cells[7].outputs)
     assert "UsageError: no run 'no-such-run'" in said and "%rtnb runs" in said
 
     from nbconvert import HTMLExporter

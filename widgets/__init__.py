@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from rtnb.widgets._checkpoints import CheckpointBrowser
 from rtnb.widgets._frontend import has_live_frontend
-from rtnb.widgets._live import LiveMetrics, format_header
+from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport, format_header
 from rtnb.widgets._logs import RankLog
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
 
 __all__ = [
     "CheckpointBrowser",
     "LiveMetrics",
+    "LiveOnFirstReport",
     "ProgressLines",
     "RankLog",
     "format_header",

@@ -18,7 +18,7 @@ from rtnb.widgets._plot import (
     trace_keys,
 )
 
-__all__ = ["LiveMetrics", "format_header"]
+__all__ = ["LiveMetrics", "LiveOnFirstReport", "format_header"]
 
 _MAX_LOG_LINES = 2000
 _SHOWN_LOG_LINES = 200
@@ -92,6 +92,7 @@ class LiveMetrics(w.VBox):
         max_hz: float = 10.0,
         max_points: int = 1000,
         label: str | None = None,
+        replay_output: bool = True,
     ) -> None:
         self.store = store
         self.handle = handle
@@ -167,7 +168,7 @@ class LiveMetrics(w.VBox):
             control.observe(self._on_control, names="value")
         self._log_filter.observe(self._on_log_filter, names="value")
         if handle is not None:
-            handle.add_sink(self._on_output)
+            handle.add_sink(self._on_output, replay=replay_output)
             handle.add_done_callback(lambda _h: self._finish())
         self._thread = threading.Thread(target=self._loop, name="rtnb-live-metrics", daemon=True)
         self._thread.start()
@@ -309,9 +310,7 @@ class LiveMetrics(w.VBox):
             getattr(handle, "recoveries", 0),
             getattr(handle, "restarted_from", None),
             label=self.label,
-            running_ranks=(
-                {r for r, s in states.items() if s == "running"} if states else None
-            ),
+            running_ranks=({r for r, s in states.items() if s == "running"} if states else None),
         )
         if self._logs_dirty:
             self._logs_dirty = False
@@ -389,3 +388,44 @@ class LiveMetrics(w.VBox):
             + html.escape("\n".join(lines))
             + "</pre>"
         )
+
+
+class LiveOnFirstReport:
+    """A foreground cell's output in a live frontend: printed plainly (``printer``)
+    until the cell's first report, then the live view appears under it and takes the
+    output from there on. A cell that never reports gets no widget at all.
+
+    Use it as the cell's output sink, then :meth:`attach` the cell's handle; the
+    view is shown from the thread that drives the cell (the reports arrive there), so
+    it lands in that cell's output."""
+
+    def __init__(self, store, printer, label: str | None = None) -> None:
+        self.store = store
+        self.label = label
+        self.view: LiveMetrics | None = None
+        self._printer = printer
+        self._handle = None
+        self._unsubscribe = store.subscribe(self._on_reports)
+
+    def __call__(self, rank: int, stream: str, text: str) -> None:
+        if self.view is None:
+            self._printer(rank, stream, text)
+
+    def flush(self) -> None:
+        flush = getattr(self._printer, "flush", None)
+        if flush is not None:
+            flush()
+
+    def attach(self, handle) -> None:
+        self._handle = handle
+
+    def _on_reports(self, _rank, _batch) -> None:
+        if self.view is not None or self._handle is None or self._handle.done():
+            return
+        self.flush()  # a half-printed line goes out before the view
+        self.view = LiveMetrics(
+            self.store, self._handle, label=self.label, replay_output=False
+        ).show()
+
+    def close(self) -> None:
+        self._unsubscribe()

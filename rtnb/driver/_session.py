@@ -118,6 +118,7 @@ class Session:
         self._last_background: CellHandle | None = None
         self._last_error: BaseException | None = None
         self._last_training_code: str | None = None
+        self._started_at: float | None = None  # run.json's "started"
         self._lock = threading.RLock()
         _LIVE.add(self)
 
@@ -348,10 +349,20 @@ class Session:
     def _write_run_json(self) -> None:
         group = self._group
         ranks = [vars(r) for r in group.ranks] if group is not None else []
+        if self._started_at is None:
+            # A run carried on by a new session keeps the time it first started.
+            try:
+                earlier = (
+                    self.run_dir.read_json("run.json") if self.run_dir.exists("run.json") else {}
+                )
+            except (OSError, ValueError):
+                earlier = {}
+            self._started_at = float(earlier.get("started") or time.time())
         self.run_dir.write_json(
             "run.json",
             {
                 "run_name": self.run_name,
+                "started": self._started_at,
                 "status": str(self.state),
                 "config": self.config.to_dict(),
                 "ranks": ranks,
@@ -695,6 +706,9 @@ class Session:
             self._last_error = handle.error
             if handle.reported:
                 self._last_training_code = handle.code
+                # `%rtnb runs` shows steps and duration: keep them current.
+                with contextlib.suppress(Exception):
+                    self._write_run_json()
             error = handle.error
             outcome = (
                 CellOutcome.OK

@@ -83,6 +83,13 @@ class RunSummary:
     workers: int
     updated: float
     path: str
+    started: float = 0.0
+    last_step: int = 0
+    checkpoints: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.updated - self.started) if self.started else 0.0
 
 
 @dataclass
@@ -95,12 +102,37 @@ class RunTable:
 
         if not self.runs:
             return f"no rtnb runs in {redact_uri(self.storage)}"
-        rows = [["run", "status", "workers", "updated", "path"]] + [
+
+        def when(t: float) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+        def took(seconds: float) -> str:
+            minutes, secs = divmod(int(seconds), 60)
+            hours, minutes = divmod(minutes, 60)
+            return f"{hours}:{minutes:02d}:{secs:02d}"
+
+        rows = [
+            [
+                "run",
+                "status",
+                "ranks",
+                "started",
+                "updated",
+                "duration",
+                "steps",
+                "checkpoints",
+                "path",
+            ]
+        ] + [
             [
                 r.name,
                 r.status,
                 str(r.workers),
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.updated)),
+                when(r.started),
+                when(r.updated),
+                took(r.duration_s) if r.started else "-",
+                str(r.last_step),
+                str(r.checkpoints),
                 r.path,
             ]
             for r in self.runs
@@ -125,6 +157,11 @@ def list_runs(storage: str) -> RunTable:
         if not run_dir.exists("run.json"):
             continue
         record = run_dir.read_json("run.json")
+        index_path = posixpath.join("checkpoints", "index.json")
+        try:
+            index = run_dir.read_json(index_path) if run_dir.exists(index_path) else {}
+        except (OSError, ValueError):
+            index = {}
         runs.append(
             RunSummary(
                 name=record.get("run_name", info.base_name),
@@ -132,6 +169,11 @@ def list_runs(storage: str) -> RunTable:
                 workers=int(record.get("config", {}).get("workers", 0)),
                 updated=float(record.get("updated", 0)),
                 path=run_dir.uri,
+                started=float(record.get("started", 0) or 0),
+                last_step=int(record.get("last_step", 0) or 0),
+                checkpoints=sum(
+                    1 for c in index.get("checkpoints", []) if c.get("status") == "committed"
+                ),
             )
         )
     runs.sort(key=lambda r: r.updated, reverse=True)
