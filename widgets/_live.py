@@ -212,17 +212,23 @@ class LiveMetrics(w.VBox):
 
     # ---- drawing -----------------------------------------------------------------------
     def _loop(self) -> None:
+        next_plot = 0.0
         while not self._stopped.is_set():
             started = time.monotonic()
             try:
-                self.redraw()
+                if started >= next_plot:
+                    self.redraw()
+                    # The plot at most max_hz, and taking at most ~10% of the kernel's
+                    # CPU however many traces and points there are (a redraw of a big
+                    # figure can cost tens of milliseconds in plotly) ...
+                    next_plot = started + max(self._period, 10 * (time.monotonic() - started))
+                else:
+                    # ... while the header (state, step, restarts) follows at max_hz.
+                    with self._lock:
+                        self._draw_header()
             except Exception:  # noqa: BLE001 - a drawing error must not kill the loop
                 pass
-            spent = time.monotonic() - started
-            # At most max_hz, and drawing takes at most ~10% of the kernel's CPU
-            # however many traces and points there are (a redraw of a big figure
-            # can cost tens of milliseconds in plotly).
-            self._stopped.wait(max(self._period - spent, 9 * spent))
+            self._stopped.wait(self._period)
 
     def show(self) -> LiveMetrics:
         """Display the view; when its cell ends, the same place gets a static figure
@@ -298,9 +304,8 @@ class LiveMetrics(w.VBox):
         with self._lock:
             self._redraw_locked()
 
-    def _redraw_locked(self) -> None:
-        store = self.store
-        progress = store.progress()
+    def _draw_header(self) -> None:
+        progress = self.store.progress()
         handle = self.handle
         states = getattr(handle, "states", None)
         self._header.value = format_header(
@@ -312,6 +317,10 @@ class LiveMetrics(w.VBox):
             label=self.label,
             running_ranks=({r for r, s in states.items() if s == "running"} if states else None),
         )
+
+    def _redraw_locked(self) -> None:
+        store = self.store
+        self._draw_header()
         if self._logs_dirty:
             self._logs_dirty = False
             self._render_logs()
