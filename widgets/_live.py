@@ -152,7 +152,6 @@ class LiveMetrics(w.VBox):
         self._display = None
         self._logs_display = None
         self._reports_at_start = store.count()
-        self.lasting: dict | None = None
         self._leave_lock = threading.Lock()
         self._left = False
         self._keys: list = []
@@ -276,7 +275,6 @@ class LiveMetrics(w.VBox):
             reported = self.store.count() > self._reports_at_start
         if reported:
             bundle = static_figure_bundle(self.store, title=header, max_points=self.max_points)
-        self.lasting = bundle
         if bundle is None:
             self._display.update({"text/plain": "\n".join(filter(None, [header, logs]))}, raw=True)
         else:

@@ -116,7 +116,7 @@ class CellHandle:
         self._pending: dict[Any, int] = {}
         # Rank 0's relay call while it is out (groups of RELAY_FROM_RANKS and more).
         self._relay_ref: Any = None
-        self._relay_checkpoint: Any = None
+        self._checkpoint: Any = None  # the checkpoint this cell's dispatch carries
         self._token: int | None = None
         self._last: dict[int, RankUpdate] = {}
         self._finished: dict[int, RankUpdate] = {}
@@ -232,7 +232,7 @@ class CellHandle:
 
     def _dispatch(self) -> None:
         group = self.session._require_group()
-        checkpoint = self.session._checkpoint_for(self)
+        self._checkpoint = self.session._checkpoint_for(self)
         self._token = next(group.relay_tokens) if group.relay_tokens is not None else None
         if self._token is not None and len(self.ranks) > 1:
             # One call to rank 0 starts the cell everywhere and brings back the
@@ -241,18 +241,22 @@ class CellHandle:
                 self._token,
                 self.cell_id,
                 self.code,
-                checkpoint,
+                self._checkpoint,
                 self.replay,
                 self.ranks,
                 _RELAY_WAIT_S,
             )
-            self._relay_checkpoint = checkpoint
             return
         for rank in self.ranks:
-            ref = group.actors[rank].run.remote(
-                self.cell_id, self.code, checkpoint, self.replay, self._token
-            )
-            self._pending[ref] = rank
+            self._run_on(group.actors, rank)
+
+    def _run_on(self, actors, rank: int) -> None:
+        """Start this cell on ``rank`` (unless the relay did, under the same token) and
+        keep its first long-poll in flight."""
+        ref = actors[rank].run.remote(
+            self.cell_id, self.code, self._checkpoint, self.replay, self._token
+        )
+        self._pending[ref] = rank
 
     def _take_relayed(self, answers, actors) -> None:
         """Rank 0's relay came back: finish the ranks that answered with their last
@@ -268,10 +272,7 @@ class CellHandle:
                 self._apply(update)
                 self._finished[rank] = update
             else:
-                ref = actors[rank].run.remote(
-                    self.cell_id, self.code, self._relay_checkpoint, self.replay, self._token
-                )
-                self._pending[ref] = rank
+                self._run_on(actors, rank)
 
     def _loop(self) -> None:
         while True:

@@ -231,8 +231,6 @@ class RankActor:
         update (pickled, as the rank sent it) when the cell ended within its first
         wait with nothing else to deliver, else None: the driver then asks that rank
         directly (``run`` with the same token, which does not start the cell twice)."""
-        from datetime import timedelta as _timedelta
-
         from ray import cloudpickle
 
         store = self._relay
@@ -247,7 +245,7 @@ class RankActor:
         keys = {r: _ANSWER_KEY.format(token, r) for r in ranks if r != 0}
         if keys:
             try:
-                store.wait(list(keys.values()), _timedelta(seconds=wait_s))
+                store.wait(list(keys.values()), timedelta(seconds=wait_s))
                 present = keys
             except Exception:  # noqa: BLE001 - a rank that did not answer in time
                 present = {r: k for r, k in keys.items() if store.check([k])}
