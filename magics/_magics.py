@@ -21,12 +21,15 @@ from rtnb.widgets import (
     LiveOnFirstReport,
     ProgressLines,
     RankLog,
+    RunsDashboard,
     has_live_frontend,
+    runs_bundle,
     static_figure_bundle,
 )
 
 from rtnb import Session
 from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
+from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
 from rtnb.errors import ConfigError
 from rtnb.metrics._store import MetricsStore
@@ -161,6 +164,7 @@ def _resume_args(line):
     default=None,
     help="storage path or URI (default: the session's, else ./rtnb_runs)",
 )
+@argument("--metric", default=None, help="the metric to compare (default: the first reported)")
 def _runs_args(line):
     """%rtnb runs options."""
 
@@ -215,7 +219,10 @@ SUBCOMMANDS = [
     ),
     Subcommand("push", "notebook variables -> every rank", "%rtnb push lr batch_size", _push_args),
     Subcommand(
-        "runs", "the runs found in a storage path or URI", "%rtnb runs s3://bucket/runs", _runs_args
+        "runs",
+        "compare the runs in a storage path or URI: table, overlaid curves, checkpoints",
+        "%rtnb runs s3://bucket/runs --metric loss",
+        _runs_args,
     ),
     Subcommand(
         "plot",
@@ -426,6 +433,9 @@ class RtnbMagics(Magics):
             ),
             delete=store.delete,
             subscribe=store.subscribe,
+            latest=None if args.run else session.latest_checkpoint_id,
+            score=session.config.score,
+            mode=session.config.mode,
             title=f"checkpoints of run {args.run or session.run_name!r}",
         )
         display(self.last_view)
@@ -454,10 +464,74 @@ class RtnbMagics(Magics):
 
     def _rtnb_runs(self, rest: str):
         args = parse_argstring(_runs_args, rest)
+        session = self.session
         storage = args.storage or (
-            self.session.config.storage_path if self.session else SessionConfig().storage_path
+            session.config.storage_path if session else SessionConfig().storage_path
         )
-        return list_runs(storage)
+        try:
+            table = list_runs(storage)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+
+        def load(name: str) -> MetricsStore:
+            if session is not None and name == session.run_name and args.storage is None:
+                return session.metrics  # this session's run: what the kernel holds is newest
+            return MetricsStore.from_rows(read_run_metrics(storage, name))
+
+        title = f"runs in {redact_uri(storage)}"
+        if not table.runs:
+            print(f"rtnb: no rtnb runs in {redact_uri(storage)}")
+            return None
+        if not has_live_frontend():
+            # A saved notebook and papermill keep the table as text and a figure.
+            stores = {run.name: load(run.name) for run in table.runs}
+            metric = args.metric or next(
+                (m for s in stores.values() for m in s.metric_names()), None
+            )
+            display(runs_bundle(table.runs, stores, metric, title=title), raw=True)
+            return None
+        self.last_view = RunsDashboard(
+            lambda: list_runs(storage),
+            load,
+            open_checkpoints=lambda name: self._browser_for(session, storage, name),
+            title=title,
+        )
+        if args.metric:
+            if args.metric not in self.last_view.metric.options:
+                raise UsageError(
+                    f"no run in {redact_uri(storage)} reported {args.metric!r}; reported: "
+                    f"{', '.join(self.last_view.metric.options) or 'nothing yet'}"
+                )
+            self.last_view.metric.value = args.metric
+        display(self.last_view)
+        return None
+
+    @staticmethod
+    def _browser_for(session, storage: str, name: str) -> CheckpointBrowser:
+        """The checkpoint browser of run ``name``; Resume/Load act through this
+        kernel's session when it uses the same storage."""
+        from rtnb.storage._checkpoints import CheckpointStore
+        from rtnb.storage._rundir import RunDirectory
+
+        ours = session is not None and session.config.storage_path == storage
+        if ours:
+            store = session.checkpoint_store(None if name == session.run_name else name)
+        else:
+            store = CheckpointStore(RunDirectory(storage, name))
+        other = None if ours and name == session.run_name else name
+        return CheckpointBrowser(
+            lambda: store.list(include_incomplete=True),
+            resume=(lambda cid: _resume_in_view(session, cid, other)) if ours else None,
+            load=(
+                lambda cid: f"rtnb.get_checkpoint() now returns {session.load(cid, run=other).id} on every rank"
+            )
+            if ours
+            else None,
+            delete=store.delete,
+            subscribe=store.subscribe,
+            latest=session.latest_checkpoint_id if ours and other is None else None,
+            title=f"checkpoints of run {name!r}",
+        )
 
     def _rtnb_plot(self, rest: str):
         args = parse_argstring(_plot_args, rest)

@@ -158,7 +158,7 @@ def test_batch_template_resumes_a_named_run_from_its_latest_checkpoint(ray_clust
         for c in nbformat.read(tmp_path / "2.ipynb", as_version=4).cells
         for o in c.get("outputs", [])
     )
-    assert "resumed from step-000000020 at step 20" in text, text[-1500:]
+    assert "resumed from step-000000019 at step 20" in text, text[-1500:]
 
 
 def _notebook(tmp_path: Path, name: str, cells: list[str]) -> Path:

@@ -41,6 +41,15 @@ def _require_tools() -> None:
 
 @pytest.fixture
 def lab(ray_cluster, tmp_path):
+    yield from _lab(tmp_path)
+
+
+@pytest.fixture
+def dark_lab(ray_cluster, tmp_path):
+    yield from _lab(tmp_path, theme="JupyterLab Dark")
+
+
+def _lab(tmp_path, theme: str | None = None):
     _require_tools()
     port = free_port()
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
@@ -48,6 +57,8 @@ def lab(ray_cluster, tmp_path):
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
     )
+    if theme is not None:
+        (settings / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
     root = tmp_path / "nb"
     root.mkdir()
     cmd = [
@@ -164,8 +175,32 @@ def _wait_idle(page, timeout_s: float = 90) -> None:
         time.sleep(0.2)
 
 
-def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
-    url, root = lab
+def _plot_lengths(page) -> list[int]:
+    return page.evaluate(
+        "() => { const el = document.querySelector('.js-plotly-plot');"
+        " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }"
+    )
+
+
+def _seen_growing(page, deadline_s: float) -> list[list[int]]:
+    """Samples of the live plot's trace lengths until the first trace grew 3 times."""
+    samples: list[list[int]] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        lengths = _plot_lengths(page)
+        if lengths:
+            samples.append(lengths)
+            firsts = [s[0] for s in samples]
+            if sum(a < b for a, b in zip(firsts, firsts[1:])) >= 3:
+                break
+        time.sleep(0.5)
+    return samples
+
+
+def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
+    """In the dark theme: the live plot grows, fills the output width, has no white
+    box, and comes back live after the tab is reloaded while the cell runs."""
+    url, root = dark_lab
     name = _notebook(
         root,
         [
@@ -178,35 +213,45 @@ def test_live_plot_grows_while_the_cell_runs(lab, tmp_path):
             "%rtnb stop",
         ],
     )
-    samples: list[list[int]] = []
     with _opened(url, name, tmp_path) as page:
         page.keyboard.press("Shift+Enter")  # the reporting cell
         page.wait_for_selector(".js-plotly-plot", timeout=120_000)
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            lengths = page.evaluate(
-                "() => { const el = document.querySelector('.js-plotly-plot');"
-                " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }"
-            )
-            if lengths:
-                samples.append(lengths)
-                firsts = [s[0] for s in samples]
-                if sum(a < b for a, b in zip(firsts, firsts[1:])) >= 3:
-                    break  # seen growing three times while the cell runs
-            time.sleep(0.5)
-        page.screenshot(path=str(tmp_path / "live_plot.png"), full_page=True)
-        # While it runs: at its end the live view gives way to the lasting figure.
+        samples = _seen_growing(page, 150)
+        page.screenshot(path=str(tmp_path / "live_plot_dark.png"), full_page=True)
+        look = page.evaluate(
+            "() => { const el = document.querySelector('.js-plotly-plot');"
+            " const area = el.closest('.jp-OutputArea-output');"
+            " const bg = el.querySelector('.main-svg');"
+            " return {plot: el.getBoundingClientRect().width,"
+            "  area: area.getBoundingClientRect().width,"
+            "  paper: bg ? getComputedStyle(bg).backgroundColor : null,"
+            "  theme: document.body.dataset.jpThemeName,"
+            "  light: document.body.dataset.jpThemeLight}; }"
+        )
+        # While the cell runs, reload the tab: the widget comes back and keeps drawing.
+        page.reload()
+        page.wait_for_selector(".js-plotly-plot", timeout=60_000)
+        after_reload = _seen_growing(page, 60)
         header = page.locator(".widget-html-content").first.inner_text()
         (tmp_path / "seen").write_text("stop")
+        page.locator(".jp-Cell").nth(2).click()
+        page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")  # %rtnb stop
         _wait_idle(page)
+    assert look["theme"] == "JupyterLab Dark" and look["light"] == "false", look
+    assert look["paper"] in ("rgba(0, 0, 0, 0)", "transparent"), f"a white box: {look}"
+    assert look["plot"] >= 0.9 * look["area"], f"the plot does not fill the output: {look}"
+    firsts = [s[0] for s in after_reload]
+    assert sum(a < b for a, b in zip(firsts, firsts[1:])) >= 3, (
+        f"after a reload the plot did not come back live: {after_reload}"
+    )
     assert len(samples) >= 3, f"plot seen too rarely: {samples}"
     assert len(samples[-1]) >= 2, "one trace per rank (plus the mean)"
     growing = [s[0] for s in samples]
     assert growing[-1] > growing[0], f"traces did not grow while the cell ran: {growing}"
     assert any(a < b for a, b in zip(growing, growing[1:]))
     assert "step" in header
-    assert (tmp_path / "live_plot.png").stat().st_size > 10_000
+    assert (tmp_path / "live_plot_dark.png").stat().st_size > 10_000
 
 
 def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_path):
@@ -232,13 +277,26 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         page.keyboard.press("Shift+Enter")  # train i = 0..7, a checkpoint per step
         _wait_idle(page)
         page.keyboard.press("Shift+Enter")  # the checkpoint browser
-        browser_widget = page.locator(".jp-OutputArea-output:has(table.rtnb-checkpoints)")
+        browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
         browser_widget.wait_for(timeout=30_000)
-        # step 3 holds i=2 (reports are numbered from step 1)
-        browser_widget.locator(".widget-dropdown:has-text('checkpoint') select").select_option(
-            "step-000000003"
+        resume = browser_widget.locator("button:has-text('Resume')")
+        assert resume.is_disabled(), "nothing selected, nothing to resume"
+        # Click the timeline's marker of step 2 (it holds i=2: steps count from 0).
+        marker = (
+            browser_widget.locator(".js-plotly-plot .scatterlayer .trace")
+            .first.locator("path.point")
+            .nth(2)
         )
-        browser_widget.locator("button:has-text('Resume')").click()
+        marker.wait_for(timeout=30_000)
+        box = marker.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.rtnb-ckpt-rows select option')]"
+            ".some(o => o.selected && o.value !== '' && o.textContent.includes('step-000000002'))",
+            timeout=30_000,
+        )
+        resume.click()
         page.wait_for_selector("text=training from i=3", timeout=60_000)
         message = browser_widget.locator(".widget-html-content:has-text('Resume:')").inner_text()
         page.screenshot(path=str(tmp_path / "resumed.png"), full_page=True)
@@ -246,10 +304,21 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")  # wait for the resumed cell, stop the group
         page.wait_for_selector(".jp-OutputArea-output:has-text('stopped')", timeout=90_000)
-    assert "step-000000003" in message and "running in the background" in message
+        # The resumed cell's figure draws the branch from step 3 over the first line.
+        traces = page.evaluate(
+            "() => { const plots = [...document.querySelectorAll('.js-plotly-plot')]"
+            "  .filter(p => p.data && p.data.some(t => t.name === 'earlier line'));"
+            " return plots.length ? plots[plots.length - 1].data.map("
+            "  t => ({name: t.name, x0: t.x ? Array.from(t.x)[0] : null})) : []; }"
+        )
+    assert "step-000000002" in message and "running in the background" in message
     frame = rtnb.Result.from_path(str(runs / "clicked")).metrics_dataframe
     values = frame[frame["rank"] == 0]["i"].tolist()
     assert values == [*range(8), *range(3, 8)], "trained 0..7, then resumed at 3 up to 7"
+    names = {t["name"]: t["x0"] for t in traces}
+    assert names.get("earlier line") == 0 and names.get("rank 0") == 3, traces
+    committed = sorted(p.name for p in (runs / "clicked" / "checkpoints").iterdir() if p.is_dir())
+    assert "step-000000007" in committed and "step-000000007-b1" in committed, committed
 
 
 def _plot_state(page) -> dict:

@@ -65,8 +65,8 @@ def test_retention_keeps_the_best_by_score_and_never_the_latest_away(session):
     ids = [c.id for c in session.list_checkpoints()]
     steps = [c.step for c in session.list_checkpoints()]
     assert len(ids) == 3, "the 2 best plus the latest"
-    assert steps[-1] == 7, "the latest (worst score) is kept"
-    assert steps[:2] == [4, 5], "the two lowest losses are kept"
+    assert steps[-1] == 6, "the latest (worst score) is kept"
+    assert steps[:2] == [3, 4], "the two lowest losses are kept"
 
 
 def test_tampered_or_unmanifested_checkpoints_are_refused(session, tmp_path):
@@ -131,6 +131,46 @@ RESUMABLE = (
 )
 
 
+def test_resume_from_an_earlier_checkpoint_trains_a_branch_and_never_rewrites_the_original(
+    ray_cluster, tmp_path
+):
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="branch") as session:
+        session.run(RESUMABLE)
+        main = session.list_checkpoints()
+        # Steps count from 0, so the loop's own i names its checkpoints.
+        assert [c.id for c in main] == [f"step-00000000{i}" for i in range(6)]
+        for c in main:
+            assert session.checkpoints.get(c.id).load_state()["i"] == c.step
+        files = tmp_path / "branch" / "checkpoints" / "step-000000004" / "state-rank0.pt"
+        before = (files.stat().st_mtime_ns, files.read_bytes())
+        assert session.resume("step-2") == {0: [3, 4, 5], 1: [3, 4, 5]}
+        ids = [c.id for c in session.list_checkpoints()]
+        branch = [f"step-00000000{i}-b1" for i in (3, 4, 5)]
+        assert set(ids) == {c.id for c in main} | set(branch), "the original line stays whole"
+        assert (files.stat().st_mtime_ns, files.read_bytes()) == before, "never rewritten"
+        for cid in branch:
+            # The branch counts on from the checkpoint's step: id and state agree.
+            assert session.checkpoints.get(cid).load_state()["i"] == int(cid[5:14])
+        assert session.latest_checkpoint_id() == "step-000000005-b1"
+        assert session.load("5").id == "step-000000005", "a bare step names the first line's"
+        # The plot draws the branch over the original: the first line is kept aside.
+        earlier_steps, _t, _v = session.metrics.earlier_series("loss", 0)
+        assert earlier_steps == [0, 1, 2, 3, 4, 5]
+        assert session.metrics.series("loss", 0)[0] == [3, 4, 5]
+        # A loop that reports its own "step" numbers its checkpoints by it.
+        session.run(
+            "rtnb.report({'step': 40, 'loss': 0.5}, checkpoint=rtnb.Checkpoint.from_state({'i': 40}) if dist.get_rank() == 0 else None)"
+        )
+        assert session.latest_checkpoint_id() == "step-000000040-b1"
+    # A new session on the same run carries on the branch (line and step).
+    with rtnb.Session(workers=2, storage=str(tmp_path), name="branch") as again:
+        again.run(
+            "rtnb.report({'loss': 0.25}, checkpoint=rtnb.Checkpoint.from_state({'i': 41}) if dist.get_rank() == 0 else None)"
+        )
+        assert again.latest_checkpoint_id() == "step-000000041-b1"
+        assert "step-000000041" not in [c.id for c in again.list_checkpoints()]
+
+
 def test_resume_reruns_the_last_training_cell_from_the_chosen_checkpoint(ray_cluster, tmp_path):
     with rtnb.Session(workers=2, storage=str(tmp_path), name="resume") as session:
         assert session.run(RESUMABLE) == {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 2, 3, 4, 5]}
@@ -145,7 +185,9 @@ def test_resume_reruns_the_last_training_cell_from_the_chosen_checkpoint(ray_clu
         assert again == {0: [], 1: []}
 
 
-def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint():
+def test_checkpoint_browser_timeline_rows_and_buttons_act_on_the_selected_checkpoint():
+    from types import SimpleNamespace
+
     from rtnb.widgets import CheckpointBrowser
 
     rows = [
@@ -163,6 +205,9 @@ def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint()
         rtnb.CheckpointInfo(
             id="step-000000003", step=3, time=0.0, metrics={}, ranks=[], status="incomplete"
         ),
+        rtnb.CheckpointInfo(
+            id="step-000000002-b1", step=2, time=5.0, metrics={"loss": 2.0}, ranks=[0, 1]
+        ),
     ]
     calls = []
     browser = CheckpointBrowser(
@@ -172,25 +217,42 @@ def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint()
         delete=lambda cid: (
             calls.append(("delete", cid)) or rows.remove(next(r for r in rows if r.id == cid))
         ),
+        score="loss",
     )
-    assert [c.id for c in browser.rows()] == ["step-000000003", "step-000000002", "step-000000001"]
-    assert browser._choice.value is None, "nothing is chosen until the user chooses"
+    # Grouped by line of training (the first, then branch 1), newest step first.
+    assert [c.id for c in browser.rows()] == [
+        "step-000000003",
+        "step-000000002",
+        "step-000000001",
+        "step-000000002-b1",
+    ]
+    assert browser.selected is None, "nothing is selected until the user selects"
     assert all(b.disabled for b in browser._buttons.values()), "no button acts on nothing"
+    labels = [label for label, _v in browser._rows.options]
+    assert labels[3].startswith("branch 1") and "latest" in labels[3], "committed last = latest"
+    assert "best" in labels[1] and "2.0 KB" in labels[2] and "incomplete" in labels[0]
+    header = browser._head.value.split('rtnb-ckpt-head">')[1].split("</div>")[0]
+    end = header.index("loss") + len("loss")
+    assert (labels[1][end - 1], labels[2][end - 1]) == ("1", "3"), "numbers right-aligned"
+    # The timeline: one marker trace per line, the best a star, the latest bigger.
+    lines = [t for t in browser.timeline.data if t.mode == "lines+markers"]
+    assert [t.name for t in lines] == ["main", "branch 1"]
+    assert list(lines[0].x) == [1, 2] and list(lines[0].y) == [3.0, 1.0]
+    assert list(lines[0].marker.symbol) == ["circle", "star"]
     browser._sort.value = "loss"
     assert browser._descending.value is False, "by a metric, lowest (best loss) first"
     assert [c.id for c in browser.rows()][:2] == ["step-000000002", "step-000000001"]
-    assert [v for _label, v in browser._choice.options] == [
-        None,
-        "step-000000002",
-        "step-000000001",
-    ], "incomplete ones are not offered"
-    assert "step-000000002 (latest)" in browser._table.value
-    assert "2.0 KB" in browser._table.value and "incomplete" in browser._table.value
-    assert 'text-align:right;padding:2px 10px">3' in browser._table.value, "numbers right"
-    browser._choice.value = "step-000000002"
-    assert browser._buttons["Delete"].disabled, "the latest committed one is never offered"
+    browser.select("step-000000003")
+    assert browser.selected is None, "an incomplete checkpoint cannot be selected"
+    # Clicking a marker selects its checkpoint.
+    main = next(t for t in browser.timeline.data if t.name == "main")
+    browser._on_marker(main, SimpleNamespace(point_inds=[1]), None)
+    assert browser.selected == "step-000000002"
+    assert not browser._buttons["Delete"].disabled, "not the latest: may be deleted"
+    browser.select("step-000000002-b1")
+    assert browser._buttons["Delete"].disabled, "the latest is never offered for deletion"
     assert not browser._buttons["Load"].disabled
-    browser._choice.value = "step-000000001"
+    browser.select("step-000000001")
     browser._buttons["Load"].click()
     browser._buttons["Resume"].click()
     assert calls == [("load", "step-000000001"), ("resume", "step-000000001")]
@@ -199,7 +261,7 @@ def test_checkpoint_browser_sorts_and_its_buttons_act_on_the_chosen_checkpoint()
     assert calls[-1][0] != "delete" and "Confirm delete" in browser.message.value
     browser._buttons["Delete"].click()
     assert calls[-1] == ("delete", "step-000000001")
-    assert browser._choice.value is None and browser._buttons["Delete"].disabled
+    assert browser.selected is None and browser._buttons["Delete"].disabled
 
 
 def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_path):
@@ -229,6 +291,16 @@ def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_pa
     cells = row.split()
     assert cells[:3] == ["cli-run", "stopped", "2"]
     assert cells[8:10] == ["2", "2"], "steps and committed checkpoints of the run"
+    compared = subprocess.run(
+        [sys.executable, "-m", "rtnb.batch.cli", "runs", str(tmp_path), "--metric", "loss"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    head, row = compared.stdout.strip().splitlines()
+    assert head.split()[-5:] == ["last", "loss", "best", "loss", "config"], head
+    # SAVE_LOOP's loss at its last step is 1 + rank: the mean over 2 ranks is 1.5
+    assert row.split()[-3:-1] == ["1.5", "1.5"] and row.split()[1] == "finished", row
     table = subprocess.run(
         [
             sys.executable,
@@ -245,7 +317,7 @@ def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_pa
     )
     lines = table.stdout.strip().splitlines()
     assert lines[0].split()[:3] == ["id", "step", "time"] and "loss" in lines[0]
-    assert [line.split()[0] for line in lines[1:]] == ["step-000000001", "step-000000002"]
+    assert [line.split()[0] for line in lines[1:]] == ["step-000000000", "step-000000001"]
     assert all(line.rstrip().endswith("committed") for line in lines[1:])
     missing = subprocess.run(
         [sys.executable, "-m", "rtnb.batch.cli", "checkpoints", "nope", "--storage", str(tmp_path)],

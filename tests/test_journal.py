@@ -104,7 +104,7 @@ def test_a_loaded_checkpoint_applies_to_the_next_cell_only_and_recovery_uses_the
         session.run(TRAIN.format(tail="i"))
         first = {c.step: c.id for c in session.checkpoints.list()}
         assert len(first) == 10
-        early = session.load(first[3])  # holds i = 2
+        early = session.load(first[2])  # steps count from 0: step 2 holds i = 2
         assert early.load_state()["i"] == 2
 
         session.run("STEPS, SLEEP = 40, 0.05")
@@ -129,6 +129,13 @@ def test_a_loaded_checkpoint_applies_to_the_next_cell_only_and_recovery_uses_the
             for n in notes
         ), notes
         assert handle.restarted_from not in first.values()
+        # Training on from step 2 of a line that went to 9 is a branch: its ids never
+        # collide with the first line's, and each holds the state its id says.
+        branch = [c for c in session.checkpoints.list() if c.id.endswith("-b1")]
+        assert branch and handle.restarted_from in {c.id for c in branch}
+        assert {c.id for c in session.checkpoints.list()} >= set(first.values())
+        for c in branch[:: max(1, len(branch) // 5)]:
+            assert session.checkpoints.get(c.id).load_state()["i"] == c.step
 
         # Later cells keep going from the latest, never back to the loaded one.
         latest = session.checkpoints.latest()
@@ -303,7 +310,7 @@ def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(
     with rtnb.Session(workers=2, storage=str(tmp_path), name="broken") as session:
         # The index beside the checkpoints cannot be replaced: a real storage error.
         (tmp_path / "broken" / "checkpoints" / "index.json" / "x").mkdir(parents=True)
-        with pytest.raises(rtnb.CheckpointError, match="checkpoint step-000000001 is committed, but") as info:
+        with pytest.raises(rtnb.CheckpointError, match="checkpoint step-000000000 is committed, but") as info:
             session.run(
                 "import rtnb\nrtnb.report({'a': 1}, checkpoint=rtnb.Checkpoint.from_state({'a': 1}))"
             )

@@ -54,9 +54,9 @@ def test_metrics_and_checkpoints_live_in_s3(ray_cluster, s3_storage, monkeypatch
             "    rtnb.report({'loss': 1.0 + s}, checkpoint=rtnb.Checkpoint.from_state({'s': s, 'r': dist.get_rank()}))"
         )
         value = session.run("ck = rtnb.get_checkpoint()\n(ck.id, ck.load_state()['s'])")
-        assert value == {0: ("step-000000003", 2), 1: ("step-000000003", 2)}
+        assert value == {0: ("step-000000002", 2), 1: ("step-000000002", 2)}
         committed = session.list_checkpoints()
-        assert [c.step for c in committed] == [1, 2, 3] and all(
+        assert [c.step for c in committed] == [0, 1, 2] and all(
             c.ranks == [0, 1] for c in committed
         )
         uri = session.result().path
@@ -65,7 +65,7 @@ def test_metrics_and_checkpoints_live_in_s3(ray_cluster, s3_storage, monkeypatch
         for o in client.list_objects_v2(Bucket="rtnb-test", Prefix="runs/s3run/")["Contents"]
     }
     assert "runs/s3run/run.json" in keys
-    assert "runs/s3run/checkpoints/step-000000003/_manifest.json" in keys
+    assert "runs/s3run/checkpoints/step-000000002/_manifest.json" in keys
     assert any(k.startswith("runs/s3run/metrics/rank-1/") for k in keys), "metrics as chunk files"
     frame = rtnb.Result.from_path(uri).metrics_dataframe
     assert sorted(frame[frame["rank"] == 1]["loss"].tolist()) == [1.0, 2.0, 3.0]

@@ -6,6 +6,7 @@ from rtnb.widgets._checkpoints import CheckpointBrowser
 from rtnb.widgets._frontend import has_live_frontend
 from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport, format_header
 from rtnb.widgets._logs import RankLog
+from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
 
 __all__ = [
@@ -14,7 +15,9 @@ __all__ = [
     "LiveOnFirstReport",
     "ProgressLines",
     "RankLog",
+    "RunsDashboard",
     "format_header",
     "has_live_frontend",
+    "runs_bundle",
     "static_figure_bundle",
 ]

@@ -1,4 +1,5 @@
-"""``CheckpointBrowser``: a table of a run's checkpoints with Resume, Load and Delete."""
+"""``CheckpointBrowser``: a run's checkpoints on a timeline and in a table of rows,
+with Resume, Load and Delete for the one selected."""
 
 from __future__ import annotations
 
@@ -9,16 +10,36 @@ import ipywidgets as w
 
 __all__ = ["CheckpointBrowser"]
 
-_NONE = "(choose a checkpoint)"
+# Marker colours of the timeline (and the words the status column uses for them).
+_COLORS = {
+    "committed": "#1f77b4",
+    "best": "#e6a700",
+    "latest": "#2ca02c",
+    "selected": "#d62728",
+    "writing": "#999999",
+}
+_ROWS_CSS = (
+    "<style>.rtnb-ckpt-rows select{font-family:var(--jp-code-font-family,monospace);"
+    "font-size:12px}.rtnb-ckpt-head{font-family:var(--jp-code-font-family,monospace);"
+    "font-size:12px;white-space:pre;margin:0 0 0 2px}</style>"
+)
 
 
 class CheckpointBrowser(w.VBox):
-    """Lists committed (and incomplete) checkpoints: id, step, time, metrics, size,
-    ranks, status. Sortable by any metric. The buttons call the given actions:
-    ``resume(id)``, ``load(id)``, ``delete(id)``; ``list_checkpoints()`` returns
-    :class:`rtnb.CheckpointInfo` rows. It refreshes when ``subscribe`` reports a commit.
-    An action returns a message, or a ``(message, widget)`` pair whose widget (e.g.
-    the resumed cell's live view) is shown under the buttons.
+    """A run's checkpoints: a timeline (the score metric over steps, each
+    checkpoint a marker: committed, best by the score, latest, selected, being
+    written; one line of markers per branch) above the rows (line, id, step, age,
+    metrics, size, ranks, status), grouped by the line of training that wrote them.
+    Clicking a marker or a row selects it; Resume, Load and Delete act on the
+    selection and are disabled without one. Delete asks twice and is never offered
+    for the latest checkpoint.
+
+    ``list_checkpoints()`` returns :class:`rtnb.CheckpointInfo` rows; ``latest()``
+    the id a recovery would restart from (default: the one committed last);
+    ``score``/``mode`` pick the best; ``resume(id)``, ``load(id)``, ``delete(id)``
+    are the actions, each returning a message or a ``(message, widget)`` pair whose
+    widget (e.g. the resumed cell's live view) is shown under the buttons. It
+    refreshes when ``subscribe`` reports a commit.
     """
 
     def __init__(
@@ -29,9 +50,14 @@ class CheckpointBrowser(w.VBox):
         load=None,
         delete=None,
         subscribe=None,
+        latest=None,
+        score: str | None = None,
+        mode: str = "min",
         title: str = "",
     ) -> None:
         self._list = list_checkpoints
+        self._latest_of = latest
+        self._score, self._mode = score, mode
         self._actions = {"Resume": resume, "Load": load, "Delete": delete}
         self._title = w.HTML(f"<b>{html.escape(title)}</b>" if title else "")
         self._sort = w.Dropdown(
@@ -41,38 +67,71 @@ class CheckpointBrowser(w.VBox):
             layout=w.Layout(width="220px"),
         )
         self._descending = w.Checkbox(value=True, description="descending", indent=False)
-        self._table = w.HTML()
-        self._choice = w.Dropdown(
-            options=[(_NONE, None)],
+        self._metric = w.Dropdown(
+            options=[("step", None)],
             value=None,
-            description="checkpoint",
-            layout=w.Layout(width="320px"),
+            description="timeline",
+            layout=w.Layout(width="220px"),
         )
+        self._head = w.HTML()
+        self._rows = w.Select(options=[], value=None, rows=8, layout=w.Layout(width="100%"))
+        self._rows.add_class("rtnb-ckpt-rows")
         self._buttons = {name: w.Button(description=name, disabled=True) for name in self._actions}
         # Delete asks twice: the first click names what would go and arms the button.
         self._armed: str | None = None
         self._refreshing = False
         self._latest: str | None = None
-        self._choice.observe(lambda _c: self._update_buttons(), names="value")
+        self._best: str | None = None
+        self._shown: list = []
+        self.timeline = _timeline_figure()
+        self._rows.observe(self._on_row, names="value")
         self.message = w.HTML()
         self.activity = w.Box(layout=w.Layout(flex_flow="column"))
         for name, button in self._buttons.items():
             button.on_click(lambda _b, name=name: self._act(name))
         self._sort.observe(self._on_sort, names="value")
         self._descending.observe(lambda _c: self.refresh(), names="value")
+        self._metric.observe(lambda _c: None if self._refreshing else self.refresh(), names="value")
         super().__init__(
             [
                 self._title,
-                w.HBox([self._sort, self._descending]),
-                self._table,
-                w.HBox([self._choice, *self._buttons.values()]),
+                self.timeline,
+                w.HBox([self._metric, self._sort, self._descending]),
+                self._head,
+                self._rows,
+                w.HBox(list(self._buttons.values())),
                 self.message,
                 self.activity,
-            ]
+            ],
+            layout=w.Layout(width="100%"),
         )
         if subscribe is not None:
             subscribe(lambda _info: self.refresh())
         self.refresh()
+
+    # ---- selection ---------------------------------------------------------------------
+    @property
+    def selected(self) -> str | None:
+        value = self._rows.value
+        return value if value and not value.startswith("\0") else None
+
+    def select(self, cid: str | None) -> None:
+        """Select checkpoint ``cid`` (what a click on its marker or row does)."""
+        if cid is not None and cid not in {v for _label, v in self._rows.options}:
+            return
+        self._rows.value = cid
+
+    def _on_row(self, change) -> None:
+        if change["new"] and change["new"].startswith("\0"):
+            self._rows.value = None  # an incomplete checkpoint cannot be acted on
+            return
+        if not self._refreshing:
+            self._update_buttons()
+            self._draw_timeline()
+
+    def _on_marker(self, trace, points, _state) -> None:
+        if points.point_inds:
+            self.select(trace.customdata[points.point_inds[0]][0])
 
     def _on_sort(self, change) -> None:
         if self._refreshing:
@@ -82,94 +141,188 @@ class CheckpointBrowser(w.VBox):
         self.refresh()
 
     def _update_buttons(self) -> None:
-        chosen = self._choice.value
+        chosen = self.selected
         if chosen != self._armed:
             self._armed = None
             self._buttons["Delete"].description = "Delete"
             self._buttons["Delete"].button_style = ""
         for name, button in self._buttons.items():
-            # Nothing chosen, nothing to do; the latest committed checkpoint is what a
-            # recovery resumes from, so it is never offered for deletion.
+            # Nothing selected, nothing to do; the latest checkpoint is what a
+            # recovery restarts from, so it is never offered for deletion.
             button.disabled = (
                 self._actions[name] is None
                 or chosen is None
                 or (name == "Delete" and chosen == self._latest)
             )
         if self._buttons["Delete"].disabled and self._actions["Delete"] is not None and chosen:
-            self._buttons["Delete"].tooltip = "the latest committed checkpoint is kept"
+            self._buttons["Delete"].tooltip = "the latest checkpoint is kept"
         else:
             self._buttons["Delete"].tooltip = ""
 
+    # ---- content -----------------------------------------------------------------------
     def rows(self):
+        """The rows in table order: grouped by line (the first line, then each
+        branch), sorted inside a group by step or by the chosen metric."""
         rows = self._list()
         key = self._sort.value
+        reverse = self._descending.value
         if key == "step":
-            rows = sorted(rows, key=lambda c: c.step, reverse=self._descending.value)
+            ordered = sorted(rows, key=lambda c: c.step, reverse=reverse)
         else:
             present = [c for c in rows if isinstance(c.metrics.get(key), (int, float))]
             missing = [c for c in rows if c not in present]
-            rows = (
-                sorted(present, key=lambda c: c.metrics[key], reverse=self._descending.value)
-                + missing
-            )
-        return rows
+            ordered = sorted(present, key=lambda c: c.metrics[key], reverse=reverse) + missing
+        return sorted(ordered, key=_line_of)  # stable: keeps the order inside a line
 
     def refresh(self) -> None:
         rows = self.rows()
-        metrics = sorted({k for c in rows for k in c.metrics})
-        options = [("step", "step")] + [(m, m) for m in metrics]
-        if list(self._sort.options) != options:
-            current = self._sort.value
-            self._refreshing = True
-            try:
+        metrics = list(dict.fromkeys(k for c in rows for k in c.metrics))
+        committed = [c for c in rows if c.status == "committed"]
+        self._latest = self._latest_of() if self._latest_of is not None else None
+        if self._latest is None and committed:
+            self._latest = max(committed, key=lambda c: (c.time, c.step)).id
+        score = self._score if self._score in metrics else (metrics[0] if metrics else None)
+        self._best = _best(committed, score, self._mode)
+        self._refreshing = True
+        try:
+            options = [("step", "step")] + [(m, m) for m in sorted(metrics)]
+            if list(self._sort.options) != options:
+                current = self._sort.value
                 self._sort.options = options
                 self._sort.value = current if current in dict(options).values() else "step"
-            finally:
-                self._refreshing = False
-        committed = [c for c in rows if c.status == "committed"]
-        self._latest = max(committed, key=lambda c: (c.step, c.time)).id if committed else None
-        right = ' style="text-align:right;padding:2px 10px"'
-        left = ' style="text-align:left;padding:2px 10px"'
-        columns = ["id", "step", "time", *metrics, "size", "ranks", "status"]
-        numeric = {"step", "size", *metrics}
-        head = "".join(
-            f"<th{right if h in numeric else left}>{html.escape(h)}</th>" for h in columns
-        )
-        body = []
-        for c in rows:
-            badge = " (latest)" if c.id == self._latest else ""
-            cells = [
-                c.id + badge,
-                str(c.step),
-                time.strftime("%H:%M:%S", time.localtime(c.time)) if c.time else "-",
-            ]
-            cells += [
-                f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
-                for m in metrics
-            ]
-            cells += [_size(c.size), ",".join(map(str, c.ranks)), c.status]
-            body.append(
-                "<tr>"
-                + "".join(
-                    f"<td{right if h in numeric else left}>{html.escape(x)}</td>"
-                    for h, x in zip(columns, cells)
-                )
-                + "</tr>"
-            )
-        self._table.value = (
-            '<table class="rtnb-checkpoints" style="border-collapse:collapse">'
-            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-        )
-        chosen = self._choice.value
-        ids = [c.id for c in committed]
-        self._choice.options = [(_NONE, None)] + [
-            (c.id + (" (latest)" if c.id == self._latest else ""), c.id) for c in committed
-        ]
-        self._choice.value = chosen if chosen in ids else None
+            plot_options = [(m, m) for m in metrics] or [("step", None)]
+            if list(self._metric.options) != plot_options:
+                current = self._metric.value
+                self._metric.options = plot_options
+                values = [v for _l, v in plot_options]
+                self._metric.value = current if current in values else (score or values[0])
+            self._render_rows(rows, sorted(metrics))
+        finally:
+            self._refreshing = False
+        self._shown = rows
         self._update_buttons()
+        self._draw_timeline()
 
+    def _status(self, c) -> str:
+        marks = [c.status]
+        if c.id == self._latest:
+            marks.append("latest")
+        if c.id == self._best:
+            marks.append("best")
+        return " · ".join(marks)
+
+    def _render_rows(self, rows, metrics: list[str]) -> None:
+        now = time.time()
+        columns = ["line", "id", "step", "age", *metrics, "size", "ranks", "status"]
+        numeric = {"step", "age", "size", *metrics}
+        table = [columns]
+        for c in rows:
+            table.append(
+                [
+                    _line_name(c),
+                    c.id,
+                    str(c.step),
+                    _age(now - c.time) if c.time else "-",
+                    *[_number(c.metrics.get(m)) for m in metrics],
+                    _size(c.size) if c.files else "-",
+                    _ranks(c.ranks),
+                    self._status(c),
+                ]
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+
+        def line(cells) -> str:
+            return "  ".join(
+                cell.rjust(width) if name in numeric else cell.ljust(width)
+                for name, cell, width in zip(columns, cells, widths)
+            ).rstrip()
+
+        self._head.value = (
+            _ROWS_CSS + f'<div class="rtnb-ckpt-head">{html.escape(line(columns))}</div>'
+        )
+        chosen = self._rows.value
+        # Rows of incomplete checkpoints are listed too; selecting one does nothing.
+        options = [
+            (line(cells), c.id if c.status == "committed" else f"\0{c.id}")
+            for c, cells in zip(rows, table[1:])
+        ]
+        self._rows.options = options
+        self._rows.rows = max(3, min(12, len(options)))
+        valid = {v for _l, v in options}
+        self._rows.value = chosen if chosen in valid else None
+
+    def _draw_timeline(self) -> None:
+        import plotly.graph_objects as go
+
+        metric = self._metric.value
+        committed = [c for c in self._shown if c.status == "committed"]
+        writing = [c for c in self._shown if c.status == "writing"]
+        selected = self.selected
+        traces = []
+        for line_no in sorted({_line_of(c) for c in committed}):
+            points = sorted((c for c in committed if _line_of(c) == line_no), key=lambda c: c.step)
+            colors = [
+                _COLORS["selected"]
+                if c.id == selected
+                else _COLORS["latest"]
+                if c.id == self._latest
+                else _COLORS["best"]
+                if c.id == self._best
+                else _COLORS["committed"]
+                for c in points
+            ]
+            traces.append(
+                go.Scatter(
+                    x=[c.step for c in points],
+                    y=[_y(c, metric) for c in points],
+                    mode="lines+markers",
+                    name=_line_name(points[0]),
+                    line={"width": 1, "dash": "dot" if line_no else "solid", "color": "#888"},
+                    marker={
+                        "size": [
+                            14 if c.id in (selected, self._latest, self._best) else 9
+                            for c in points
+                        ],
+                        "color": colors,
+                        "symbol": ["star" if c.id == self._best else "circle" for c in points],
+                        "line": {"width": 1, "color": "#333"},
+                    },
+                    customdata=[[c.id, _size(c.size), _age(time.time() - c.time)] for c in points],
+                    hovertemplate=(
+                        "%{customdata[0]}<br>step %{x}<br>"
+                        + (html.escape(metric) + " %{y:.5g}<br>" if metric else "")
+                        + "%{customdata[1]} · %{customdata[2]} ago<extra></extra>"
+                    ),
+                )
+            )
+        if writing:
+            traces.append(
+                go.Scatter(
+                    x=[c.step for c in writing],
+                    y=[_y(c, metric) for c in writing],
+                    mode="markers",
+                    name="being written",
+                    marker={
+                        "size": 9,
+                        "color": "rgba(0,0,0,0)",
+                        "line": {"width": 2, "color": _COLORS["writing"]},
+                    },
+                    customdata=[[c.id, "-", "-"] for c in writing],
+                    hovertemplate="%{customdata[0]} (being written)<extra></extra>",
+                )
+            )
+        figure = self.timeline
+        with figure.batch_update():
+            figure.data = ()
+            for trace in traces:
+                figure.add_trace(trace)
+            figure.layout.yaxis.title.text = metric or ""
+        for trace in figure.data:
+            trace.on_click(self._on_marker)
+
+    # ---- actions -----------------------------------------------------------------------
     def _act(self, name: str) -> None:
-        action, cid = self._actions[name], self._choice.value
+        action, cid = self._actions[name], self.selected
         if action is None or not cid:
             return
         if name == "Delete" and self._armed != cid:
@@ -196,6 +349,64 @@ class CheckpointBrowser(w.VBox):
                 f'<span style="color:#c0392b">{html.escape(f"{name} {cid} failed: {exc}")}</span>'
             )
         self.refresh()
+
+
+def _timeline_figure():
+    import plotly.graph_objects as go
+
+    figure = go.FigureWidget()
+    figure.update_layout(
+        height=220,
+        margin={"l": 50, "r": 20, "t": 10, "b": 35},
+        template="plotly_white",
+        paper_bgcolor="rgba(0,0,0,0)",
+        plot_bgcolor="rgba(0,0,0,0)",
+        font={"color": "#888"},
+        legend={"orientation": "h", "y": -0.25},
+        clickmode="event",
+    )
+    figure.update_xaxes(title_text="step", gridcolor="rgba(128,128,128,0.25)")
+    figure.update_yaxes(gridcolor="rgba(128,128,128,0.25)")
+    return figure
+
+
+def _line_of(c) -> int:
+    return getattr(c, "line", 0)
+
+
+def _line_name(c) -> str:
+    return "main" if not _line_of(c) else f"branch {_line_of(c)}"
+
+
+def _best(committed, score: str | None, mode: str) -> str | None:
+    scored = [c for c in committed if score and isinstance(c.metrics.get(score), (int, float))]
+    if not scored:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scored, key=lambda c: c.metrics[score]).id
+
+
+def _y(c, metric: str | None):
+    value = c.metrics.get(metric) if metric else None
+    return value if isinstance(value, (int, float)) else (c.step if metric is None else None)
+
+
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 3 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def _size(n: int) -> str:

@@ -43,6 +43,7 @@ def format_header(
     *,
     label: str | None = None,
     running_ranks: set[int] | None = None,
+    resumed_from: str | None = None,
 ) -> str:
     """One line: the cell (``label``, e.g. Jupyter's ``[5]``, else rtnb's cell
     number), state, restarts, this cell's step of its total (and the run's step when
@@ -52,6 +53,8 @@ def format_header(
         parts.insert(0, html.escape(label))
     elif cell_id is not None:
         parts.insert(0, f"cell {cell_id}")
+    if resumed_from and not restarts:
+        parts.append(f"⤷ resumed from {html.escape(resumed_from)}")
     if restarts:
         origin = f" from {html.escape(restarted_from)}" if restarted_from else " from scratch"
         parts.append(f'<span style="color:#d35400">↻ restarted {restarts}×, last{origin}</span>')
@@ -128,9 +131,11 @@ class LiveMetrics(w.VBox):
             layout=w.Layout(width="130px"),
         )
         self._controls = w.HBox(
-            [self._x_axis, self._smoothing, self._log_y, self._outliers, self._ranks]
+            [self._x_axis, self._smoothing, self._log_y, self._outliers, self._ranks],
+            layout=w.Layout(flex_flow="row wrap"),
         )
-        self._plot_box = w.Box()
+        # The full output width (plotly's autosize follows the box as it resizes).
+        self._plot_box = w.Box(layout=w.Layout(width="100%"))
         self._log_filter = w.Dropdown(
             options=[("all ranks", -1)], value=-1, description="log", layout=w.Layout(width="180px")
         )
@@ -144,7 +149,8 @@ class LiveMetrics(w.VBox):
                 self._plot_box,
                 w.HBox([self._log_filter]),
                 self._log_view,
-            ]
+            ],
+            layout=w.Layout(width="100%"),
         )
         self.figure = None
         # Where the view was shown with show(): at the cell's end it is replaced there
@@ -313,6 +319,7 @@ class LiveMetrics(w.VBox):
             getattr(handle, "recoveries", 0),
             getattr(handle, "restarted_from", None),
             label=self.label,
+            resumed_from=getattr(handle, "resumed_from", None),
             running_ranks=({r for r, s in states.items() if s == "running"} if states else None),
         )
 

@@ -37,7 +37,12 @@ def trace_keys(store, ranks: list[int] | None = None) -> list[tuple[str, int | s
     every = store.ranks()
     banded = len(every) >= BAND_FROM_RANKS
     keys: list[tuple[str, int | str]] = []
-    for name in store.metric_names():
+    earlier = getattr(store, "earlier", [])
+    names = list(store.metric_names())
+    names += [n for segment in earlier for n in segment if n not in names]
+    for name in names:
+        # Lines the ranks went back from (a resume): drawn first, faded, underneath.
+        keys += [(name, f"earlier-{i}") for i, seg in enumerate(earlier) if name in seg]
         if banded:
             keys += [(name, "low"), (name, "high")]
             shown = sorted(set(store.outlier_ranks(name)) | set(ranks or ()))
@@ -93,6 +98,8 @@ def series_xy(store, key, x_axis: str, weight: float, max_points: int):
         values = low if rank == "low" else high
     elif rank == "mean":
         steps, times, values = store.mean_series(name, max_points)
+    elif isinstance(rank, str) and rank.startswith("earlier-"):
+        steps, times, values = store.earlier_series(name, int(rank[8:]), max_points)
     else:
         steps, times, values = store.series(name, rank, max_points)
     xs = (
@@ -146,6 +153,26 @@ def build_figure(
                 col=1,
             )
             continue
+        if isinstance(rank, str) and rank.startswith("earlier-"):
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="lines",
+                    name="earlier line",
+                    legendgroup="earlier",
+                    showlegend=row == 1 and rank == "earlier-0",
+                    opacity=0.45,
+                    line={"color": "#999999", "width": 1.5, "dash": "dot"},
+                    hovertemplate=(
+                        f"earlier line<br>{'step' if x_axis == 'step' else 's'} %{{x}}<br>"
+                        f"{html_escape(name)} %{{y:.6g}}<extra></extra>"
+                    ),
+                ),
+                row=row,
+                col=1,
+            )
+            continue
         color = "#444444" if rank == "mean" else RANK_COLORS[int(rank) % len(RANK_COLORS)]
         fig.add_trace(
             go.Scatter(
@@ -170,6 +197,7 @@ def build_figure(
             col=1,
         )
     fig.update_layout(
+        autosize=True,  # no fixed width: the figure takes its output area's width
         height=max(260, height_per_metric * max(1, len(metrics))),
         margin={"l": 50, "r": 20, "t": 30, "b": 40},
         legend={"orientation": "h", "y": -0.12 if len(metrics) < 2 else -0.05},

@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="list the runs in a storage path")
     runs.add_argument("storage", nargs="?", default=None)
+    runs.add_argument(
+        "--metric", default=None, help="add each run's last and best value of this metric"
+    )
 
     ckpts = sub.add_parser("checkpoints", help="list a run's checkpoints")
     ckpts.add_argument("run")
@@ -114,6 +117,24 @@ def _storage(value: str | None) -> str:
     from rtnb.core._config import SessionConfig
 
     return SessionConfig(storage=value).storage_path
+
+
+def _print_runs(storage: str, metric: str | None) -> int:
+    from rtnb.storage._result import list_runs, read_run_metrics
+
+    table = list_runs(storage)
+    if metric is None or not table.runs:
+        print(table)
+        return 0
+    from rtnb.metrics._compare import format_rows, runs_rows
+    from rtnb.metrics._store import MetricsStore
+
+    stores = {r.name: MetricsStore.from_rows(read_run_metrics(storage, r.name)) for r in table.runs}
+    if not any(metric in s.metric_names() for s in stores.values()):
+        raise ConfigError(f"no run in {redact_uri(storage)} reported {metric!r}")
+    head, lines = format_rows(runs_rows(table.runs, stores, metric), metric)
+    print("\n".join([head, *lines]))
+    return 0
 
 
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
@@ -216,10 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("submit", "jobs", "logs"):
             return _jobs_command(args)
         if args.command == "runs":
-            from rtnb.storage._result import list_runs
-
-            print(list_runs(_storage(args.storage)))
-            return 0
+            return _print_runs(_storage(args.storage), args.metric)
         if args.command == "checkpoints":
             return _print_checkpoints(args.run, _storage(args.storage), args.all)
         if args.command == "demo":

@@ -62,12 +62,13 @@ class StopPhase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class CheckpointOffer:
-    """A rank's files for the checkpoint at ``step`` are in storage."""
+    """A rank's files for the checkpoint at ``step`` of ``line`` are in storage."""
 
     step: int
     time: float
     metrics: dict[str, Any]
     files: list[dict[str, Any]]
+    line: int = 0
 
 
 @dataclass
@@ -77,7 +78,9 @@ class RankUpdate:
     ``step`` is the last step whose checkpoint files (if any) have landed and been
     offered: the driver commits a checkpoint once every rank has passed its step.
     ``loaded_checkpoint`` is the id of the checkpoint ``get_checkpoint()`` handed
-    out in this cell, so messages name what the ranks really loaded.
+    out in this cell, so messages name what the ranks really loaded. ``line`` is
+    the line of training the rank's steps belong to (0, or the branch a resume
+    from an earlier checkpoint started).
     """
 
     rank: int
@@ -91,3 +94,4 @@ class RankUpdate:
     value: Portable | None = None
     error: tuple[str, str] | None = None  # (one-line summary, user traceback)
     loaded_checkpoint: str | None = None
+    line: int = 0

@@ -96,7 +96,7 @@ class CellHandle:
         self.journal_seq = journal_seq
         self.started_at = time.time()
         self.ended_at: float | None = None
-        self.steps: dict[int, int] = {r: 0 for r in ranks}
+        self.steps: dict[int, int] = {r: -1 for r in ranks}  # -1: not heard from yet
         self.states: dict[int, str] = {r: "running" for r in ranks}
         self.log: list[tuple[int, str, str]] = []
         self._log_bytes = 0
@@ -105,6 +105,7 @@ class CellHandle:
         self.recovering = False  # the group is being rebuilt for this cell right now
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
         self.loaded: dict[int, str | None] = {}
+        self.lines: dict[int, int] = {}  # each rank's line of training (see _commits)
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._done = threading.Event()
@@ -432,10 +433,22 @@ class CellHandle:
             if rank not in polled and rank not in self._finished and rank not in self._dead:
                 self._pending[actors[rank].poll.remote(*poll_timing(len(actors)))] = rank
 
+    @property
+    def resumed_from(self) -> str | None:
+        """The checkpoint this cell's ranks went on from, when it moved their step
+        count back (a resume); with the branch it started, if any."""
+        checkpoint = self._checkpoint
+        resume = getattr(checkpoint, "resume", None)
+        if self.replay or resume is None or not self.loaded:
+            return None
+        line = max(self.lines.values(), default=0)
+        return checkpoint.id + (f" (branch {line})" if line else "")
+
     def _apply(self, update: RankUpdate) -> None:
         rank = update.rank
         self._last[rank] = update
         self.steps[rank] = update.step
+        self.lines[rank] = update.line
         self.states[rank] = "paused" if update.paused_at is not None else str(update.state)
         if update.loaded_checkpoint is not None and rank not in self.loaded:
             self.loaded[rank] = update.loaded_checkpoint

@@ -6,6 +6,13 @@ checkpoint is committed; otherwise the run's latest committed checkpoint (as Ray
 Train hands a restarted ``train_loop_per_worker`` its latest checkpoint). Replayed
 cells always get the latest. The checkpoint travels with each cell, so a cell sees
 one checkpoint from start to end.
+
+It also keeps the ranks' *position*: the line of training and its last step.
+Handing out a checkpoint moves the ranks' step count to the checkpoint's step
+(training goes on from its state). When later checkpoints of the current line
+exist, that resume starts a *branch*: a new line number whose checkpoint ids
+(``step-000000120-b1``) cannot collide with the original's, so a committed id is
+never rewritten and the original stays loadable.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import threading
 
 from rtnb.errors import CheckpointError
 from rtnb.storage._checkpoint import Checkpoint
-from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore
+from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore, parse_checkpoint_id
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -26,16 +33,83 @@ class CheckpointCoordinator:
         self._chosen: Checkpoint | None = None
         self._latest: Checkpoint | None = None
         self._latest_known = False
+        # Where the ranks' steps are: the line of training and its last step (-1:
+        # nothing reported yet), and where each branch started (line -> checkpoint id).
+        self.line = 0
+        self.step = -1
+        self.branched_from: dict[int, str] = {}
+        self._offered: dict[int, str] = {}
 
+    # ---- position ----------------------------------------------------------------------
+    def restore(self, record: dict) -> None:
+        """Take the position a run.json recorded (a run carried on by a new session);
+        without one, the latest checkpoint's."""
+        with self._lock:
+            self.branched_from = {int(k): v for k, v in (record.get("branches") or {}).items()}
+            if "line" in record:
+                self.line, self.step = int(record["line"]), int(record.get("last_step", -1))
+            else:
+                info = self.store.latest()
+                self.step = max(int(record.get("last_step", -1)), info.step if info else -1)
+                self.line = info.line if info else 0
+            self._latest_known = False
+
+    def record(self) -> dict:
+        """What run.json keeps of the position."""
+        return {
+            "line": self.line,
+            "last_step": self.step,
+            "branches": {str(k): v for k, v in sorted(self.branched_from.items())},
+        }
+
+    def track(self, lines: dict[int, int], steps: dict[int, int]) -> None:
+        """Follow the ranks of a running cell (their line and last step)."""
+        if not lines:
+            return
+        line = max(lines.values())
+        reached = max(
+            (steps[r] for r, at in lines.items() if at == line and r in steps), default=None
+        )
+        if reached is None:
+            return
+        with self._lock:
+            if line != self.line:
+                self.line = line
+                if line in self._offered:
+                    self.branched_from[line] = self._offered[line]
+                self._latest_known = False
+            self.step = reached
+            self._protect_locked()
+
+    def _protect_locked(self) -> None:
+        # A branch with nothing committed yet restarts from the checkpoint it began at.
+        parent = self.branched_from.get(self.line)
+        own = self.store.latest(self.line) if parent is not None else None
+        self.store.protected = {parent} if parent is not None and own is None else set()
+
+    # ---- which checkpoint --------------------------------------------------------------
     def latest(self) -> Checkpoint | None:
-        """The run's latest committed checkpoint (read from storage once, then kept
-        current by the commits of this session)."""
+        """The latest committed checkpoint of the current line, where a recovery
+        restarts from: a branch with nothing committed yet has its starting
+        checkpoint (read from storage once, then kept current by the commits)."""
         with self._lock:
             if not self._latest_known:
-                info = self.store.latest()
-                self._latest = self.store.get(info.id) if info is not None else None
+                info = self.store.latest(self.line)
+                cid = info.id if info is not None else self.branched_from.get(self.line)
+                if cid is None and self.line == 0 and not self.branched_from:
+                    info = self.store.latest()  # a run directory written before lines
+                    cid = info.id if info is not None else None
+                self._latest = self._get_or_none(cid)
                 self._latest_known = True
             return self._latest
+
+    def _get_or_none(self, cid: str | None) -> Checkpoint | None:
+        if cid is None:
+            return None
+        try:
+            return self.store.get(cid)
+        except CheckpointError:
+            return None  # deleted by hand meanwhile
 
     def forget_latest(self) -> None:
         """Read the latest from storage again (after a delete, or another writer)."""
@@ -54,19 +128,59 @@ class CheckpointCoordinator:
         """What the next cell's ``get_checkpoint()`` returns."""
         return self._chosen if self._chosen is not None else self.latest()
 
+    def for_cell(self, replay: bool) -> Checkpoint | None:
+        """The checkpoint a cell's ``get_checkpoint()`` hands out, carrying where the
+        ranks' step count goes from there: (its step, the line to train on)."""
+        checkpoint = self.latest() if replay else self.in_force()
+        if checkpoint is None:
+            return None
+        step = _step_of(checkpoint)
+        with self._lock:
+            line = self.line
+            ours = checkpoint.path.startswith(self.store.base.rstrip("/") + "/")
+            own_line = parse_checkpoint_id(checkpoint.id) if ours else None
+            # A checkpoint of another line branches, unless it is where the current
+            # line began and that line has none of its own yet (its cell failed and
+            # runs again: the same branch goes on).
+            other_line = (
+                own_line is not None
+                and own_line[1] != line
+                and not (
+                    self.branched_from.get(line) == checkpoint.id
+                    and self.store.latest(line) is None
+                )
+            )
+            if other_line or (step < self.step and self._later_on_line(step, line)):
+                line = max(self.store.lines() | set(self.branched_from) | {line}) + 1
+                self._offered[line] = checkpoint.id if ours else checkpoint.uri
+        sent = Checkpoint(checkpoint.path, checkpoint.filesystem, checkpoint.manifest)
+        sent.resume = (step, line)
+        return sent
+
+    def _later_on_line(self, step: int, line: int) -> bool:
+        """Whether the line has checkpoints (committed or being written) past ``step``:
+        training on from ``step`` on that line would reuse their ids."""
+        for info in self.store.list(include_incomplete=True):
+            parsed = parse_checkpoint_id(info.id)
+            if parsed is not None and parsed[1] == line and parsed[0] > step:
+                return True
+        return False
+
     def commit_ready(self, steps: dict[int, int], ranks: set[int]) -> list[CheckpointInfo]:
         """Commit what every rank has passed; a failure raises one CheckpointError
         line naming the checkpoint."""
         committed = self.store.commit_ready(steps, ranks)
         if committed:
-            newest = max(committed, key=lambda c: c.step)
+            newest = max(committed, key=lambda c: (c.time, c.step))
             with self._lock:
-                current = self._latest
-                if current is None or newest.step >= _step_of(current):
+                if newest.line == self.line:
                     self._latest = self.store.get(newest.id)
                     self._latest_known = True
+                else:
+                    self._latest_known = False
                 # A newer checkpoint supersedes the one the user chose.
                 self._chosen = None
+                self._protect_locked()
         return committed
 
 

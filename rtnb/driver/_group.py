@@ -93,6 +93,11 @@ class WorkerGroup:
             }
             for rank in range(cfg.workers)
         ]
+        def slow(base_s: float) -> float:
+            # Only there so that nothing waits forever: N ranks starting Python and
+            # torch on a few cores take seconds each, so the bound grows with N.
+            return base_s + 4.0 * cfg.workers
+
         warm = _warm.active() if not cfg.gpu else None
         try:
             doing = (
@@ -109,7 +114,7 @@ class WorkerGroup:
                             a.adopt.remote(context, kernel_env, sys.path, cwd)
                             for a, context in zip(self.actors, contexts)
                         ],
-                        timeout=120,
+                        timeout=slow(120),
                     )
                 for context in contexts if warm is None else ():
                     actor = (
@@ -127,7 +132,7 @@ class WorkerGroup:
                         .remote(context, env)
                     )
                     self.actors.append(actor)
-                described = ray.get([a.describe.remote() for a in self.actors], timeout=120)
+                described = ray.get([a.describe.remote() for a in self.actors], timeout=slow(120))
                 self._assign_local_ranks(described)
                 check_storage_locality(self.node_count, self.storage_path, cfg.allow_local_storage)
                 devices = ray.get(
@@ -137,20 +142,20 @@ class WorkerGroup:
                         )
                         for a, info in zip(self.actors, self.ranks)
                     ],
-                    timeout=60,
+                    timeout=slow(60),
                 )
                 for info, device in zip(self.ranks, devices):
                     info.device = device
             with progress.phase("process group", f"joining the {cfg.backend} process group"):
                 master_port = ray.get(
-                    self.actors[0].open_rendezvous.remote(self.ranks[0].node_ip), timeout=30
+                    self.actors[0].open_rendezvous.remote(self.ranks[0].node_ip), timeout=slow(30)
                 )
                 ray.get(
                     [
                         a.init_distributed.remote(self.ranks[0].node_ip, master_port, 1800.0)
                         for a in self.actors
                     ],
-                    timeout=120,
+                    timeout=slow(120),
                 )
                 if cfg.workers >= RELAY_FROM_RANKS:
                     ray.get(
@@ -158,7 +163,7 @@ class WorkerGroup:
                             a.open_relay.remote(self.ranks[0].node_ip, master_port)
                             for a in self.actors
                         ],
-                        timeout=60,
+                        timeout=slow(60),
                     )
                     self.relay_tokens = itertools.count(1)
         except ConfigError:

@@ -190,6 +190,7 @@ class Session:
                 raise SessionError(f"starting the worker group failed: {one_line(exc)}") from None
             self.state_machine.to(GroupState.READY)
             self.last_start = steps.report
+            self._carry_on_run_record()
             self._continue_step_count()
             self._write_run_json()
             replay = self.replay_on_start
@@ -243,24 +244,19 @@ class Session:
         return report
 
     def last_step(self) -> int:
-        """The highest step reported in this run so far, in any session."""
-        steps = [rep.step for rep in self.metrics.last.values()]
-        if self.run_dir.exists("run.json"):
-            steps.append(int(self.run_dir.read_json("run.json").get("last_step", 0)))
-        latest = self.checkpoints.latest()
-        if latest is not None:
-            steps.append(latest.step)
-        return max(steps, default=0)
+        """The last step of the line of training the ranks are on (-1: none yet)."""
+        return self.commits.step
 
     def _continue_step_count(self) -> None:
-        # A run continued by a new session (same --name and storage) keeps counting
-        # steps: its series stay monotonic and its checkpoint ids are never reused.
+        # New ranks (a rebuild, or a run continued by a new session with the same
+        # --name and storage) carry on where the old ones were: same line, same step
+        # count, so checkpoint ids are never reused.
         import ray
 
-        step = self.last_step()
-        if step and self._group is not None:
+        if self._group is not None:
+            line, step = self.commits.line, self.commits.step
             try:
-                ray.get([a.set_step.remote(step) for a in self._group.actors], timeout=60)
+                ray.get([a.set_step.remote(step, line) for a in self._group.actors], timeout=60)
             except ray.exceptions.RayError:
                 pass  # a rank already died: the next cell's poll reports it
 
@@ -278,12 +274,15 @@ class Session:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _commit_checkpoints(self, handle: CellHandle) -> None:
-        self.commits.commit_ready(dict(handle.steps), set(handle.ranks))
+        steps = dict(handle.steps)
+        if not handle.replay:
+            self.commits.track(dict(handle.lines), steps)
+        self.commits.commit_ready(steps, set(handle.ranks))
 
     def _checkpoint_for(self, handle: CellHandle) -> Checkpoint | None:
         """What ``get_checkpoint()`` returns in this cell: replayed cells get the
         latest committed checkpoint, others the one in force."""
-        return self.commits.latest() if handle.replay else self.commits.in_force()
+        return self.commits.for_cell(handle.replay)
 
     def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
         """This run's checkpoints, or those of another run in the same storage."""
@@ -304,6 +303,12 @@ class Session:
         self.journal.append(EntryKind.CHECKPOINT, checkpoint=checkpoint.id, run=run)
         self.commits.choose(checkpoint)
         return checkpoint
+
+    def latest_checkpoint_id(self) -> str | None:
+        """The checkpoint a recovery would restart from: the latest of the line of
+        training the ranks are on (see ``_commits``)."""
+        latest = self.commits.latest()
+        return latest.id if latest is not None else None
 
     def list_checkpoints(self, include_incomplete: bool = False, run: str | None = None):
         return self.checkpoint_store(run).list(include_incomplete)
@@ -346,18 +351,22 @@ class Session:
             run_name=self.run_name,
         )
 
+    def _carry_on_run_record(self) -> None:
+        """A run carried on by a new session keeps the time it first started and
+        where its training was (line and step)."""
+        if self._started_at is not None:
+            return
+        try:
+            earlier = self.run_dir.read_json("run.json") if self.run_dir.exists("run.json") else {}
+        except (OSError, ValueError):
+            earlier = {}
+        self._started_at = float(earlier.get("started") or time.time())
+        self.commits.restore(earlier)
+
     def _write_run_json(self) -> None:
         group = self._group
         ranks = [vars(r) for r in group.ranks] if group is not None else []
-        if self._started_at is None:
-            # A run carried on by a new session keeps the time it first started.
-            try:
-                earlier = (
-                    self.run_dir.read_json("run.json") if self.run_dir.exists("run.json") else {}
-                )
-            except (OSError, ValueError):
-                earlier = {}
-            self._started_at = float(earlier.get("started") or time.time())
+        self._carry_on_run_record()
         self.run_dir.write_json(
             "run.json",
             {
@@ -366,7 +375,7 @@ class Session:
                 "status": str(self.state),
                 "config": self.config.to_dict(),
                 "ranks": ranks,
-                "last_step": max((rep.step for rep in self.metrics.last.values()), default=0),
+                **self.commits.record(),
                 "updated": time.time(),
             },
         )
@@ -827,15 +836,13 @@ class Session:
         ranks = []
         if group is not None:
             for info in group.ranks:
-                state, step = "idle", 0
-                if active is not None and info.rank in active.ranks:
-                    state, step = (
-                        active.states.get(info.rank, "running"),
-                        active.steps.get(info.rank, 0),
-                    )
                 last = self.metrics.last.get(info.rank)
-                if last is not None:
-                    step = max(step, last.step)
+                state, step = "idle", last.step if last is not None else 0
+                if active is not None and info.rank in active.ranks:
+                    state = active.states.get(info.rank, "running")
+                    # the rank's own step once it answered (after a resume it is
+                    # below the last report of the earlier line)
+                    step = max(active.steps.get(info.rank, -1), 0) if info.rank in active.lines else step
                 ranks.append(
                     RankStatus(
                         info.rank,

@@ -26,6 +26,8 @@ _MEAN_PENDING_CAP = 200_000
 _RATE_WINDOW_S = 5.0
 # A rank is a straggler when its step rate is below this share of the median rank's.
 _STRAGGLER_SHARE = 0.7
+# Earlier lines kept for drawing under a resumed one (the oldest are dropped).
+_EARLIER_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,11 @@ class MetricsStore:
         self.started_at: float | None = None
         self.total_steps: int | None = None
         self.generation = 0  # bumps on every batch; views redraw when it moves
+        # Lines of training the ranks went back from (a resume from an earlier
+        # checkpoint, a recovery, a loop counting from 0 again): per metric, the
+        # (steps, times, values) drawn faded under the current line.
+        self.earlier: list[dict[str, tuple[list, list, list]]] = []
+        self._line_last: dict[int, int] = {}  # each rank's last step on the current line
         self._subscribers: list[Callable[[int, ReportBatch], None]] = []
 
     # ---- writing ---------------------------------------------------------------------
@@ -180,8 +187,17 @@ class MetricsStore:
         store = cls(capacity=capacity)
         store.begin(sorted(per_rank))
         first = min((r[0][1] for r in per_rank.values() if r), default=None)
-        for rank in sorted(per_rank):
-            store.add(rank, ReportBatch.from_records(per_rank[rank]))
+        # Where the steps went back (a resume, a recovery) a new line starts: added
+        # line by line, every rank's part of one before the next, the store draws
+        # it as a branch, as it did live.
+        pieces = {}
+        for rank, records in per_rank.items():
+            cuts = [i for i in range(1, len(records)) if records[i][0] <= records[i - 1][0]]
+            pieces[rank] = [records[a:b] for a, b in zip([0, *cuts], [*cuts, len(records)])]
+        for line in range(max((len(p) for p in pieces.values()), default=0)):
+            for rank in sorted(pieces):
+                if line < len(pieces[rank]):
+                    store.add(rank, ReportBatch.from_records(pieces[rank][line]))
         store.started_at = first
         return store
 
@@ -210,6 +226,10 @@ class MetricsStore:
             return
         steps, times = batch.steps, batch.times
         with self._lock:
+            last = self._line_last.get(rank)
+            if last is not None and steps[0] <= last:
+                self._start_line_locked()
+            self._line_last[rank] = int(steps[-1])
             for name in batch.columns:
                 number_steps, number_times, values = batch.numbers(name)
                 if not len(values):
@@ -241,6 +261,36 @@ class MetricsStore:
                 callback(rank, batch)
             except Exception:  # noqa: BLE001 - a broken view must not stop training
                 pass
+
+    def _start_line_locked(self) -> None:
+        """A rank's steps went back: what was drawn so far becomes an earlier line
+        (the mean over the ranks, or the one rank's curve) and the plot starts a
+        new one there, as a branch over it rather than a jump back."""
+        segment = {}
+        for name in dict.fromkeys(name for name, _rank in self._series):
+            mean = self._means.get(name)
+            if mean is not None:
+                mean.merge(self.expected_ranks)
+                snapshot = mean.series.snapshot()
+            else:
+                ranks = sorted(r for n, r in self._series if n == name)
+                snapshot = self._series[(name, ranks[0])].snapshot()
+            if snapshot[0]:
+                segment[name] = snapshot
+        if segment:
+            self.earlier = [*self.earlier, segment][-_EARLIER_KEPT:]
+        self._series.clear()
+        self._means.clear()
+        self._line_last.clear()
+
+    def earlier_series(self, name: str, index: int, max_points: int | None = None):
+        """(steps, times, values) of earlier line ``index`` (0: the oldest kept)."""
+        with self._lock:
+            steps, times, values = self.earlier[index].get(name, ([], [], []))
+        if max_points is not None and len(steps) > max_points:
+            keep = -(-len(steps) // max_points)
+            return steps[::keep], times[::keep], values[::keep]
+        return steps, times, values
 
     def flush(self) -> None:
         with self._lock:

@@ -69,6 +69,9 @@ class Checkpoint:
         self.filesystem = filesystem
         self.manifest = manifest
         self._temporary = False
+        # (step, line) the ranks' step count moves to when a cell's
+        # get_checkpoint() hands this checkpoint out; set by the driver.
+        self.resume: tuple[int, int] | None = None
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
@@ -233,7 +236,7 @@ class Checkpoint:
 
     def __reduce__(self):
         # pyarrow filesystems pickle with their settings (endpoint, region, ...).
-        return (Checkpoint, (self.path, self.filesystem, self.manifest))
+        return (Checkpoint, (self.path, self.filesystem, self.manifest), {"resume": self.resume})
 
     @property
     def uri(self) -> str:

@@ -8,6 +8,7 @@ thousand reads.
 from __future__ import annotations
 
 import posixpath
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,27 +21,42 @@ from rtnb.errors import CheckpointError, one_line
 from rtnb.storage._checkpoint import MANIFEST, Checkpoint
 from rtnb.storage._rundir import RunDirectory
 
-__all__ = ["CheckpointInfo", "CheckpointStore", "checkpoint_id"]
+__all__ = ["CheckpointInfo", "CheckpointStore", "checkpoint_id", "parse_checkpoint_id"]
 
 INDEX = "index.json"
 _INDEX_EVERY_S = 1.0
 
 
-def checkpoint_id(step: int) -> str:
-    return f"step-{step:09d}"
+_ID = re.compile(r"(?:step-)?(\d{1,18})(?:-b(\d{1,9}))?")
+
+
+def checkpoint_id(step: int, line: int = 0) -> str:
+    """``step-000000120`` on the run's first line; ``step-000000120-b2`` on branch 2
+    (a resume from an earlier checkpoint trains a branch whose steps repeat the
+    original's, and a committed id is never rewritten). Zero-padded so that
+    storage listings sort by step."""
+    return f"step-{step:09d}" if not line else f"step-{step:09d}-b{line}"
+
+
+def parse_checkpoint_id(name: str) -> tuple[int, int] | None:
+    """(step, line) of a checkpoint name (``step-000000012``, ``step-12``, ``12``,
+    ``step-12-b1``); None when it is not one."""
+    found = _ID.fullmatch(name) if name.isascii() else None
+    return (int(found.group(1)), int(found.group(2) or 0)) if found else None
 
 
 def _step_in(name: str) -> int | None:
-    """The step a checkpoint name holds (``step-000000012``, ``step-12``, ``12``)."""
-    number = name.removeprefix("step-")
-    return int(number) if number.isascii() and number.isdigit() else None
+    parsed = parse_checkpoint_id(name)
+    return parsed[0] if parsed else None
 
 
 @dataclass
 class CheckpointInfo:
     """One row of a run's checkpoints. ``status``: ``committed`` (manifest written,
     loadable), ``writing`` (this session is still collecting its shards) or
-    ``incomplete`` (no manifest: never offered for loading, removed by cleanup)."""
+    ``incomplete`` (no manifest: never offered for loading, removed by cleanup).
+    ``line`` is 0 for the run's first line of training, n for branch n (a resume
+    from an earlier checkpoint)."""
 
     id: str
     step: int
@@ -53,6 +69,11 @@ class CheckpointInfo:
     @property
     def size(self) -> int:
         return sum(f["size"] for f in self.files)
+
+    @property
+    def line(self) -> int:
+        parsed = parse_checkpoint_id(self.id)
+        return parsed[1] if parsed else 0
 
 
 class CheckpointStore:
@@ -72,6 +93,9 @@ class CheckpointStore:
         self._index_at = 0.0
         self._lock = threading.RLock()
         self._subscribers: list[Callable[[CheckpointInfo], None]] = []
+        # Ids --keep and delete leave alone besides the newest: the checkpoint the
+        # ranks would recover from (a new branch's parent, before it commits).
+        self.protected: set[str] = set()
 
     def subscribe(self, callback: Callable[[CheckpointInfo], None]) -> Callable[[], None]:
         self._subscribers.append(callback)
@@ -82,7 +106,7 @@ class CheckpointStore:
         """A rank's files for the checkpoint at ``offer.step`` are in storage."""
         with self._lock:
             entry = self._pending.setdefault(
-                checkpoint_id(offer.step),
+                checkpoint_id(offer.step, offer.line),
                 {"step": offer.step, "time": offer.time, "ranks": {}, "metrics": {}},
             )
             entry["ranks"][rank] = offer.files
@@ -177,7 +201,7 @@ class CheckpointStore:
                             status="writing" if folder.base_name in self._pending else "incomplete",
                         )
                     )
-        return sorted(found, key=lambda c: (c.status != "committed", c.step))
+        return sorted(found, key=lambda c: (c.status != "committed", c.step, c.line))
 
     def _manifest(self, cid: str) -> CheckpointInfo | None:
         info = self._manifests.get(cid)
@@ -189,17 +213,25 @@ class CheckpointStore:
                 return None
         return info
 
-    def latest(self) -> CheckpointInfo | None:
+    def latest(self, line: int | None = None) -> CheckpointInfo | None:
+        """The newest committed checkpoint of ``line`` (its highest step), or of the
+        whole run (the one committed last) when ``line`` is None."""
         committed = [c for c in self.list() if c.status == "committed"]
-        return committed[-1] if committed else None
+        if line is not None:
+            committed = [c for c in committed if c.line == line]
+            return committed[-1] if committed else None
+        return _newest(committed)
+
+    def lines(self) -> set[int]:
+        return {c.line for c in self.list(include_incomplete=True)}
 
     def get(self, cid: str) -> Checkpoint:
         """The committed checkpoint ``cid``: an id (``step-000000012``), a step
         (``12`` or ``step-12``) or ``latest``."""
         cid = str(cid)
-        step = _step_in(cid)
-        if step is not None:
-            cid = checkpoint_id(step)
+        parsed = parse_checkpoint_id(cid)
+        if parsed is not None:
+            cid = self._resolve(*parsed, exact="-b" in cid)
         if cid == "latest":
             info = self.latest()
             if info is None:
@@ -219,6 +251,20 @@ class CheckpointStore:
                 f"no committed checkpoint {cid!r} in this run (committed: {known})"
             ) from None
         return Checkpoint(posixpath.join(self.base, cid), self.run_dir.fs, manifest=record)
+
+    def _resolve(self, step: int, line: int, exact: bool) -> str:
+        """The id a typed step names: the first line's checkpoint at that step, else
+        the one branch that has it (several: the user must say which)."""
+        cid = checkpoint_id(step, line)
+        if exact or self._manifest(cid) is not None:
+            return cid
+        others = [c.id for c in self.list() if c.step == step and c.status == "committed"]
+        if len(others) > 1:
+            raise CheckpointError(
+                f"step {step} has a checkpoint on several lines ({', '.join(others)}): "
+                "name one of them"
+            )
+        return others[0] if others else cid
 
     # ---- retention ---------------------------------------------------------------------
     def write_index(self) -> None:
@@ -243,7 +289,7 @@ class CheckpointStore:
         committed = [c for c in self.list() if c.status == "committed"]
         if len(committed) <= self.keep:
             return False
-        latest = committed[-1]
+        latest = _newest(committed)
         if self.score:
             sign = 1 if self.mode == "min" else -1
             ranked = sorted(
@@ -254,8 +300,8 @@ class CheckpointStore:
                 ),
             )
         else:
-            ranked = sorted(committed, key=lambda c: -c.step)
-        keep_ids = {c.id for c in ranked[: self.keep]} | {latest.id}
+            ranked = sorted(committed, key=lambda c: (-c.time, -c.step))
+        keep_ids = {c.id for c in ranked[: self.keep]} | {latest.id} | self.protected
         doomed = [c for c in committed if c.id not in keep_ids]
         for info in doomed:
             self.delete(info.id, _index=False)
@@ -269,6 +315,11 @@ class CheckpointStore:
         latest = self.latest()
         if latest is not None and latest.id == cid:
             raise CheckpointError(f"{cid} is the latest checkpoint of the run and is kept")
+        if cid in self.protected:
+            raise CheckpointError(
+                f"{cid} is what the ranks would restart from (the current branch has no "
+                "checkpoint of its own yet) and is kept"
+            )
         folder = posixpath.join(self.base, cid)
         self._manifests.pop(cid, None)
         # Manifest first: a half-deleted checkpoint must never look committed.
@@ -296,3 +347,9 @@ class CheckpointStore:
                     continue
                 removed.append(info.id)
         return removed
+
+
+def _newest(committed: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The checkpoint committed last (by its report time): after a resume from an
+    earlier checkpoint, the branch's, not the original line's highest step."""
+    return max(committed, key=lambda c: (c.time, c.step)) if committed else None

@@ -76,6 +76,10 @@ def _run_dir(path: str) -> RunDirectory:
     return RunDirectory((base or "/") + (f"?{query}" if query else ""), name)
 
 
+# run.json statuses of a run whose session has its worker group up.
+_LIVE = ("starting", "ready", "running", "restarting", "stopping")
+
+
 @dataclass
 class RunSummary:
     name: str
@@ -84,8 +88,21 @@ class RunSummary:
     updated: float
     path: str
     started: float = 0.0
-    last_step: int = 0
+    last_step: int = 0  # -1: nothing reported yet
     checkpoints: int = 0
+    config: dict = field(default_factory=dict)
+
+    @property
+    def state(self) -> str:
+        """live (a session has its group up), failed, or finished."""
+        if self.status in _LIVE:
+            return "live"
+        return "failed" if self.status == "failed" else "finished"
+
+    @property
+    def steps(self) -> int:
+        """Steps trained on the run's current line (its steps count from 0)."""
+        return self.last_step + 1
 
     @property
     def duration_s(self) -> float:
@@ -131,7 +148,7 @@ class RunTable:
                 when(r.started),
                 when(r.updated),
                 took(r.duration_s) if r.started else "-",
-                str(r.last_step),
+                str(r.steps),
                 str(r.checkpoints),
                 r.path,
             ]
@@ -170,7 +187,9 @@ def list_runs(storage: str) -> RunTable:
                 updated=float(record.get("updated", 0)),
                 path=run_dir.uri,
                 started=float(record.get("started", 0) or 0),
-                last_step=int(record.get("last_step", 0) or 0),
+                # Before lines were recorded, steps counted from 1.
+                last_step=int(record.get("last_step", -1)) - ("line" not in record),
+                config=dict(record.get("config") or {}),
                 checkpoints=sum(
                     1 for c in index.get("checkpoints", []) if c.get("status") == "committed"
                 ),

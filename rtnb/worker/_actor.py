@@ -324,8 +324,8 @@ class RankActor:
             values = cloudpickle.loads(values)
         self.runtime.push(values)
 
-    def set_step(self, step: int) -> None:
-        self.runtime.step = step
+    def set_step(self, step: int, line: int = 0) -> None:
+        self.runtime.step, self.runtime.line = step, line
 
     def ping(self) -> str:
         return str(self.runtime.state)

@@ -140,7 +140,12 @@ class RankRuntime:
         self._reports_lock = threading.Lock()
         self._checkpoints: list[CheckpointOffer] = []
         self._run_dir = None
-        self.step = 0
+        # The last step reported (-1: none yet, so the first default step is 0) and
+        # the line of training it belongs to (a resume from an earlier checkpoint
+        # starts a branch: its own checkpoint ids, the steps counted from there).
+        self.step = -1
+        self.line = 0
+        self.checkpoint_calls = 0
         # The checkpoint get_checkpoint() returns in the running cell (given with
         # the cell), and the id it actually handed out, reported back to the driver.
         self.checkpoint = None
@@ -195,6 +200,7 @@ class RankRuntime:
             self._cell_id = cell_id
             self._state = CellState.RUNNING
             self.checkpoint = checkpoint
+            self.checkpoint_calls = 0
             self._loaded_checkpoint = None
             self._replay = replay
             self._value = None
@@ -331,6 +337,7 @@ class RankRuntime:
             value=self._value if self._state is CellState.DONE else None,
             error=self._error if self._state is CellState.ERROR else None,
             loaded_checkpoint=self._loaded_checkpoint,
+            line=self.line,
         )
 
     # ---- output and reports (called from the cell thread) --------------------------
@@ -421,7 +428,7 @@ class RankRuntime:
         with self._reports_lock:
             self._reports.add(step, when, metrics)
         if files is not None:
-            self._checkpoints.append(CheckpointOffer(step, when, metrics, files))
+            self._checkpoints.append(CheckpointOffer(step, when, metrics, files, self.line))
         if len(self._reports) == 1:
             self._cond.notify_all()
 
@@ -467,7 +474,7 @@ class RankRuntime:
             checkpoint = Checkpoint(checkpoint.path, getattr(checkpoint, "filesystem", None))
         if self._run_dir is None:
             self._run_dir = RunDirectory(self.context.storage_path, self.context.run_name)
-        cid = checkpoint_id(step)
+        cid = checkpoint_id(step, self.line)
         if self._run_dir.exists(f"checkpoints/{cid}/{MANIFEST}"):
             raise CheckpointError(
                 f"checkpoint {cid} is already committed; report the new checkpoint with a later step"
@@ -534,6 +541,13 @@ class RankRuntime:
         checkpoint = self.checkpoint
         if checkpoint is not None:
             self._loaded_checkpoint = getattr(checkpoint, "id", None)
+            resume = getattr(checkpoint, "resume", None)
+            if resume is not None and self.checkpoint_calls == 0:
+                # Training goes on from the checkpoint's state, so the step count
+                # does too (on a branch when later checkpoints of this line exist).
+                with self._cond, self._reports_lock:
+                    self.step, self.line = resume
+            self.checkpoint_calls += 1
         return checkpoint
 
     @property

@@ -1,0 +1,119 @@
+"""Comparing runs: each run's curve of a metric (the mean over its ranks), its last
+and best value, and the runs table the dashboard, ``%rtnb runs`` and ``rtnb runs``
+show."""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["format_rows", "run_curve", "runs_rows"]
+
+
+def run_curve(store, metric: str, x_axis: str = "step"):
+    """(xs, mean, low, high) of ``metric`` in ``store``: the mean over the ranks at
+    the steps every rank reported (the one rank's curve for a single rank); low and
+    high are the min-max band (None for one rank)."""
+    steps, times, values = store.mean_series(metric)
+    low = high = None
+    if steps:
+        _s, _t, low, high = store.band_series(metric)
+    else:
+        ranks = [r for r in store.ranks() if store.series(metric, r)[0]]
+        if not ranks:
+            return [], [], None, None
+        steps, times, values = store.series(metric, ranks[0])
+    if x_axis == "step":
+        xs = list(steps)
+    else:
+        origin = store.started_at or (times[0] if times else 0.0)
+        xs = [t - origin for t in times]
+    return xs, list(values), low, high
+
+
+def _last_best(store, metric: str, mode: str) -> tuple[float | None, float | None]:
+    _xs, values, _lo, _hi = run_curve(store, metric) if store is not None else ([], [], 0, 0)
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return None, None
+    return finite[-1], (min if mode == "min" else max)(finite)
+
+
+def _config_text(config: dict) -> str:
+    parts = [str(config.get("backend") or "")]
+    if config.get("score"):
+        parts.append(f"score={config['score']}({config.get('mode', 'min')})")
+    if config.get("keep"):
+        parts.append(f"keep={config['keep']}")
+    return " ".join(p for p in parts if p)
+
+
+def runs_rows(runs, stores: dict, metric: str | None) -> list[dict]:
+    """One dict per run with everything the table shows (numbers unformatted)."""
+    rows = []
+    for run in runs:
+        store = stores.get(run.name)
+        mode = run.config.get("mode", "min") if run.config.get("score") == metric else "min"
+        last, best = _last_best(store, metric, mode) if metric else (None, None)
+        rows.append(
+            {
+                "run": run.name,
+                "status": run.state,
+                "started": run.started,
+                "updated": run.updated,
+                "duration": run.duration_s,
+                "steps": run.steps,
+                "ranks": run.workers,
+                "checkpoints": run.checkpoints,
+                "last": last,
+                "best": best,
+                "config": _config_text(run.config),
+            }
+        )
+    return rows
+
+
+def _fmt_number(value) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%m-%d %H:%M", time.localtime(t)) if t else "-"
+
+
+def _took(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
+    """(header, one line per row): aligned columns, numbers right-aligned."""
+    columns = ["run", "status", "started", "duration", "steps", "ranks", "ckpts"]
+    if metric:
+        columns += [f"last {metric}", f"best {metric}"]
+    columns.append("config")
+    numeric = {"duration", "steps", "ranks", "ckpts"} | set(columns[7:9] if metric else ())
+    table = [columns]
+    for r in rows:
+        cells = [
+            r["run"],
+            r["status"],
+            _when(r["started"]),
+            _took(r["duration"]) if r["started"] else "-",
+            str(r["steps"]),
+            str(r["ranks"]),
+            str(r["checkpoints"]),
+        ]
+        if metric:
+            cells += [_fmt_number(r["last"]), _fmt_number(r["best"])]
+        cells.append(r["config"])
+        table.append(cells)
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+
+    def line(cells) -> str:
+        return "  ".join(
+            c.rjust(wd) if name in numeric else c.ljust(wd)
+            for name, c, wd in zip(columns, cells, widths)
+        ).rstrip()
+
+    return line(columns), [line(cells) for cells in table[1:]]

@@ -1,0 +1,315 @@
+"""``RunsDashboard``: every run in a storage location, compared.
+
+A sortable table of runs (status, start, duration, steps, ranks, checkpoints,
+the last and best value of a chosen metric, key config) with multi-select; the
+selected runs' curves overlaid in one plot (the mean over ranks per run, an
+optional min-max band, x by step or wall time, EMA, log y); a button opens a
+run's checkpoint browser. It reads run directories through the callables it is
+given (never Ray), so it shows batch runs and other kernels' runs alike, and
+re-reads the live ones every few seconds.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+
+import ipywidgets as w
+import plotly.graph_objects as go
+
+from rtnb.metrics._compare import format_rows, run_curve, runs_rows
+from rtnb.widgets._plot import RANK_COLORS, smooth
+
+__all__ = ["RunsDashboard", "runs_bundle", "runs_figure"]
+
+_SORTS = ("updated", "run", "status", "started", "duration", "steps", "last", "best")
+_CSS = (
+    "<style>.rtnb-runs-rows select{font-family:var(--jp-code-font-family,monospace);"
+    "font-size:12px}.rtnb-runs-head{font-family:var(--jp-code-font-family,monospace);"
+    "font-size:12px;white-space:pre;margin:0 0 0 2px}</style>"
+)
+
+
+def runs_figure(
+    stores: dict,
+    names: list[str],
+    metric: str,
+    *,
+    x_axis: str = "step",
+    weight: float = 0.0,
+    log_y: bool = False,
+    band: bool = False,
+    widget: bool = False,
+):
+    """The selected runs' ``metric`` overlaid: one mean curve per run (colour per
+    run), with its min-max band over the ranks when ``band``."""
+    fig = (go.FigureWidget if widget else go.Figure)()
+    for i, name in enumerate(names):
+        store = stores.get(name)
+        if store is None or metric not in store.metric_names():
+            continue
+        xs, ys, low, high = run_curve(store, metric, x_axis)
+        color = RANK_COLORS[i % len(RANK_COLORS)]
+        if band and low is not None and len(low) == len(xs):
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=list(low),
+                    mode="lines",
+                    line={"width": 0, "color": color},
+                    showlegend=False,
+                    hoverinfo="skip",
+                    legendgroup=name,
+                )
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=list(high),
+                    mode="lines",
+                    line={"width": 0, "color": color},
+                    fill="tonexty",
+                    opacity=0.2,
+                    showlegend=False,
+                    hoverinfo="skip",
+                    legendgroup=name,
+                )
+            )
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=smooth(ys, weight),
+                mode="lines",
+                name=name,
+                legendgroup=name,
+                line={"color": color, "width": 2},
+                hovertemplate=(
+                    f"{html.escape(name)}<br>{'step' if x_axis == 'step' else 's'} %{{x}}<br>"
+                    f"{html.escape(metric)} %{{y:.6g}}<extra></extra>"
+                ),
+            )
+        )
+    fig.update_layout(
+        height=340,
+        margin={"l": 55, "r": 20, "t": 10, "b": 40},
+        template="plotly_white",
+        paper_bgcolor="rgba(0,0,0,0)",
+        plot_bgcolor="rgba(0,0,0,0)",
+        font={"color": "#888"},
+        legend={"orientation": "h", "y": -0.2},
+    )
+    fig.update_xaxes(
+        title_text="step" if x_axis == "step" else "seconds", gridcolor="rgba(128,128,128,0.25)"
+    )
+    fig.update_yaxes(
+        title_text=metric, type="log" if log_y else "linear", gridcolor="rgba(128,128,128,0.25)"
+    )
+    return fig
+
+
+class RunsDashboard(w.VBox):
+    """``list_runs()`` returns the runs (:class:`rtnb.storage._result.RunSummary`
+    rows); ``load_metrics(name)`` a metrics store of that run's record;
+    ``open_checkpoints(name)`` a checkpoint browser widget for it (optional)."""
+
+    def __init__(
+        self,
+        list_runs,
+        load_metrics,
+        *,
+        open_checkpoints=None,
+        refresh_s: float = 3.0,
+        title: str = "",
+    ) -> None:
+        self._list_runs = list_runs
+        self._load = load_metrics
+        self._open_checkpoints = open_checkpoints
+        self._stores: dict = {}
+        self._loaded_at: dict[str, float] = {}
+        self._runs: list = []
+        self._rows: list[dict] = []
+        self._busy = False
+        self.title = w.HTML(f"<b>{html.escape(title)}</b>" if title else "")
+        self.metric = w.Dropdown(options=[], description="metric", layout=w.Layout(width="220px"))
+        self.sort = w.Dropdown(
+            options=list(_SORTS),
+            value="updated",
+            description="sort by",
+            layout=w.Layout(width="200px"),
+        )
+        self.descending = w.Checkbox(value=True, description="descending", indent=False)
+        self.head = w.HTML()
+        self.table = w.SelectMultiple(options=[], rows=6, layout=w.Layout(width="100%"))
+        self.table.add_class("rtnb-runs-rows")
+        self.x_axis = w.ToggleButtons(options=["step", "time"], value="step", description="x")
+        self.x_axis.style.button_width = "60px"
+        self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="EMA")
+        self.log_y = w.Checkbox(value=False, description="log y", indent=False)
+        self.band = w.Checkbox(value=False, description="min–max band", indent=False)
+        self.open_button = w.Button(
+            description="checkpoints",
+            disabled=True,
+            tooltip="open the first selected run's checkpoints",
+        )
+        self.plot = w.Box(layout=w.Layout(width="100%"))
+        self.detail = w.Box(layout=w.Layout(flex_flow="column", width="100%"))
+        self.message = w.HTML()
+        self.figure = None
+        for control in (self.x_axis, self.smoothing, self.log_y, self.band, self.table):
+            control.observe(lambda _c: self._draw(), names="value")
+        self.metric.observe(lambda _c: self._on_metric(), names="value")
+        self.sort.observe(lambda _c: self._render_table(), names="value")
+        self.descending.observe(lambda _c: self._render_table(), names="value")
+        self.table.observe(lambda _c: self._update_open(), names="value")
+        self.open_button.on_click(lambda _b: self._show_checkpoints())
+        super().__init__(
+            [
+                self.title,
+                w.HBox([self.metric, self.sort, self.descending]),
+                self.head,
+                self.table,
+                w.HBox([self.x_axis, self.smoothing, self.log_y, self.band, self.open_button]),
+                self.plot,
+                self.message,
+                self.detail,
+            ],
+            layout=w.Layout(width="100%"),
+        )
+        self.refresh()
+        self._closed = threading.Event()
+        self._thread = None
+        if refresh_s > 0:
+            self._thread = threading.Thread(
+                target=self._follow, args=(refresh_s,), name="rtnb-runs", daemon=True
+            )
+            self._thread.start()
+
+    # ---- data --------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read the runs again, and the metrics of those that changed (or are live)."""
+        runs = list(self._list_runs().runs)
+        for run in runs:
+            seen = self._loaded_at.get(run.name)
+            if seen is None or seen != run.updated or run.state == "live":
+                try:
+                    self._stores[run.name] = self._load(run.name)
+                except Exception as exc:  # noqa: BLE001 - one unreadable run must not hide the rest
+                    self.message.value = html.escape(f"run {run.name}: {exc}")
+                    continue
+                self._loaded_at[run.name] = run.updated
+        self._runs = runs
+        names = list(
+            dict.fromkeys(
+                m
+                for run in runs
+                if run.name in self._stores
+                for m in self._stores[run.name].metric_names()
+            )
+        )
+        current = self.metric.value
+        self._busy = True
+        try:
+            if list(self.metric.options) != names:
+                self.metric.options = names
+            if names:
+                self.metric.value = current if current in names else names[0]
+        finally:
+            self._busy = False
+        self._render_table()
+
+    def _follow(self, every_s: float) -> None:
+        while not self._closed.wait(every_s):
+            if any(run.state == "live" for run in self._runs):
+                try:
+                    self.refresh()
+                except Exception:  # noqa: BLE001 - storage hiccups: the next tick retries
+                    pass
+
+    def close(self) -> None:
+        if hasattr(self, "_closed"):
+            self._closed.set()
+        super().close()
+
+    # ---- views -------------------------------------------------------------------------
+    def _on_metric(self) -> None:
+        if not self._busy:
+            self._render_table()
+
+    def rows(self) -> list[dict]:
+        rows = runs_rows(self._runs, self._stores, self.metric.value)
+        key = self.sort.value
+        present = [r for r in rows if r.get(key) is not None]
+        missing = [r for r in rows if r.get(key) is None]
+        return sorted(present, key=lambda r: r[key], reverse=self.descending.value) + missing
+
+    def _render_table(self) -> None:
+        rows = self.rows()
+        self._rows = rows
+        head, lines = format_rows(rows, self.metric.value)
+        self.head.value = _CSS + f'<div class="rtnb-runs-head">{html.escape(head)}</div>'
+        chosen = tuple(self.table.value)
+        self._busy = True
+        try:
+            self.table.options = [(line, r["run"]) for line, r in zip(lines, rows)]
+            self.table.rows = max(3, min(10, len(rows)))
+            names = [r["run"] for r in rows]
+            self.table.value = tuple(n for n in chosen if n in names) or tuple(names[:1])
+        finally:
+            self._busy = False
+        self._update_open()
+        self._draw()
+
+    def _update_open(self) -> None:
+        self.open_button.disabled = self._open_checkpoints is None or not self.table.value
+        if self.table.value:
+            self.open_button.description = f"checkpoints of {self.table.value[0]}"
+
+    def _draw(self) -> None:
+        if self._busy or not self.metric.value:
+            return
+        figure = runs_figure(
+            self._stores,
+            list(self.table.value),
+            self.metric.value,
+            x_axis=self.x_axis.value,
+            weight=self.smoothing.value,
+            log_y=self.log_y.value,
+            band=self.band.value,
+            widget=True,
+        )
+        old, self.figure = self.figure, figure
+        self.plot.children = (figure,)
+        if old is not None:
+            old.close()
+
+    def _show_checkpoints(self) -> None:
+        if self._open_checkpoints is None or not self.table.value:
+            return
+        name = self.table.value[0]
+        try:
+            view = self._open_checkpoints(name)
+        except Exception as exc:  # noqa: BLE001 - shown to the user, one line
+            self.message.value = f'<span style="color:#c0392b">{html.escape(str(exc))}</span>'
+            return
+        for old in self.detail.children:
+            old.close()
+        self.detail.children = (view,)
+
+
+def runs_bundle(runs, stores: dict, metric: str | None, title: str = "") -> dict:
+    """What a saved notebook and a terminal keep of the dashboard: the table as
+    text, and (when a metric is known) every run's curve as plotly JSON and SVG."""
+    import json
+
+    from rtnb.widgets._svg import figure_svg
+
+    rows = runs_rows(runs, stores, metric)
+    head, lines = format_rows(rows, metric)
+    text = "\n".join([title, head, *lines] if title else [head, *lines])
+    bundle: dict = {"text/plain": text}
+    if metric:
+        fig = runs_figure(stores, [r["run"] for r in rows], metric)
+        if fig.data:
+            bundle["application/vnd.plotly.v1+json"] = json.loads(fig.to_json())
+            bundle["image/svg+xml"] = figure_svg(fig, title or metric)
+    return bundle
