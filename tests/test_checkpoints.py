@@ -165,6 +165,7 @@ def test_resume_from_an_earlier_checkpoint_trains_a_branch_and_never_rewrites_th
     # A new session on the same run carries on the branch (line and step).
     with rtnb.Session(workers=2, storage=str(tmp_path), name="branch") as again:
         again.run(
+            "import rtnb, torch.distributed as dist\n"
             "rtnb.report({'loss': 0.25}, checkpoint=rtnb.Checkpoint.from_state({'i': 41}) if dist.get_rank() == 0 else None)"
         )
         assert again.latest_checkpoint_id() == "step-000000041-b1"

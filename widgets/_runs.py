@@ -16,9 +16,9 @@ import threading
 
 import ipywidgets as w
 import plotly.graph_objects as go
+from rtnb.widgets._plot import RANK_COLORS, smooth
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
-from rtnb.widgets._plot import RANK_COLORS, smooth
 
 __all__ = ["RunsDashboard", "runs_bundle", "runs_figure"]
 

@@ -210,6 +210,8 @@ class MetricsStore:
         with self._lock:
             self.expected_ranks = set(ranks)
             for mean in self._means.values():
+                # What the last cell's ranks all reported counts before the rest goes.
+                mean.merge(self.expected_ranks)
                 mean.forget_pending()
             # The header counts this cell's reports, not the run's.
             self._counts_at_begin = dict(self.counts)
@@ -269,10 +271,11 @@ class MetricsStore:
         segment = {}
         for name in dict.fromkeys(name for name, _rank in self._series):
             mean = self._means.get(name)
+            snapshot: tuple = ([], [], [])
             if mean is not None:
                 mean.merge(self.expected_ranks)
                 snapshot = mean.series.snapshot()
-            else:
+            if not snapshot[0]:
                 ranks = sorted(r for n, r in self._series if n == name)
                 snapshot = self._series[(name, ranks[0])].snapshot()
             if snapshot[0]:
