@@ -175,19 +175,22 @@ def _wait_idle(page, timeout_s: float = 90) -> None:
         time.sleep(0.2)
 
 
-def _plot_lengths(page) -> list[int]:
+def _plot_lengths(page, cell: int | None = None) -> list[int]:
+    """The trace lengths of the first plot (in notebook cell ``cell``, if given)."""
     return page.evaluate(
-        "() => { const el = document.querySelector('.js-plotly-plot');"
-        " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }"
+        "i => { const root = i === null ? document : document.querySelectorAll('.jp-Cell')[i];"
+        " const el = root && root.querySelector('.js-plotly-plot');"
+        " return el && el.data ? el.data.map(t => (t.y || []).length) : []; }",
+        cell,
     )
 
 
-def _seen_growing(page, deadline_s: float) -> list[list[int]]:
-    """Samples of the live plot's trace lengths until the first trace grew 3 times."""
+def _seen_growing(page, deadline_s: float, cell: int | None = None) -> list[list[int]]:
+    """Samples of a live plot's trace lengths until its first trace grew 3 times."""
     samples: list[list[int]] = []
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        lengths = _plot_lengths(page)
+        lengths = _plot_lengths(page, cell)
         if lengths:
             samples.append(lengths)
             firsts = [s[0] for s in samples]
@@ -198,8 +201,8 @@ def _seen_growing(page, deadline_s: float) -> list[list[int]]:
 
 
 def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
-    """In the dark theme: the live plot grows, fills the output width, has no white
-    box, and comes back live after the tab is reloaded while the cell runs."""
+    """In the dark theme: the live plot grows, fills the output width and has no white
+    box; reloaded while a background cell runs, the tab shows the plot live again."""
     url, root = dark_lab
     name = _notebook(
         root,
@@ -210,7 +213,11 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             f"%%rtrain --steps 5000\nimport os, time, rtnb, torch.distributed as dist\ns = 0\n"
             f"while not os.path.exists({str(tmp_path / 'seen')!r}) and s < 5000:\n"
             "    s += 1\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
-            "%rtnb stop",
+            # The same in the background: the kernel stays free to answer a reload.
+            f"%%rtrain --steps 5000 --background\ns = 0\n"
+            f"while not os.path.exists({str(tmp_path / 'seen-again')!r}) and s < 5000:\n"
+            "    s += 1\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
+            "%rtnb wait\n%rtnb stop",
         ],
     )
     with _opened(url, name, tmp_path) as page:
@@ -221,22 +228,42 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         look = page.evaluate(
             "() => { const el = document.querySelector('.js-plotly-plot');"
             " const area = el.closest('.jp-OutputArea-output');"
-            " const bg = el.querySelector('.main-svg');"
-            " return {plot: el.getBoundingClientRect().width,"
+            " const svg = el.querySelector('.main-svg');"
+            " return {plot: svg.getBoundingClientRect().width,"
             "  area: area.getBoundingClientRect().width,"
-            "  paper: bg ? getComputedStyle(bg).backgroundColor : null,"
+            "  paper: getComputedStyle(svg).backgroundColor,"
             "  theme: document.body.dataset.jpThemeName,"
             "  light: document.body.dataset.jpThemeLight}; }"
         )
-        # While the cell runs, reload the tab: the widget comes back and keeps drawing.
-        page.reload()
-        page.wait_for_selector(".js-plotly-plot", timeout=60_000)
-        after_reload = _seen_growing(page, 60)
         header = page.locator(".widget-html-content").first.inner_text()
         (tmp_path / "seen").write_text("stop")
-        page.locator(".jp-Cell").nth(2).click()
+        _wait_idle(page)  # the foreground cell ended; the background one starts next
+        page.keyboard.press("Shift+Enter")
+        in_cell_2 = (
+            "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
+            " return !!(c && c.querySelector('.js-plotly-plot')); }"
+        )
+        page.wait_for_function(in_cell_2, timeout=60_000)
+        # While the background cell runs: save, reload the tab, and the live plot is
+        # back and drawing (the kernel answers the page's widget requests).
+        time.sleep(1)  # let the live view settle in the output before saving it
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            saved = json.loads((root / name).read_text())["cells"][2].get("outputs", [])
+            if any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in saved):
+                break
+            time.sleep(0.3)
+        page.reload()
+        try:
+            page.wait_for_function(in_cell_2, timeout=60_000)
+        finally:
+            page.screenshot(path=str(tmp_path / "reloaded.png"), full_page=True)
+        after_reload = _seen_growing(page, 60, cell=2)
+        (tmp_path / "seen-again").write_text("stop")
+        page.locator(".jp-Cell").nth(3).click()
         page.keyboard.press("Escape")
-        page.keyboard.press("Shift+Enter")  # %rtnb stop
+        page.keyboard.press("Shift+Enter")  # %rtnb wait, %rtnb stop
         _wait_idle(page)
     assert look["theme"] == "JupyterLab Dark" and look["light"] == "false", look
     assert look["paper"] in ("rgba(0, 0, 0, 0)", "transparent"), f"a white box: {look}"

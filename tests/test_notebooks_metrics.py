@@ -56,7 +56,8 @@ def test_batch_output_has_progress_lines_and_a_static_figure_of_the_reports(ray_
     subplot_titles = [a["text"] for a in figure["layout"]["annotations"]]
     loss_y = f"y{subplot_titles.index('loss') + 1}".replace("y1", "y")
     rank1 = traces[("rank 1", loss_y)]
-    assert rank1["x"][-1] == 300 and rank1["y"][-1] == pytest.approx(1.0 / 300 + 1)
+    assert rank1["x"][-1] == 299, "steps count from 0"
+    assert rank1["y"][-1] == pytest.approx(1.0 / 300 + 1)
     assert rank1["y"][0] == pytest.approx(2.0)
     text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
     lines = [line for line in text.splitlines() if line.startswith("rtnb: cell")]
@@ -83,7 +84,7 @@ def test_saved_batch_notebook_of_a_long_run_stays_small(ray_cluster, tmp_path):
     frame = rtnb.Result.from_path(str(tmp_path / "runs" / "long")).metrics_dataframe
     rank1 = frame[frame["rank"] == 1]
     assert len(rank1) == steps, "every report is on disk at full resolution"
-    assert rank1["step"].iloc[-1] == steps
+    assert rank1["step"].iloc[-1] == steps - 1, "steps count from 0"
 
 
 def test_live_widget_in_a_kernel_shows_every_rank_and_the_reported_values(ray_cluster, tmp_path):
@@ -108,7 +109,7 @@ def test_live_widget_in_a_kernel_shows_every_rank_and_the_reported_values(ray_cl
         traces_line, counts_line = probe.stdout.strip().splitlines()
         traces = json.loads(traces_line)
         assert set(traces) == {"rank 0", "rank 1", "mean"}
-        assert traces["rank 1"][1:] == [3000, 6000.0] and traces["rank 0"][1:] == [3000, 3000.0]
+        assert traces["rank 1"][1:] == [2999, 6000.0] and traces["rank 0"][1:] == [2999, 3000.0]
         assert traces["mean"][2] == 4500.0
         assert all(n <= 1001 for n, _x, _y in traces.values())
         logged, redraws = (int(v) for v in counts_line.split())

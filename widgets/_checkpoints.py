@@ -311,14 +311,18 @@ class CheckpointBrowser(w.VBox):
                     hovertemplate="%{customdata[0]} (being written)<extra></extra>",
                 )
             )
-        figure = self.timeline
-        with figure.batch_update():
-            figure.data = ()
-            for trace in traces:
-                figure.add_trace(trace)
-            figure.layout.yaxis.title.text = metric or ""
+        # A new widget each time, built whole: its synced state holds every trace, so
+        # a reloaded tab shows the timeline as it is (see widgets/_plot.py).
+        shape = go.Figure(layout=self.timeline.layout)
+        for trace in traces:
+            shape.add_trace(trace)
+        shape.layout.yaxis.title.text = metric or ""
+        figure = go.FigureWidget(shape)
         for trace in figure.data:
             trace.on_click(self._on_marker)
+        old, self.timeline = self.timeline, figure
+        self.children = tuple(figure if child is old else child for child in self.children)
+        old.close()
 
     # ---- actions -----------------------------------------------------------------------
     def _act(self, name: str) -> None:

@@ -18,7 +18,7 @@ from rtnb.widgets._plot import (
     trace_keys,
 )
 
-__all__ = ["LiveMetrics", "LiveOnFirstReport", "format_header"]
+__all__ = ["LiveMetrics", "LiveOnFirstReport", "close_tree", "format_header"]
 
 _MAX_LOG_LINES = 2000
 _SHOWN_LOG_LINES = 200
@@ -79,6 +79,13 @@ def format_header(
     return " · ".join(parts)
 
 
+def close_tree(widget) -> None:
+    """Close ``widget`` and every widget under it (children first)."""
+    for child in getattr(widget, "children", ()) or ():
+        close_tree(child)
+    w.Widget.close(widget)
+
+
 class LiveMetrics(w.VBox):
     """One subplot per metric, one trace per rank plus the mean; redrawn at most
     ``max_hz`` times a second from a bounded snapshot of ``store``.
@@ -135,7 +142,7 @@ class LiveMetrics(w.VBox):
             layout=w.Layout(flex_flow="row wrap"),
         )
         # The full output width (plotly's autosize follows the box as it resizes).
-        self._plot_box = w.Box(layout=w.Layout(width="100%"))
+        self._plot_box = w.Box(layout=w.Layout(width="100%", display="block"))
         self._log_filter = w.Dropdown(
             options=[("all ranks", -1)], value=-1, description="log", layout=w.Layout(width="180px")
         )
@@ -292,9 +299,10 @@ class LiveMetrics(w.VBox):
     def close(self) -> None:
         self._closed = True
         self._stopped.set()
-        if self.figure is not None:
-            self.figure.close()
-        super().close()
+        # Every widget of the tree: a box left open that lists a closed child makes a
+        # reloaded page wait for that child forever, and with it every widget of the
+        # notebook ("Loading widget..."), the live ones included.
+        close_tree(self)
 
     def _state(self) -> str:
         h = self.handle
@@ -359,7 +367,9 @@ class LiveMetrics(w.VBox):
                 log_y=self._log_y.value,
                 max_points=self.max_points,
             )
-            self._plot_box.children = (self.figure,)
+            old, self._plot_box.children = self._plot_box.children, (self.figure,)
+            for figure in old:
+                figure.close()
         else:
             with self.figure.batch_update():
                 for trace, key in zip(self.figure.data, keys):

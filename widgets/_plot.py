@@ -122,7 +122,6 @@ def build_figure(
     height_per_metric: int = 220,
 ):
     metrics = list(dict.fromkeys(k[0] for k in keys))  # the order they were reported in
-    fig_cls = go.FigureWidget if widget else go.Figure
     base = make_subplots(
         rows=max(1, len(metrics)),
         cols=1,
@@ -130,7 +129,7 @@ def build_figure(
         subplot_titles=metrics,
         vertical_spacing=0.08 if len(metrics) > 1 else 0.0,
     )
-    fig = fig_cls(base)
+    fig = go.Figure(base)
     for key in keys:
         name, rank = key
         xs, ys = series_xy(store, key, x_axis, weight, max_points)
@@ -214,4 +213,7 @@ def build_figure(
     fig.update_xaxes(
         title_text="step" if x_axis == "step" else "seconds", row=max(1, len(metrics)), col=1
     )
-    return fig
+    # A FigureWidget made from the finished figure carries every trace in its synced
+    # state; traces added to a live FigureWidget only travel as messages, so a tab
+    # reloaded later would restore an empty plot that no update can fill.
+    return go.FigureWidget(fig) if widget else fig

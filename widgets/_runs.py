@@ -16,6 +16,7 @@ import threading
 
 import ipywidgets as w
 import plotly.graph_objects as go
+from rtnb.widgets._live import close_tree
 from rtnb.widgets._plot import RANK_COLORS, smooth
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
@@ -43,7 +44,7 @@ def runs_figure(
 ):
     """The selected runs' ``metric`` overlaid: one mean curve per run (colour per
     run), with its min-max band over the ranks when ``band``."""
-    fig = (go.FigureWidget if widget else go.Figure)()
+    fig = go.Figure()
     for i, name in enumerate(names):
         store = stores.get(name)
         if store is None or metric not in store.metric_names():
@@ -104,7 +105,8 @@ def runs_figure(
     fig.update_yaxes(
         title_text=metric, type="log" if log_y else "linear", gridcolor="rgba(128,128,128,0.25)"
     )
-    return fig
+    # built whole, then wrapped: a widget keeps its traces in its synced state
+    return go.FigureWidget(fig) if widget else fig
 
 
 class RunsDashboard(w.VBox):
@@ -151,7 +153,7 @@ class RunsDashboard(w.VBox):
             disabled=True,
             tooltip="open the first selected run's checkpoints",
         )
-        self.plot = w.Box(layout=w.Layout(width="100%"))
+        self.plot = w.Box(layout=w.Layout(width="100%", display="block"))
         self.detail = w.Box(layout=w.Layout(flex_flow="column", width="100%"))
         self.message = w.HTML()
         self.figure = None
@@ -228,7 +230,7 @@ class RunsDashboard(w.VBox):
     def close(self) -> None:
         if hasattr(self, "_closed"):
             self._closed.set()
-        super().close()
+        close_tree(self)
 
     # ---- views -------------------------------------------------------------------------
     def _on_metric(self) -> None:

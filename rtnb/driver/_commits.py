@@ -103,6 +103,17 @@ class CheckpointCoordinator:
                 self._latest_known = True
             return self._latest
 
+    def latest_id(self) -> str | None:
+        """The id :meth:`latest` names, read from the store's list (current even
+        while a commit is still being announced to subscribers)."""
+        info = self.store.latest(self.line)
+        if info is not None:
+            return info.id
+        if self.line == 0 and not self.branched_from:
+            info = self.store.latest()
+            return info.id if info is not None else None
+        return self.branched_from.get(self.line)
+
     def _get_or_none(self, cid: str | None) -> Checkpoint | None:
         if cid is None:
             return None

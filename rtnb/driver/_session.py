@@ -307,8 +307,7 @@ class Session:
     def latest_checkpoint_id(self) -> str | None:
         """The checkpoint a recovery would restart from: the latest of the line of
         training the ranks are on (see ``_commits``)."""
-        latest = self.commits.latest()
-        return latest.id if latest is not None else None
+        return self.commits.latest_id()
 
     def list_checkpoints(self, include_incomplete: bool = False, run: str | None = None):
         return self.checkpoint_store(run).list(include_incomplete)
