@@ -33,6 +33,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
 from rtnb.errors import ConfigError
 from rtnb.metrics._store import MetricsStore
+from rtnb.storage._checkpoints import checkpoints_table
 from rtnb.storage._result import list_runs, read_run_metrics
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
@@ -425,6 +426,11 @@ class RtnbMagics(Magics):
         store = session.checkpoint_store(args.run)
         if args.list:
             return session.list_checkpoints(run=args.run)
+        if not has_live_frontend():
+            # Nothing can click it (papermill, nbclient): the table, as text.
+            rows = session.list_checkpoints(include_incomplete=True, run=args.run)
+            print(checkpoints_table(rows) if rows else "rtnb: no checkpoints yet")
+            return None
         self.last_view = CheckpointBrowser(
             lambda: session.list_checkpoints(include_incomplete=True, run=args.run),
             resume=lambda cid: _resume_in_view(session, cid, args.run),

@@ -262,7 +262,7 @@ def test_a_killed_kernel_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_pa
     assert "DeadKernelError" in proc.stderr, proc.stderr[-2000:]
     _assert_nothing_left_behind(tmp_path, "dies", "dies")
     committed = _checkpoints(tmp_path, "dies").list()
-    assert [c.step for c in committed] == [1, 2, 3]
+    assert [c.step for c in committed] == [0, 1, 2], "steps count from 0"
 
 
 def test_a_notebook_without_kernelspec_runs_in_this_pythons_kernel(ray_cluster, tmp_path):

@@ -298,8 +298,10 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
             "    time.sleep(0.05)",
             "%rtnb checkpoints",
             "%rtnb wait\n%rtnb stop",
+            f"%rtnb runs {runs} --metric i",
         ],
     )
+    _finished_run(runs, "other", [10.0 - s for s in range(6)])
     with _opened(url, name, tmp_path) as page:
         page.keyboard.press("Shift+Enter")  # train i = 0..7, a checkpoint per step
         _wait_idle(page)
@@ -338,6 +340,22 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
             " return plots.length ? plots[plots.length - 1].data.map("
             "  t => ({name: t.name, x0: t.x ? Array.from(t.x)[0] : null})) : []; }"
         )
+        # The runs dashboard: select both finished runs, see both curves.
+        page.keyboard.press("Shift+Enter")
+        rows = page.locator(".rtnb-runs-rows select")
+        rows.wait_for(timeout=60_000)
+        rows.select_option(index=[0, 1])
+        page.wait_for_function(
+            "() => { const d = document.querySelector('.rtnb-runs-rows').closest('.widget-vbox');"
+            " const p = d.querySelector('.js-plotly-plot');"
+            " return !!(p && p.data && p.data.length === 2); }",
+            timeout=30_000,
+        )
+        overlaid = page.evaluate(
+            "() => { const d = document.querySelector('.rtnb-runs-rows').closest('.widget-vbox');"
+            " return d.querySelector('.js-plotly-plot').data.map(t => t.name).sort(); }"
+        )
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
     assert "step-000000002" in message and "running in the background" in message
     frame = rtnb.Result.from_path(str(runs / "clicked")).metrics_dataframe
     values = frame[frame["rank"] == 0]["i"].tolist()
@@ -346,6 +364,23 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
     assert names.get("earlier line") == 0 and names.get("rank 0") == 3, traces
     committed = sorted(p.name for p in (runs / "clicked" / "checkpoints").iterdir() if p.is_dir())
     assert "step-000000007" in committed and "step-000000007-b1" in committed, committed
+    assert overlaid == ["clicked", "other"], overlaid
+
+
+def _finished_run(runs: Path, name: str, values: list[float]) -> None:
+    """A finished run on disk, as another kernel would have left it."""
+    from rtnb.metrics._store import MetricsStore
+    from rtnb.storage._metricslog import MetricsLog
+    from rtnb.storage._rundir import RunDirectory
+
+    run_dir = RunDirectory(str(runs), name)
+    run_dir.ensure_writable()
+    store = MetricsStore(log=MetricsLog(run_dir))
+    store.begin([0])
+    store.add(0, [(s, 100.0 + s, {"i": v}) for s, v in enumerate(values)])
+    store.flush()
+    record = {"run_name": name, "status": "stopped", "config": {"workers": 1}}
+    run_dir.write_json("run.json", {**record, "started": 90.0, "updated": 120.0})
 
 
 def _plot_state(page) -> dict:

@@ -157,4 +157,4 @@ def test_tensorboard_export_writes_every_report_per_rank(ray_cluster, tmp_path):
     for rank in (0, 1):
         scalars = _read_scalars(tmp_path / "tb" / "tensorboard" / f"rank_{rank}")
         assert [(t, v) for t, _s, v in scalars] == [("loss", s * 10 + rank) for s in range(1, 6)]
-        assert [s for _t, s, _v in scalars] == [1, 2, 3, 4, 5]
+        assert [s for _t, s, _v in scalars] == [0, 1, 2, 3, 4], "steps count from 0"

@@ -311,8 +311,16 @@ class CheckpointBrowser(w.VBox):
                     hovertemplate="%{customdata[0]} (being written)<extra></extra>",
                 )
             )
-        # A new widget each time, built whole: its synced state holds every trace, so
-        # a reloaded tab shows the timeline as it is (see widgets/_plot.py).
+        current = self.timeline
+        if [t.name for t in current.data] == [t.name for t in traces] and current.data:
+            # Same traces: update them in place (a new FigureWidget sends plotly.js along).
+            with current.batch_update():
+                for old_trace, trace in zip(current.data, traces):
+                    old_trace.update(trace.to_plotly_json())
+                current.layout.yaxis.title.text = metric or ""
+            return
+        # New traces: a new widget, built whole, so that its synced state holds every
+        # trace and a reloaded tab shows the timeline as it is (see widgets/_plot.py).
         shape = go.Figure(layout=self.timeline.layout)
         for trace in traces:
             shape.add_trace(trace)

@@ -143,8 +143,12 @@ class RunsDashboard(w.VBox):
         self.head = w.HTML()
         self.table = w.SelectMultiple(options=[], rows=6, layout=w.Layout(width="100%"))
         self.table.add_class("rtnb-runs-rows")
-        self.x_axis = w.ToggleButtons(options=["step", "time"], value="step", description="x")
-        self.x_axis.style.button_width = "60px"
+        self.x_axis = w.Dropdown(
+            options=[("step", "step"), ("wall time", "time")],
+            value="step",
+            description="x",
+            layout=w.Layout(width="160px"),
+        )
         self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="EMA")
         self.log_y = w.Checkbox(value=False, description="log y", indent=False)
         self.band = w.Checkbox(value=False, description="min–max band", indent=False)

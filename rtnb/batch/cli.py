@@ -138,11 +138,10 @@ def _print_runs(storage: str, metric: str | None) -> int:
 
 
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
-    import time
 
     from rtnb.core._config import check_name
     from rtnb.errors import ConfigError
-    from rtnb.storage._checkpoints import CheckpointStore
+    from rtnb.storage._checkpoints import CheckpointStore, checkpoints_table
     from rtnb.storage._rundir import RunDirectory
 
     check_name(run, "RUN")
@@ -155,22 +154,7 @@ def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     if not rows:
         print(f"run {run!r} has no checkpoints")
         return 0
-    metrics = sorted({k for c in rows for k in c.metrics})
-    table = [["id", "step", "time", *metrics, "MB", "ranks", "status"]]
-    for c in rows:
-        table.append(
-            [
-                c.id,
-                str(c.step),
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-",
-            ]
-            + [
-                f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
-                for m in metrics
-            ]
-            + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
-        )
-    print(format_table(table))
+    print(checkpoints_table(rows))
     return 0
 
 

@@ -392,6 +392,11 @@ class CellHandle:
         self._finished.clear()
         self._dead.clear()
         self.loaded.clear()
+        # The new ranks start again from the checkpoint's step, below what the dead
+        # ones had reached: a stale step left here would let a checkpoint commit
+        # before every new rank offered its shard.
+        self.steps = {r: -1 for r in self.ranks}
+        self.lines.clear()
         self.states = {r: "running" for r in self.ranks}
         self._dispatch()
 

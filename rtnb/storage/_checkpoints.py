@@ -16,12 +16,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rtnb.core._messages import CheckpointOffer
-from rtnb.core._text import mean_over_ranks, to_number
+from rtnb.core._text import format_table, mean_over_ranks, to_number
 from rtnb.errors import CheckpointError, one_line
 from rtnb.storage._checkpoint import MANIFEST, Checkpoint
 from rtnb.storage._rundir import RunDirectory
 
-__all__ = ["CheckpointInfo", "CheckpointStore", "checkpoint_id", "parse_checkpoint_id"]
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointStore",
+    "checkpoint_id",
+    "checkpoints_table",
+    "parse_checkpoint_id",
+]
 
 INDEX = "index.json"
 _INDEX_EVERY_S = 1.0
@@ -353,3 +359,24 @@ def _newest(committed: list[CheckpointInfo]) -> CheckpointInfo | None:
     """The checkpoint committed last (by its report time): after a resume from an
     earlier checkpoint, the branch's, not the original line's highest step."""
     return max(committed, key=lambda c: (c.time, c.step)) if committed else None
+
+
+def checkpoints_table(rows: list[CheckpointInfo]) -> str:
+    """The checkpoints as an aligned text table (``rtnb checkpoints``, and
+    ``%rtnb checkpoints`` where no widget can render)."""
+    metrics = sorted({k for c in rows for k in c.metrics})
+    table = [["id", "step", "time", *metrics, "MB", "ranks", "status"]]
+    for c in rows:
+        table.append(
+            [
+                c.id,
+                str(c.step),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-",
+            ]
+            + [
+                f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
+                for m in metrics
+            ]
+            + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
+        )
+    return format_table(table)

@@ -102,7 +102,7 @@ class RunSummary:
     @property
     def steps(self) -> int:
         """Steps trained on the run's current line (its steps count from 0)."""
-        return self.last_step + 1
+        return max(0, self.last_step + 1)
 
     @property
     def duration_s(self) -> float:
