@@ -8,6 +8,9 @@ import time
 
 import ipywidgets as w
 
+from rtnb.core._text import align_rows
+from rtnb.widgets._plot import see_through
+
 __all__ = ["CheckpointBrowser"]
 
 # Marker colours of the timeline (and the words the status column uses for them).
@@ -229,22 +232,14 @@ class CheckpointBrowser(w.VBox):
                     self._status(c),
                 ]
             )
-        widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+        head, *lines = align_rows(table, right=numeric)
+        self._head.value = _ROWS_CSS + f'<div class="rtnb-ckpt-head">{html.escape(head)}</div>'
 
-        def line(cells) -> str:
-            return "  ".join(
-                cell.rjust(width) if name in numeric else cell.ljust(width)
-                for name, cell, width in zip(columns, cells, widths)
-            ).rstrip()
-
-        self._head.value = (
-            _ROWS_CSS + f'<div class="rtnb-ckpt-head">{html.escape(line(columns))}</div>'
-        )
         chosen = self._rows.value
         # Rows of incomplete checkpoints are listed too; selecting one does nothing.
         options = [
-            (line(cells), c.id if c.status == "committed" else f"\0{c.id}")
-            for c, cells in zip(rows, table[1:])
+            (text, c.id if c.status == "committed" else f"\0{c.id}")
+            for c, text in zip(rows, lines)
         ]
         self._rows.options = options
         self._rows.rows = max(3, min(12, len(options)))
@@ -367,16 +362,8 @@ def _timeline_figure():
     import plotly.graph_objects as go
 
     figure = go.FigureWidget()
-    figure.update_layout(
-        height=220,
-        margin={"l": 50, "r": 20, "t": 10, "b": 35},
-        template="plotly_white",
-        paper_bgcolor="rgba(0,0,0,0)",
-        plot_bgcolor="rgba(0,0,0,0)",
-        font={"color": "#888"},
-        legend={"orientation": "h", "y": -0.25},
-        clickmode="event",
-    )
+    see_through(figure, height=220, margin={"l": 50, "r": 20, "t": 10, "b": 35})
+    figure.update_layout(legend={"orientation": "h", "y": -0.25}, clickmode="event")
     figure.update_xaxes(title_text="step", gridcolor="rgba(128,128,128,0.25)")
     figure.update_yaxes(gridcolor="rgba(128,128,128,0.25)")
     return figure

@@ -7,7 +7,15 @@ from html import escape as html_escape
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-__all__ = ["BAND_FROM_RANKS", "RANK_COLORS", "build_figure", "robust_range", "smooth", "trace_keys"]
+__all__ = [
+    "BAND_FROM_RANKS",
+    "RANK_COLORS",
+    "build_figure",
+    "robust_range",
+    "see_through",
+    "smooth",
+    "trace_keys",
+]
 
 # From this many ranks on, a metric is drawn as its mean, the min-max band over the
 # ranks and a few outlier ranks (plus any the user picks), not one line per rank:
@@ -77,6 +85,18 @@ def robust_range(traces, early: float = 0.1) -> list[float] | None:
         return None
     pad = 0.05 * (hi - lo) if hi > lo else max(abs(hi) * 0.05, 1e-12)
     return [lo - pad, hi + pad]
+
+
+def see_through(fig, **layout) -> None:
+    """See-through backgrounds with grey text and grid: readable on JupyterLab's
+    light and dark themes alike (a white box in a dark notebook is not)."""
+    fig.update_layout(
+        template="plotly_white",
+        paper_bgcolor="rgba(0,0,0,0)",
+        plot_bgcolor="rgba(0,0,0,0)",
+        font={"color": "#888"},
+        **layout,
+    )
 
 
 def smooth(values: list[float], weight: float) -> list[float]:
@@ -200,13 +220,8 @@ def build_figure(
         height=max(260, height_per_metric * max(1, len(metrics))),
         margin={"l": 50, "r": 20, "t": 30, "b": 40},
         legend={"orientation": "h", "y": -0.12 if len(metrics) < 2 else -0.05},
-        template="plotly_white",
-        # See-through, with grey text and grid: readable on JupyterLab's light and
-        # dark themes alike (a white box in a dark notebook is not).
-        paper_bgcolor="rgba(0,0,0,0)",
-        plot_bgcolor="rgba(0,0,0,0)",
-        font={"color": "#888"},
     )
+    see_through(fig)
     fig.update_xaxes(gridcolor="rgba(128,128,128,0.25)", zerolinecolor="rgba(128,128,128,0.4)")
     fig.update_yaxes(gridcolor="rgba(128,128,128,0.25)", zerolinecolor="rgba(128,128,128,0.4)")
     fig.update_yaxes(type="log" if log_y else "linear")

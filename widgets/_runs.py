@@ -17,7 +17,7 @@ import threading
 import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._live import close_tree
-from rtnb.widgets._plot import RANK_COLORS, smooth
+from rtnb.widgets._plot import RANK_COLORS, see_through, smooth
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
 
@@ -90,15 +90,8 @@ def runs_figure(
                 ),
             )
         )
-    fig.update_layout(
-        height=340,
-        margin={"l": 55, "r": 20, "t": 10, "b": 40},
-        template="plotly_white",
-        paper_bgcolor="rgba(0,0,0,0)",
-        plot_bgcolor="rgba(0,0,0,0)",
-        font={"color": "#888"},
-        legend={"orientation": "h", "y": -0.2},
-    )
+    see_through(fig, height=340, margin={"l": 55, "r": 20, "t": 10, "b": 40})
+    fig.update_layout(legend={"orientation": "h", "y": -0.2})
     fig.update_xaxes(
         title_text="step" if x_axis == "step" else "seconds", gridcolor="rgba(128,128,128,0.25)"
     )

@@ -8,10 +8,10 @@ manifests); ``format_table`` is the one plain-text table (status, runs, CLI).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["format_table", "mean_over_ranks", "to_number"]
+__all__ = ["align_rows", "format_duration", "format_table", "mean_over_ranks", "to_number"]
 
 
 def to_number(value: Any) -> float | None:
@@ -43,11 +43,29 @@ def mean_over_ranks(per_rank: Mapping[int, Mapping[str, Any]]) -> dict[str, floa
     return out
 
 
+def align_rows(rows: Sequence[Sequence[str]], right: Collection[str] = ()) -> list[str]:
+    """The rows as aligned text lines, the first row the header; the columns whose
+    header is in ``right`` (numbers) are right-aligned, the others left-aligned."""
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    header = rows[0]
+    return [
+        "  ".join(
+            cell.rjust(w) if name in right else cell.ljust(w)
+            for name, cell, w in zip(header, row, widths)
+        ).rstrip()
+        for row in rows
+    ]
+
+
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns, the first row as the header."""
-    if not rows:
-        return ""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows
-    )
+    return "\n".join(align_rows(rows))
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss"""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+from rtnb.core._text import align_rows, format_duration
+
 __all__ = ["format_rows", "run_curve", "runs_rows"]
 
 
@@ -80,12 +82,6 @@ def _when(t: float) -> str:
     return time.strftime("%m-%d %H:%M", time.localtime(t)) if t else "-"
 
 
-def _took(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
 def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
     """(header, one line per row): aligned columns, numbers right-aligned."""
     columns = ["run", "status", "started", "duration", "steps", "ranks", "ckpts"]
@@ -99,7 +95,7 @@ def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
             r["run"],
             r["status"],
             _when(r["started"]),
-            _took(r["duration"]) if r["started"] else "-",
+            format_duration(r["duration"]) if r["started"] else "-",
             str(r["steps"]),
             str(r["ranks"]),
             str(r["checkpoints"]),
@@ -108,12 +104,5 @@ def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
             cells += [_fmt_number(r["last"]), _fmt_number(r["best"])]
         cells.append(r["config"])
         table.append(cells)
-    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
-
-    def line(cells) -> str:
-        return "  ".join(
-            c.rjust(wd) if name in numeric else c.ljust(wd)
-            for name, c, wd in zip(columns, cells, widths)
-        ).rstrip()
-
-    return line(columns), [line(cells) for cells in table[1:]]
+    head, *lines = align_rows(table, right=numeric)
+    return head, lines

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtnb.core._redact import redact_uri
-from rtnb.core._text import format_table, mean_over_ranks
+from rtnb.core._text import format_duration, format_table, mean_over_ranks
 from rtnb.errors import ConfigError
 from rtnb.storage._metricslog import read_metrics
 from rtnb.storage._rundir import RunDirectory
@@ -123,11 +123,6 @@ class RunTable:
         def when(t: float) -> str:
             return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
-        def took(seconds: float) -> str:
-            minutes, secs = divmod(int(seconds), 60)
-            hours, minutes = divmod(minutes, 60)
-            return f"{hours}:{minutes:02d}:{secs:02d}"
-
         rows = [
             [
                 "run",
@@ -147,7 +142,7 @@ class RunTable:
                 str(r.workers),
                 when(r.started),
                 when(r.updated),
-                took(r.duration_s) if r.started else "-",
+                format_duration(r.duration_s) if r.started else "-",
                 str(r.steps),
                 str(r.checkpoints),
                 r.path,
