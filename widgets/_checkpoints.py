@@ -7,9 +7,9 @@ import html
 import time
 
 import ipywidgets as w
+from rtnb.widgets._plot import see_through
 
 from rtnb.core._text import align_rows
-from rtnb.widgets._plot import see_through
 
 __all__ = ["CheckpointBrowser"]
 
