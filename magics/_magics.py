@@ -423,7 +423,6 @@ class RtnbMagics(Magics):
     def _rtnb_checkpoints(self, rest: str):
         args = parse_argstring(_checkpoints_args, rest)
         session = self._require()
-        store = session.checkpoint_store(args.run)
         if args.list:
             return session.list_checkpoints(run=args.run)
         if not has_live_frontend():
@@ -431,18 +430,8 @@ class RtnbMagics(Magics):
             rows = session.list_checkpoints(include_incomplete=True, run=args.run)
             print(checkpoints_table(rows) if rows else "rtnb: no checkpoints yet")
             return None
-        self.last_view = CheckpointBrowser(
-            lambda: session.list_checkpoints(include_incomplete=True, run=args.run),
-            resume=lambda cid: _resume_in_view(session, cid, args.run),
-            load=lambda cid: (
-                f"rtnb.get_checkpoint() now returns {session.load(cid, run=args.run).id} on every rank"
-            ),
-            delete=store.delete,
-            subscribe=store.subscribe,
-            latest=None if args.run else session.latest_checkpoint_id,
-            score=session.config.score,
-            mode=session.config.mode,
-            title=f"checkpoints of run {args.run or session.run_name!r}",
+        self.last_view = self._browser_for(
+            session, session.config.storage_path, args.run or session.run_name
         )
         display(self.last_view)
 
@@ -536,6 +525,8 @@ class RtnbMagics(Magics):
             delete=store.delete,
             subscribe=store.subscribe,
             latest=session.latest_checkpoint_id if ours and other is None else None,
+            score=session.config.score if ours and other is None else None,
+            mode=session.config.mode if ours and other is None else "min",
             title=f"checkpoints of run {name!r}",
         )
 

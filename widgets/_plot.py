@@ -11,6 +11,7 @@ __all__ = [
     "BAND_FROM_RANKS",
     "RANK_COLORS",
     "build_figure",
+    "hover",
     "robust_range",
     "see_through",
     "smooth",
@@ -99,6 +100,13 @@ def see_through(fig, **layout) -> None:
     )
 
 
+def hover(label: str, x_axis: str, metric: str) -> str:
+    """The one hover text of a curve: what it is, where on x, the metric's value
+    (``label`` is HTML already; ``metric`` is escaped here)."""
+    x_name = "step" if x_axis == "step" else "s"
+    return f"{label}<br>{x_name} %{{x}}<br>{html_escape(metric)} %{{y:.6g}}<extra></extra>"
+
+
 def smooth(values: list[float], weight: float) -> list[float]:
     """Exponential moving average (TensorBoard's smoothing slider), debiased."""
     if weight <= 0 or not values:
@@ -183,10 +191,7 @@ def build_figure(
                     showlegend=row == 1 and rank == "earlier-0",
                     opacity=0.45,
                     line={"color": "#999999", "width": 1.5, "dash": "dot"},
-                    hovertemplate=(
-                        f"earlier line<br>{'step' if x_axis == 'step' else 's'} %{{x}}<br>"
-                        f"{html_escape(name)} %{{y:.6g}}<extra></extra>"
-                    ),
+                    hovertemplate=hover("earlier line", x_axis, name),
                 ),
                 row=row,
                 col=1,
@@ -199,11 +204,7 @@ def build_figure(
                 y=ys,
                 mode="lines",
                 name="mean" if rank == "mean" else f"rank {rank}",
-                hovertemplate=(
-                    f"{'mean' if rank == 'mean' else f'rank {rank}'}<br>"
-                    f"{'step' if x_axis == 'step' else 's'} %{{x}}<br>"
-                    f"{html_escape(name)} %{{y:.6g}}<extra></extra>"
-                ),
+                hovertemplate=hover("mean" if rank == "mean" else f"rank {rank}", x_axis, name),
                 legendgroup=str(rank),
                 showlegend=row == 1,
                 line={

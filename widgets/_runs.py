@@ -17,7 +17,7 @@ import threading
 import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._live import close_tree
-from rtnb.widgets._plot import RANK_COLORS, see_through, smooth
+from rtnb.widgets._plot import RANK_COLORS, hover, see_through, smooth
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
 
@@ -52,30 +52,20 @@ def runs_figure(
         xs, ys, low, high = run_curve(store, metric, x_axis)
         color = RANK_COLORS[i % len(RANK_COLORS)]
         if band and low is not None and len(low) == len(xs):
-            fig.add_trace(
-                go.Scatter(
-                    x=xs,
-                    y=list(low),
-                    mode="lines",
-                    line={"width": 0, "color": color},
-                    showlegend=False,
-                    hoverinfo="skip",
-                    legendgroup=name,
+            # the lower edge, then the upper one filled down to it
+            for edge, fill in ((low, {}), (high, {"fill": "tonexty", "opacity": 0.2})):
+                fig.add_trace(
+                    go.Scatter(
+                        x=xs,
+                        y=list(edge),
+                        mode="lines",
+                        line={"width": 0, "color": color},
+                        showlegend=False,
+                        hoverinfo="skip",
+                        legendgroup=name,
+                        **fill,
+                    )
                 )
-            )
-            fig.add_trace(
-                go.Scatter(
-                    x=xs,
-                    y=list(high),
-                    mode="lines",
-                    line={"width": 0, "color": color},
-                    fill="tonexty",
-                    opacity=0.2,
-                    showlegend=False,
-                    hoverinfo="skip",
-                    legendgroup=name,
-                )
-            )
         fig.add_trace(
             go.Scatter(
                 x=xs,
@@ -84,10 +74,7 @@ def runs_figure(
                 name=name,
                 legendgroup=name,
                 line={"color": color, "width": 2},
-                hovertemplate=(
-                    f"{html.escape(name)}<br>{'step' if x_axis == 'step' else 's'} %{{x}}<br>"
-                    f"{html.escape(metric)} %{{y:.6g}}<extra></extra>"
-                ),
+                hovertemplate=hover(html.escape(name), x_axis, metric),
             )
         )
     see_through(fig, height=340, margin={"l": 55, "r": 20, "t": 10, "b": 40})

@@ -53,6 +53,7 @@ class CheckpointCoordinator:
                 self.step = max(int(record.get("last_step", -1)), info.step if info else -1)
                 self.line = info.line if info else 0
             self._latest_known = False
+            self._protect_locked()
 
     def record(self) -> dict:
         """What run.json keeps of the position."""
@@ -78,8 +79,9 @@ class CheckpointCoordinator:
                 if line in self._offered:
                     self.branched_from[line] = self._offered[line]
                 self._latest_known = False
+                # (and after each commit: not on every poll, it lists storage)
+                self._protect_locked()
             self.step = reached
-            self._protect_locked()
 
     def _protect_locked(self) -> None:
         # A branch with nothing committed yet restarts from the checkpoint it began at.
@@ -94,23 +96,22 @@ class CheckpointCoordinator:
         checkpoint (read from storage once, then kept current by the commits)."""
         with self._lock:
             if not self._latest_known:
-                info = self.store.latest(self.line)
-                cid = info.id if info is not None else self.branched_from.get(self.line)
-                if cid is None and self.line == 0 and not self.branched_from:
-                    info = self.store.latest()  # a run directory written before lines
-                    cid = info.id if info is not None else None
-                self._latest = self._get_or_none(cid)
+                self._latest = self._get_or_none(self._latest_id_locked())
                 self._latest_known = True
             return self._latest
 
     def latest_id(self) -> str | None:
         """The id :meth:`latest` names, read from the store's list (current even
         while a commit is still being announced to subscribers)."""
+        with self._lock:
+            return self._latest_id_locked()
+
+    def _latest_id_locked(self) -> str | None:
         info = self.store.latest(self.line)
         if info is not None:
             return info.id
         if self.line == 0 and not self.branched_from:
-            info = self.store.latest()
+            info = self.store.latest()  # a run directory written before lines
             return info.id if info is not None else None
         return self.branched_from.get(self.line)
 
@@ -171,11 +172,10 @@ class CheckpointCoordinator:
     def _later_on_line(self, step: int, line: int) -> bool:
         """Whether the line has checkpoints (committed or being written) past ``step``:
         training on from ``step`` on that line would reuse their ids."""
-        for info in self.store.list(include_incomplete=True):
-            parsed = parse_checkpoint_id(info.id)
-            if parsed is not None and parsed[1] == line and parsed[0] > step:
-                return True
-        return False
+        return any(
+            info.line == line and info.step > step
+            for info in self.store.list(include_incomplete=True)
+        )
 
     def commit_ready(self, steps: dict[int, int], ranks: set[int]) -> list[CheckpointInfo]:
         """Commit what every rank has passed; a failure raises one CheckpointError

@@ -167,8 +167,8 @@ class MetricsStore:
         self.generation = 0  # bumps on every batch; views redraw when it moves
         # Lines of training the ranks went back from (a resume from an earlier
         # checkpoint, a recovery, a loop counting from 0 again): per metric, the
-        # (steps, times, values) drawn faded under the current line.
-        self.earlier: list[dict[str, tuple[list, list, list]]] = []
+        # series drawn faded under the current line (no longer appended to).
+        self.earlier: list[dict[str, BoundedSeries]] = []
         self._line_last: dict[int, int] = {}  # each rank's last step on the current line
         self._subscribers: list[Callable[[int, ReportBatch], None]] = []
 
@@ -271,15 +271,14 @@ class MetricsStore:
         segment = {}
         for name in dict.fromkeys(name for name, _rank in self._series):
             mean = self._means.get(name)
-            snapshot: tuple = ([], [], [])
             if mean is not None:
                 mean.merge(self.expected_ranks)
-                snapshot = mean.series.snapshot()
-            if not snapshot[0]:
+            series = mean.series if mean is not None and len(mean.series) else None
+            if series is None:
                 ranks = sorted(r for n, r in self._series if n == name)
-                snapshot = self._series[(name, ranks[0])].snapshot()
-            if snapshot[0]:
-                segment[name] = snapshot
+                series = self._series[(name, ranks[0])]
+            if len(series):
+                segment[name] = series
         if segment:
             self.earlier = [*self.earlier, segment][-_EARLIER_KEPT:]
         self._series.clear()
@@ -289,11 +288,8 @@ class MetricsStore:
     def earlier_series(self, name: str, index: int, max_points: int | None = None):
         """(steps, times, values) of earlier line ``index`` (0: the oldest kept)."""
         with self._lock:
-            steps, times, values = self.earlier[index].get(name, ([], [], []))
-        if max_points is not None and len(steps) > max_points:
-            keep = -(-len(steps) // max_points)
-            return steps[::keep], times[::keep], values[::keep]
-        return steps, times, values
+            series = self.earlier[index].get(name)
+            return series.snapshot(max_points) if series is not None else ([], [], [])
 
     def flush(self) -> None:
         with self._lock:
