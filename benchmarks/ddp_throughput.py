@@ -8,7 +8,11 @@ times its own steps after a warm-up, on rank 0 after a barrier, so start-up cost
 Every side runs in a fresh process; the machine is noisy, so each side is run
 ``--rounds`` times, interleaved, and the median is compared.
 
-    .venv/bin/python benchmarks/ddp_throughput.py [--rounds 2] [--device cuda]
+    .venv/bin/python benchmarks/ddp_throughput.py [--rounds 2] [--device cuda] [--workers 2]
+
+NCCL cannot put two ranks on one GPU, so on a one-GPU machine run ``--workers 1``:
+DDP then does no cross-rank traffic and the figure compares what each framework
+adds around the same CUDA loop.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ step_s = (time.perf_counter() - started) / STEPS
 
 
 def _loop_source(device: str, report: str) -> str:
-    # CPU: ~30 ms a step on one core here (a step of >= 20 ms, as asked).
-    width, batch = (2048, 4096) if device == "cuda" else (384, 128)
+    # CPU: ~30 ms a step on one core here; CUDA: fp32 on an H100 takes tens of ms
+    # (a step of >= 20 ms, as asked).
+    width, batch = (4096, 8192) if device == "cuda" else (384, 128)
     return (
         f"DEVICE = {device!r}\nWIDTH = {width}\nBATCH = {batch}\n"
         f"WARMUP = {WARMUP}\nSTEPS = {STEPS}\nREPORT = {report}\n" + LOOP
@@ -93,7 +98,7 @@ dist.destroy_process_group()
 """
 
 
-def phase_torchrun(device: str) -> dict:
+def phase_torchrun(device: str, workers: int) -> dict:
     backend = "nccl" if device == "cuda" else "gloo"
     source = _loop_source(device, "lambda metrics: None")
     with tempfile.TemporaryDirectory() as folder:
@@ -106,7 +111,7 @@ def phase_torchrun(device: str) -> dict:
                 "torch.distributed.run",
                 "--standalone",
                 "--nproc-per-node",
-                "2",
+                str(workers),
                 str(script),
             ],
             capture_output=True,
@@ -119,12 +124,12 @@ def phase_torchrun(device: str) -> dict:
     return phase_result(proc, "torchrun")
 
 
-def phase_rtnb(device: str) -> dict:
+def phase_rtnb(device: str, workers: int) -> dict:
     from _common import quiet
 
     import rtnb
 
-    session = rtnb.Session(workers=2, gpu=device == "cuda").start()
+    session = rtnb.Session(workers=workers, gpu=device == "cuda").start()
     try:
         source = _loop_source(device, "rtnb.report") + "\nstep_s"
         values = session.run("import rtnb\n" + source, output=quiet)
@@ -133,7 +138,7 @@ def phase_rtnb(device: str) -> dict:
     return {"step_s": values[0]}
 
 
-def phase_trainer(device: str) -> dict:
+def phase_trainer(device: str, workers: int) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -154,7 +159,7 @@ def phase_trainer(device: str) -> dict:
     trainer = TorchTrainer(
         loop_per_worker,
         train_loop_config={"out": out},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=device == "cuda"),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=device == "cuda"),
         run_config=RunConfig(storage_path=folder),
     )
     trainer.fit()
@@ -162,10 +167,11 @@ def phase_trainer(device: str) -> dict:
         return {"step_s": float(src.read())}
 
 
-def _run_phase(name: str, device: str) -> dict:
+def _run_phase(name: str, device: str, workers: int) -> dict:
     from _common import run_phase
 
-    return run_phase(__file__, ["--phase", name, "--device", device], f"phase {name}", 1200)
+    args = ["--phase", name, "--device", device, "--workers", str(workers)]
+    return run_phase(__file__, args, f"phase {name}", 1200)
 
 
 PHASES = {"torchrun": phase_torchrun, "rtnb": phase_rtnb, "trainer": phase_trainer}
@@ -176,19 +182,20 @@ def main() -> None:
     parser.add_argument("--phase", choices=sorted(PHASES))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     if args.phase:
-        print("RESULT " + json.dumps(PHASES[args.phase](args.device)))
+        print("RESULT " + json.dumps(PHASES[args.phase](args.device, args.workers)))
         return
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(
-        f"ddp_throughput: 2 ranks, {backend}, {args.device}; {STEPS} timed steps after "
+        f"ddp_throughput: {args.workers} rank(s), {backend}, {args.device}; {STEPS} timed steps after "
         f"{WARMUP} warm-up; {args.rounds} interleaved rounds, median"
     )
     seen: dict[str, list[float]] = {name: [] for name in PHASES}
     for _ in range(args.rounds):
         for name in PHASES:
-            seen[name].append(_run_phase(name, args.device)["step_s"])
+            seen[name].append(_run_phase(name, args.device, args.workers)["step_s"])
     step = {name: statistics.median(values) for name, values in seen.items()}
     base = step["torchrun"]
     print()

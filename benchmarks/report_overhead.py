@@ -7,11 +7,17 @@
 3. report -> driver latency, p50/p95, at 100 reports/s per rank;
 4. for contrast, Ray Train's ``ray.train.report()`` per call, at its defaults.
 
-    .venv/bin/python benchmarks/report_overhead.py
+With ``--device cuda`` (one rank on a GPU) it measures instead what reporting a
+CUDA loss every step costs a GPU loop: the loss tensor itself
+(``report({"loss": loss})``, read by rtnb at the poll), ``loss.item()`` (what a
+Ray Train loop writes: a GPU sync per step) and, for contrast, the bare sync.
+
+    .venv/bin/python benchmarks/report_overhead.py [--device cuda]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -71,7 +77,66 @@ def _loop_overhead(session, quiet, target_s: float, size: int, metrics: dict):
     )
 
 
+CUDA_LOOP = """
+import time, torch, rtnb
+dev = rtnb.get_device()
+torch.manual_seed(0)
+w = torch.randn(2048, 2048, device=dev)
+x = torch.randn(512, 2048, device=dev)
+def step():
+    return (torch.tanh(x @ w) ** 2).mean()
+def run(n, mode):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        loss = step()
+        if mode == "tensor":
+            rtnb.report({"loss": loss})
+        elif mode == "item":
+            rtnb.report({"loss": loss.item()})
+        elif mode == "sync":
+            loss.item()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+"""
+CUDA_MODES = ("none", "tensor", "item", "sync")
+
+
+def main_cuda() -> None:
+    from _common import quiet
+
+    import rtnb
+
+    with rtnb.Session(workers=1, gpu=True, storage=tempfile.mkdtemp()) as session:
+        session.run(CUDA_LOOP, output=quiet)
+        session.run("[run(300, m) for m in " + repr(CUDA_MODES) + "]", output=quiet)
+        seen: dict[str, list[float]] = {mode: [] for mode in CUDA_MODES}
+        for _ in range(5):
+            for mode in CUDA_MODES:
+                seen[mode].append(session.run(f"run(3000, {mode!r})", output=quiet)[0])
+        session.metrics.flush()
+        received = session.metrics.count(0)
+    step = {mode: statistics.median(values) for mode, values in seen.items()}
+    print("report_overhead --device cuda: 1 rank, a CUDA loop, 5 x 3000 steps per way, median")
+    for mode, label in (
+        ("none", "no report"),
+        ("tensor", 'report({"loss": loss})'),
+        ("item", 'report({"loss": loss.item()})'),
+        ("sync", "loss.item() alone"),
+    ):
+        print(
+            f"  {label:30s} {step[mode] * 1e6:8.1f} us/step   {step[mode] / step['none']:.3f}x "
+            "the loop without reports"
+        )
+    print(f"  reports received: {received:,} (sent {2 * 5 * 3000 + 2 * 300:,})")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    if parser.parse_args().device == "cuda":
+        main_cuda()
+        return
 
     from _common import embedded_ray, quiet
 

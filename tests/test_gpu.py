@@ -28,3 +28,39 @@ def test_nccl_group_all_reduces_on_gpu():
             "(dist.get_backend(), t.device.type, t.item())"
         )
     assert all(v == ("nccl", "cuda", float(n)) for v in value.values())
+
+
+def test_cuda_loss_tensors_report_their_values_and_checkpoint_state_comes_back_on_the_gpu(
+    tmp_path,
+):
+    """A loop that reports its CUDA loss tensor (no .item()) gets the numbers as they
+    were at the report, even when the loop changes the tensor in place afterwards;
+    a checkpoint of CUDA state with a CUDA metric commits and loads back on the GPU."""
+    import ray
+
+    import rtnb
+
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the Ray cluster of this test session has no GPU")
+    with rtnb.Session(workers=1, gpu=True, storage=str(tmp_path)) as session:
+        session.run(
+            "import torch, rtnb\n"
+            "dev = rtnb.get_device()\n"
+            "for i in range(300):\n"
+            "    loss = torch.full((1,), float(i), device=dev) * 0.5\n"
+            "    rtnb.report({'loss': loss, 'i': i})\n"
+            "    loss.add_(1000.0)\n"
+            "w = torch.arange(3.0, device=dev)\n"
+            "rtnb.report({'loss': w.sum()}, checkpoint=rtnb.Checkpoint.from_state({'w': w}))\n"
+        )
+        session.metrics.flush()
+        steps, _times, values = session.metrics.series("loss", 0)
+        assert steps == list(range(301))
+        assert values == [i * 0.5 for i in range(300)] + [3.0]
+        [checkpoint] = session.list_checkpoints()
+        assert checkpoint.metrics["loss"] == 3.0
+        loaded = session.run(
+            "state = rtnb.get_checkpoint().load_state(map_location=rtnb.get_device())\n"
+            "(state['w'].device.type, state['w'].tolist())"
+        )
+    assert loaded == {0: ("cuda", [0.0, 1.0, 2.0])}

@@ -7,7 +7,9 @@ wall times and one column per metric. A column is an ``array('d')`` (or
 ``array('q')`` when every value is an int) when every report of the batch had a
 number for it, else a list of portable values (float, int, str or None for "not
 reported"). Raw objects such as tensors never cross the wire: they become numbers
-or their ``repr``.
+or their ``repr``. A CUDA scalar (``report({"loss": loss})``) is read at the poll,
+not at the report: reading it there would make the training loop wait for the
+GPU at every step.
 """
 
 from __future__ import annotations
@@ -39,6 +41,47 @@ def portable_metric(value: Any) -> float | int | str | None:
     if number is None:
         return repr(value)
     return number if math.isfinite(number) else str(number)
+
+
+class _OnDevice:
+    """A CUDA scalar as reported, kept on its GPU until the poll reads it."""
+
+    __slots__ = ("stream", "tensor")
+
+    def __init__(self, value: Any) -> None:
+        import torch
+
+        # A copy queued on the loop's own stream, as the loop may change its tensor in
+        # place later; the poll reads it on that stream, after the work it depends on.
+        self.stream = torch.cuda.current_stream(value.device)
+        self.tensor = value.detach().reshape(()).clone()
+
+
+def _held(value: Any) -> Any:
+    """What ``ReportColumns.add`` keeps of a value that is not a plain number."""
+    if getattr(value, "is_cuda", False) and value.numel() == 1:
+        return _OnDevice(value)
+    return portable_metric(value)
+
+
+def _read_device_values(columns: dict[str, list]) -> None:
+    """Replace each held CUDA scalar by its number: one copy per stream and dtype."""
+    import torch
+
+    groups: dict[tuple, list[tuple[list, int, Any]]] = {}
+    for column in columns.values():
+        for i, value in enumerate(column):
+            if type(value) is _OnDevice:
+                key = (value.stream, value.tensor.dtype)
+                groups.setdefault(key, []).append((column, i, value.tensor))
+    for (stream, _dtype), held in groups.items():
+        try:
+            with torch.cuda.stream(stream):
+                numbers = torch.stack([tensor for _, _, tensor in held]).cpu().tolist()
+        except Exception:  # noqa: BLE001 - a broken CUDA context fails the cell itself
+            numbers = [None] * len(held)
+        for (column, i, _), number in zip(held, numbers):
+            column[i] = portable_metric(number)
 
 
 _NON_FINITE = ("nan", "inf", "-inf")
@@ -155,7 +198,7 @@ class ReportColumns:
     """The rank's side: ``add`` is the hot path of ``rtnb.report``; ``take`` packs
     what was added into a :class:`ReportBatch` (in the poll thread)."""
 
-    __slots__ = ("_steps", "_times", "_columns", "_keys", "_same")
+    __slots__ = ("_steps", "_times", "_columns", "_keys", "_same", "_on_device")
 
     def __init__(self) -> None:
         self._steps: list[int] = []
@@ -165,6 +208,7 @@ class ReportColumns:
         # keys every step, and then a report is one append per value.
         self._keys: tuple = ()
         self._same: list[list] = []
+        self._on_device = False
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -176,14 +220,16 @@ class ReportColumns:
             for column, value in zip(self._same, metrics.values()):
                 if type(value) not in _PLAIN:
                     # Now, not at the next poll: a tensor may be changed in place later.
-                    value = portable_metric(value)
+                    value = _held(value)
+                    self._on_device = self._on_device or type(value) is _OnDevice
                 column.append(value)
         else:
             n = len(self._steps)
             columns = self._columns
             for name, value in metrics.items():
                 if type(value) not in _PLAIN:
-                    value = portable_metric(value)
+                    value = _held(value)
+                    self._on_device = self._on_device or type(value) is _OnDevice
                 column = columns.get(name)
                 if column is None:
                     column = columns[name] = [None] * n
@@ -203,6 +249,9 @@ class ReportColumns:
         steps, times, columns = self._steps, self._times, self._columns
         self._steps, self._times, self._columns = [], [], {}
         self._keys, self._same = (), []
+        if self._on_device:
+            self._on_device = False
+            _read_device_values(columns)
         for column in columns.values():
             if len(column) != n:
                 column.extend([None] * (n - len(column)))

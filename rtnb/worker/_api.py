@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from rtnb.core._reports import portable_metric
 from rtnb.errors import RtnbError, SessionError
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
@@ -75,9 +76,15 @@ def report(
         given = metrics.get("step")
         if type(given) is int:
             step = given
-    # A checkpoint's metrics go with its files, later: they must not change meanwhile.
+    # A checkpoint's metrics go with its files, later: they must not change meanwhile,
+    # and cross to the kernel as numbers (a CUDA tensor could not be read there).
     # Plain reports are read at once (ReportColumns.add), so they need no copy.
-    runtime.report(metrics if checkpoint is None else dict(metrics), step, checkpoint)
+    if checkpoint is not None:
+        metrics = {
+            name: portable_metric(value) if hasattr(value, "item") else value
+            for name, value in metrics.items()
+        }
+    runtime.report(metrics, step, checkpoint)
 
 
 def get_checkpoint():
