@@ -181,7 +181,9 @@ def test_reports_cross_as_columns_and_come_back_as_the_rows_that_were_reported(t
     store.flush()
     rows = read_metrics(run_dir)
     assert [(r["step"], r["timestamp"]) for r in rows] == [(s, t) for s, t, _ in sent]
-    assert [{k: v for k, v in r.items() if k not in ("rank", "step", "timestamp")} for r in rows] == [
+    assert [
+        {k: v for k, v in r.items() if k not in ("rank", "step", "timestamp")} for r in rows
+    ] == [
         {"loss": 1.5, "epoch": 0},
         {"loss": 0.75, "epoch": 0, "note": "warm-up done"},
         {"loss": "inf", "lr": 0.1},
@@ -193,6 +195,29 @@ def test_reports_cross_as_columns_and_come_back_as_the_rows_that_were_reported(t
     assert "note" not in store.metric_names()
     assert store.last[0].step == 3 and store.last[0].metrics == {"epoch": 1}
     assert store.count(0) == 4
+
+
+def test_reports_whose_keys_change_order_come_back_lined_up_with_their_steps():
+    from rtnb.core._reports import ReportColumns
+
+    sent = [
+        {"loss": 1.0, "lr": 0.1},
+        {"lr": 0.2, "loss": 2.0},  # the same keys in another order
+        {"acc": 0.5},
+        {},
+        {"loss": 3.0, "lr": 0.3},  # back to the first keys
+        {"loss": 4.0, "lr": 0.4, "acc": 0.9},
+        {"loss": 5.0},
+    ]
+    columns = ReportColumns()
+    for step, metrics in enumerate(sent):
+        columns.add(step, float(step), metrics)
+        if step == 3:
+            first = columns.take()  # a poll in between: the next batch starts clean
+    batches = [first, columns.take()]
+    got = [row for batch in batches for row in batch.rows()]
+    assert got == [(step, float(step), metrics) for step, metrics in enumerate(sent)]
+    assert list(batches[1].columns["loss"]) == [3.0, 4.0, 5.0]
 
 
 def test_a_tensor_is_read_when_reported_not_when_the_batch_leaves(tmp_path):
@@ -334,9 +359,7 @@ def test_the_lasting_figure_has_its_own_controls_and_an_svg_of_the_same_curves(t
     bundle = static_figure_bundle(_spiky_store(tmp_path), title="cell [4] done")
     figure = bundle["application/vnd.plotly.v1+json"]
     assert figure["layout"]["yaxis"]["range"][1] < 100.0
-    buttons = {
-        b["label"]: b for menu in figure["layout"]["updatemenus"] for b in menu["buttons"]
-    }
+    buttons = {b["label"]: b for menu in figure["layout"]["updatemenus"] for b in menu["buttons"]}
     assert buttons["log y"]["args"][0]["yaxis.type"] == "log"
     assert buttons["fit all"]["args"][0]["yaxis.autorange"] is True
     raw = buttons["raw"]["args"][0]["y"]

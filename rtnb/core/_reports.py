@@ -20,6 +20,7 @@ import sys
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from rtnb.core._text import to_number
@@ -82,6 +83,16 @@ def _read_device_values(columns: dict[str, list]) -> None:
             numbers = [None] * len(held)
         for (column, i, _), number in zip(held, numbers):
             column[i] = portable_metric(number)
+
+
+def _values_getter(keys: tuple):
+    """A function from a report with exactly ``keys`` to its values, in that order."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    if keys:
+        key = keys[0]
+        return lambda metrics: (metrics[key],)
+    return lambda metrics: ()
 
 
 _NON_FINITE = ("nan", "inf", "-inf")
@@ -196,18 +207,33 @@ class ReportBatch:
 
 class ReportColumns:
     """The rank's side: ``add`` is the hot path of ``rtnb.report``; ``take`` packs
-    what was added into a :class:`ReportBatch` (in the poll thread)."""
+    what was added into a :class:`ReportBatch` (in the poll thread).
 
-    __slots__ = ("_steps", "_times", "_columns", "_keys", "_same", "_on_device")
+    Reports are kept as rows, one tuple of values each, in segments of reports
+    with the same keys (most loops report the same keys every step, so there is
+    one); ``take`` turns each segment into columns at C speed (``zip(*rows)``).
+    A report then costs a few tuple operations, not a Python step per value.
+    """
+
+    __slots__ = (
+        "_segments",
+        "_keys",
+        "_values_of",
+        "_width",
+        "_rows",
+        "_steps",
+        "_times",
+        "_on_device",
+    )
 
     def __init__(self) -> None:
+        self._segments: list[tuple[tuple, list[tuple]]] = []
+        self._keys: tuple = ()
+        self._values_of = _values_getter(())
+        self._width = 0
+        self._rows: list[tuple] = []
         self._steps: list[int] = []
         self._times: list[float] = []
-        self._columns: dict[str, list] = {}
-        # The previous report's keys and their columns: most loops report the same
-        # keys every step, and then a report is one append per value.
-        self._keys: tuple = ()
-        self._same: list[list] = []
         self._on_device = False
 
     def __len__(self) -> int:
@@ -215,46 +241,57 @@ class ReportColumns:
 
     def add(self, step: int, when: float, metrics: dict) -> int:
         """Record one report; returns how many are buffered now."""
-        keys = tuple(metrics)
-        if keys == self._keys:
-            for column, value in zip(self._same, metrics.values()):
-                if type(value) not in _PLAIN:
-                    # Now, not at the next poll: a tensor may be changed in place later.
-                    value = _held(value)
-                    self._on_device = self._on_device or type(value) is _OnDevice
-                column.append(value)
-        else:
-            n = len(self._steps)
-            columns = self._columns
-            for name, value in metrics.items():
-                if type(value) not in _PLAIN:
-                    value = _held(value)
-                    self._on_device = self._on_device or type(value) is _OnDevice
-                column = columns.get(name)
-                if column is None:
-                    column = columns[name] = [None] * n
-                elif len(column) != n:
-                    column.extend([None] * (n - len(column)))
-                column.append(value)
-            self._keys = keys
-            self._same = [columns[name] for name in keys]
+        try:
+            # The same keys as the previous report (in any order): their values in
+            # this segment's order, in C.
+            values = self._values_of(metrics) if len(metrics) == self._width else None
+        except KeyError:
+            values = None
+        if values is None:
+            values = self._new_segment(metrics)
+        for value in values:
+            if type(value) not in _PLAIN:
+                # Now, not at the next poll: a tensor may be changed in place later.
+                values = tuple(v if type(v) in _PLAIN else _held(v) for v in values)
+                self._on_device = self._on_device or _OnDevice in map(type, values)
+                break
+        self._rows.append(values)
         self._steps.append(step)
         self._times.append(when)
         return len(self._steps)
+
+    def _new_segment(self, metrics: dict) -> tuple:
+        if self._rows:
+            self._segments.append((self._keys, self._rows))
+            self._rows = []
+        self._keys = tuple(metrics)
+        self._width = len(self._keys)
+        self._values_of = _values_getter(self._keys)
+        return tuple(metrics.values())
 
     def take(self) -> ReportBatch | None:
         n = len(self._steps)
         if not n:
             return None
-        steps, times, columns = self._steps, self._times, self._columns
-        self._steps, self._times, self._columns = [], [], {}
-        self._keys, self._same = (), []
-        if self._on_device:
-            self._on_device = False
+        segments = self._segments
+        if self._rows:
+            segments.append((self._keys, self._rows))
+        steps, times, on_device = self._steps, self._times, self._on_device
+        self._segments, self._rows = [], []
+        self._steps, self._times, self._on_device = [], [], False
+        names = dict.fromkeys(name for keys, _ in segments for name in keys)
+        columns: dict[str, list] = {name: [] for name in names}
+        for keys, rows in segments:
+            # Every column grows by len(rows) per segment (None where a report
+            # lacked the key), so values stay lined up with the steps.
+            for name, values in zip(keys, zip(*rows)):
+                columns[name].extend(values)
+            if len(keys) != len(names):
+                gap = [None] * len(rows)
+                for name in names.keys() - set(keys):
+                    columns[name].extend(gap)
+        if on_device:
             _read_device_values(columns)
-        for column in columns.values():
-            if len(column) != n:
-                column.extend([None] * (n - len(column)))
         return ReportBatch(
             steps=array("q", steps),
             times=array("d", times),

@@ -11,6 +11,7 @@ from typing import Any
 
 from rtnb.core._reports import portable_metric
 from rtnb.errors import RtnbError, SessionError
+from rtnb.worker import _runtime as _rank
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
 __all__ = [
@@ -64,6 +65,16 @@ def report(
     pass one (or a ``"step"`` metric). An interrupted cell stops here, at the same
     step on every rank.
     """
+    runtime = _rank._CURRENT
+    if (
+        checkpoint is None
+        and step is None
+        and type(metrics) is dict
+        and runtime is not None
+        and "step" not in metrics
+    ):
+        runtime.report_plain(metrics)  # every step of a fast loop: keep this path short
+        return
     runtime = _runtime("report")
     if type(metrics) is not dict and not isinstance(metrics, Mapping):
         raise TypeError(f"rtnb.report() takes a dict of metrics, got {type(metrics).__name__}")

@@ -98,9 +98,11 @@ class RankContext:
 
 
 _CURRENT: RankRuntime | None = None
+_now = time.time
 # Reports buffered when a batch is due (500 in 0.1 s: 5,000 reports/s) from which the
 # batch is held three times as long.
 _BUSY_REPORTS = 500
+_BUSY_FACTOR = 3
 
 
 def current_runtime() -> RankRuntime | None:
@@ -270,7 +272,7 @@ class RankRuntime:
                     # A loop reporting thousands of times a second gets longer
                     # batches: each answered poll costs the kernel and Ray a
                     # millisecond or two of CPU, taken from the ranks on a small machine.
-                    window = batch_s * (3 if len(self._reports) >= _BUSY_REPORTS else 1)
+                    window = batch_s * (_BUSY_FACTOR if len(self._reports) >= _BUSY_REPORTS else 1)
                     if now - first_event >= window:
                         break
                     wake = min(deadline, first_event + window)
@@ -353,6 +355,31 @@ class RankRuntime:
             self._output_chars += len(text)
             self._cond.notify_all()
 
+    def report_plain(self, metrics: dict) -> None:
+        """``rtnb.report(metrics)``: no checkpoint, rtnb counts the step. The hot
+        path of a fast loop: one plain lock, no Condition; the poll thread is woken
+        only by a batch's first report."""
+        if self._upload is None and self._upload_error is None and not self._replay:
+            self._add_plain(self.step + 1, metrics)
+        else:
+            self.report(metrics)
+
+    def _add_plain(self, step: int, metrics: dict) -> None:
+        # acquire/release: half the interpreter's work of a with-statement here.
+        lock = self._reports_lock
+        lock.acquire()
+        try:
+            self.step = step
+            buffered = self._reports.add(step, _now(), metrics)
+        finally:
+            lock.release()
+        if buffered == 1:
+            with self._cond:
+                self._cond.notify_all()
+        if self._stop_requested:
+            with self._cond:
+                self._stop_at_boundary_locked()
+
     def report(self, metrics: dict, step: int | None = None, checkpoint=None) -> int:
         """Record one report; it is also where a requested stop takes effect.
 
@@ -369,17 +396,7 @@ class RankRuntime:
             and self._upload_error is None
             and not self._replay
         ):
-            # The hot path (every step of a fast loop): one plain lock, no Condition;
-            # the poll thread is woken only by a batch's first report.
-            with self._reports_lock:
-                self.step = step
-                buffered = self._reports.add(step, time.time(), metrics)
-            if buffered == 1:
-                with self._cond:
-                    self._cond.notify_all()
-            if self._stop_requested:
-                with self._cond:
-                    self._stop_at_boundary_locked()
+            self._add_plain(step, metrics)
             return step
         self._finish_upload()
         when = time.time()
