@@ -1,7 +1,8 @@
 """What ``rtnb.report()`` costs, measured in one run of this script (2 ranks, gloo, CPU):
 
 1. training loops at ~1 kHz (2 metrics), ~10 kHz (3 metrics) and ~40 kHz (2 metrics)
-   with a report every step vs the same loop without (alternated, median of 5), and
+   with a report every step vs the same loop without (alternated, median of 9: runs
+   on this VM spread by +-20%), and
    the kernel's CPU per report received during them (process time, all threads);
 2. the most reports per second one rank sustains (every one reaching the driver);
 3. report -> driver latency, p50/p95, at 100 reports/s per rank;
@@ -60,7 +61,7 @@ def _loop_overhead(session, quiet, target_s: float, size: int, metrics: dict):
     session.run(LOOP.format(inner=inner, size=size, metrics=metrics), output=quiet)
     steps = max(2000, int(1.0 / target_s))
     ratios, base, cpu_per_report = [], [], []
-    for _ in range(5):
+    for _ in range(9):
         without = max(session.run(f"run({steps}, False)", output=quiet).values())
         before = session.metrics.count()
         cpu = time.process_time()
