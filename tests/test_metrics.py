@@ -11,6 +11,7 @@ from rtnb.metrics._store import MetricsStore
 from rtnb.storage._metricslog import MetricsLog, read_metrics
 from rtnb.storage._result import Result, list_runs
 from rtnb.storage._rundir import RunDirectory
+from tests.conftest import require
 
 
 def test_bounded_series_keeps_few_evenly_spread_points_and_the_latest():
@@ -370,3 +371,105 @@ def test_the_lasting_figure_has_its_own_controls_and_an_svg_of_the_same_curves(t
     assert svg.startswith("<svg") and svg.count("<polyline") == 3, "rank 0, rank 1, the mean"
     assert "cell [4] done" in svg and ">loss<" in svg
     assert len(json.dumps(bundle)) < 300_000
+
+
+REPORTS_OF_A_LOOP = [
+    {"loss": 1.0, "lr": 0.1},
+    {"lr": 0.2, "loss": 2.0},
+    {"loss": 3, "lr": None},
+    {"loss": "warming up", "lr": 0.3},
+    {"loss": "TENSOR", "lr": 0.4},
+    {"acc": 0.5},
+    {"acc": 0.6, "step": 40},
+    {"acc": 0.7},
+    {},
+    {"loss": float("nan"), "lr": 0.5},
+    {"loss": True, "lr": 0.6},
+    {"loss": 1.5, "lr": 0.7},
+]
+
+
+def _report_through_the_api(monkeypatch, native) -> tuple[list, int]:
+    import torch
+
+    from rtnb.worker import _api, _runtime
+    from rtnb.worker._runtime import RankContext, RankRuntime
+
+    monkeypatch.setattr(_api, "_native_add", native)
+    runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
+    monkeypatch.setattr(_runtime, "_CURRENT", runtime)
+    for metrics in REPORTS_OF_A_LOOP:
+        if metrics.get("loss") == "TENSOR":
+            metrics = {**metrics, "loss": torch.tensor(4.0)}
+        _api.report(metrics)
+    rows = [(step, metrics) for step, _when, metrics in runtime._reports.take().rows()]
+    return rows, runtime.step
+
+
+def test_reports_recorded_in_c_are_exactly_those_of_the_python_path(monkeypatch):
+    native = require(
+        "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
+    )
+    answers = []
+
+    def counted(runtime, metrics):
+        answers.append(native.add(runtime, metrics))
+        return answers[-1]
+
+    in_c = _report_through_the_api(monkeypatch, counted)
+    assert in_c == _report_through_the_api(monkeypatch, None)
+    rows, last_step = in_c
+    assert [step for step, _ in rows] == [0, 1, 2, 3, 4, 5, 40, 41, 42, 43, 44, 45]
+    assert rows[1][1] == {"loss": 2.0, "lr": 0.2} and rows[4][1]["loss"] == 4.0
+    assert last_step == 45
+    # Reports with the keys of the one before went through C; new keys, a tensor, a
+    # "step" metric, an empty report and a bool took the Python path.
+    assert answers == [0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1]
+
+
+def test_reports_from_two_threads_while_polled_stay_whole_and_in_order(monkeypatch):
+    """Two threads report at once (C and Python paths mixed: one changes keys every
+    report) while a third takes batches: every report arrives once, whole."""
+    import threading
+
+    from rtnb.worker import _api, _runtime
+    from rtnb.worker._runtime import RankContext, RankRuntime
+
+    runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
+    monkeypatch.setattr(_runtime, "_CURRENT", runtime)
+    n = 20_000
+    done = threading.Event()
+    taken = []
+
+    def poll():
+        while not done.is_set():
+            with runtime._reports_lock:
+                batch, runtime._reports = runtime._reports, type(runtime._reports)()
+            taken.append(batch.take())
+
+    def steady():
+        for i in range(n):
+            _api.report({"a": float(i), "b": 1.0})
+
+    def changing():
+        for i in range(n):
+            _api.report({"c": float(i)} if i % 2 else {"c": float(i), "d": 0.0})
+
+    threads = [threading.Thread(target=f) for f in (steady, changing)]
+    poller = threading.Thread(target=poll)
+    poller.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    poller.join()
+    taken.append(runtime._reports.take())
+    rows = [metrics for batch in taken if batch for _s, _t, metrics in batch.rows()]
+    assert len(rows) == 2 * n
+    steady_rows = [m for m in rows if "a" in m]
+    changing_rows = [m for m in rows if "c" in m]
+    assert [m["a"] for m in steady_rows] == [float(i) for i in range(n)]
+    assert all(m == {"a": m["a"], "b": 1.0} for m in steady_rows), "no report mixed with another"
+    assert [m["c"] for m in changing_rows] == [float(i) for i in range(n)]
+    assert all(("d" in m) == (m["c"] % 2 == 0) for m in changing_rows)

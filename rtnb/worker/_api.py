@@ -25,6 +25,12 @@ __all__ = [
 ]
 
 
+try:
+    from rtnb.core._fastreport import add as _native_add
+except ImportError:  # built without a C compiler: the Python path records the same
+    _native_add = None
+
+
 def _runtime(what: str) -> RankRuntime:
     runtime = current_runtime()
     if runtime is None:
@@ -66,15 +72,17 @@ def report(
     step on every rank.
     """
     runtime = _rank._CURRENT
-    if (
-        checkpoint is None
-        and step is None
-        and type(metrics) is dict
-        and runtime is not None
-        and "step" not in metrics
-    ):
-        runtime.report_plain(metrics)  # every step of a fast loop: keep this path short
-        return
+    if checkpoint is None and step is None and runtime is not None:
+        # Every step of a fast loop: keep this path short.
+        if _native_add is not None:
+            recorded = _native_add(runtime, metrics)
+            if recorded:
+                if recorded == 2:
+                    runtime.after_plain_report()
+                return
+        if type(metrics) is dict and "step" not in metrics:
+            runtime.report_plain(metrics)
+            return
     runtime = _runtime("report")
     if type(metrics) is not dict and not isinstance(metrics, Mapping):
         raise TypeError(f"rtnb.report() takes a dict of metrics, got {type(metrics).__name__}")

@@ -373,11 +373,18 @@ class RankRuntime:
             buffered = self._reports.add(step, _now(), metrics)
         finally:
             lock.release()
-        if buffered == 1:
-            with self._cond:
+        if buffered == 1 or self._stop_requested:
+            self.after_plain_report()
+
+    def after_plain_report(self) -> None:
+        """After a plain report that was a batch's first (wake the poll thread) or
+        met a stop request (pause here). rtnb.core._fastreport's ``add`` records
+        plain reports in C (atomically under the GIL, so without the lock) and asks
+        for this the same way."""
+        with self._cond:
+            if len(self._reports) == 1:
                 self._cond.notify_all()
-        if self._stop_requested:
-            with self._cond:
+            if self._stop_requested:
                 self._stop_at_boundary_locked()
 
     def report(self, metrics: dict, step: int | None = None, checkpoint=None) -> int:
