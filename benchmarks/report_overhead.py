@@ -101,6 +101,7 @@ def run(n, mode):
     return (time.perf_counter() - t0) / n
 """
 CUDA_MODES = ("none", "tensor", "item", "sync")
+CUDA_WARMUP, CUDA_ROUNDS, CUDA_STEPS = 300, 5, 3000
 
 
 def main_cuda() -> None:
@@ -110,15 +111,20 @@ def main_cuda() -> None:
 
     with rtnb.Session(workers=1, gpu=True, storage=tempfile.mkdtemp()) as session:
         session.run(CUDA_LOOP, output=quiet)
-        session.run("[run(300, m) for m in " + repr(CUDA_MODES) + "]", output=quiet)
+        session.run(f"[run({CUDA_WARMUP}, m) for m in {CUDA_MODES!r}]", output=quiet)
         seen: dict[str, list[float]] = {mode: [] for mode in CUDA_MODES}
-        for _ in range(5):
+        for _ in range(CUDA_ROUNDS):
             for mode in CUDA_MODES:
-                seen[mode].append(session.run(f"run(3000, {mode!r})", output=quiet)[0])
+                seen[mode].append(session.run(f"run({CUDA_STEPS}, {mode!r})", output=quiet)[0])
         session.metrics.flush()
         received = session.metrics.count(0)
+    # Two of the ways report every step: "tensor" and "item".
+    sent = 2 * (CUDA_WARMUP + CUDA_ROUNDS * CUDA_STEPS)
     step = {mode: statistics.median(values) for mode, values in seen.items()}
-    print("report_overhead --device cuda: 1 rank, a CUDA loop, 5 x 3000 steps per way, median")
+    print(
+        f"report_overhead --device cuda: 1 rank, a CUDA loop, {CUDA_ROUNDS} x {CUDA_STEPS} "
+        "steps per way, median"
+    )
     for mode, label in (
         ("none", "no report"),
         ("tensor", 'report({"loss": loss})'),
@@ -129,7 +135,7 @@ def main_cuda() -> None:
             f"  {label:30s} {step[mode] * 1e6:8.1f} us/step   {step[mode] / step['none']:.3f}x "
             "the loop without reports"
         )
-    print(f"  reports received: {received:,} (sent {2 * 5 * 3000 + 2 * 300:,})")
+    print(f"  reports received: {received:,} (sent {sent:,})")
 
 
 def main() -> None:

@@ -138,7 +138,6 @@ def _print_runs(storage: str, metric: str | None) -> int:
 
 
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
-
     from rtnb.core._config import check_name
     from rtnb.errors import ConfigError
     from rtnb.storage._checkpoints import CheckpointStore, checkpoints_table
