@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -169,13 +170,19 @@ CLI = [
 @pytest.mark.slow
 def test_command_line_mistakes_get_one_clear_line(tmp_path):
     names = {**_notebooks(tmp_path), "tmp": str(tmp_path)}
-    failures = []
-    for args, expected in CLI:
-        argv = [a.format(**names) for a in args]
+
+    def answer(case):
+        argv = [a.format(**names) for a in case[0]]
         proc = subprocess.run(RTNB + argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
-        lines = _lines(proc.stderr)
-        if proc.returncode != 2 or expected not in proc.stderr or len(lines) != 1:
-            failures.append((argv, proc.returncode, proc.stderr))
+        return argv, case[1], proc
+
+    failures = []
+    # Two at a time: each is a Python start waiting on imports (one core apiece).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for argv, expected, proc in pool.map(answer, CLI):
+            lines = _lines(proc.stderr)
+            if proc.returncode != 2 or expected not in proc.stderr or len(lines) != 1:
+                failures.append((argv, proc.returncode, proc.stderr))
     assert not failures, "\n\n".join(f"{a} → exit {c}:\n{e}" for a, c, e in failures)
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rtnb.core._redact import redact_uri
+from rtnb.core._startup import defer_unused_imports
 from rtnb.core._text import format_table
 from rtnb.errors import ConfigError, RtnbError
 
@@ -214,6 +215,9 @@ def _jobs_command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # papermill imports nbformat, and with it jsonschema's unused IRI grammar: ~2.5 s
+    # before `rtnb run` could even say that a notebook does not exist.
+    defer_unused_imports()
     from rtnb.batch._runner import example_notebook, parse_parameters, run_notebook
 
     try:
