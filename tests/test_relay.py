@@ -10,6 +10,7 @@ import signal
 import pytest
 
 import rtnb
+from rtnb.driver._cell import CellHandle
 from rtnb.worker._actor import RELAY_FROM_RANKS
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RANK = "import torch.distributed as dist\nrank = dist.get_rank()\n"
 
 
-def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tmp_path):
+def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tmp_path, monkeypatch):
     world = RELAY_FROM_RANKS
     everyone = range(world)
     with rtnb.Session(
@@ -39,6 +40,29 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tm
             assert session.run(f"runs += 1\n{i}") == {r: i for r in everyone}
         assert session.run("runs") == {r: 10 for r in everyone}
         assert session.run("5", ranks=[1, 6]) == {1: 5, 6: 5}
+        # A cell on one rank is started directly, and a token taken by a relay call
+        # that never wrote its cell is skipped: the ranks keep listening, and later
+        # cells are answered through the relay again (without this, every later cell
+        # waited out rank 0's gather and asked each rank directly).
+        asked_directly: list[int] = []
+        direct = CellHandle._run_on
+
+        def spied(handle, actors, rank):
+            asked_directly.append(rank)
+            return direct(handle, actors, rank)
+
+        monkeypatch.setattr(CellHandle, "_run_on", spied)
+        assert session.run("6", ranks=[2]) == {2: 6}
+        assert asked_directly == [2]
+        next(session._group.relay_tokens)
+        relayed_cells = 0
+        for i in range(3):
+            asked_directly.clear()
+            assert session.run(f"{i}") == {r: i for r in everyone}
+            # (a rank may miss its first wait on a loaded machine: then it is asked)
+            relayed_cells += not asked_directly
+        assert relayed_cells >= 1, "the listeners never caught up with the relay"
+        monkeypatch.undo()
         with pytest.raises(rtnb.CellError, match="bad three"):
             session.run(RANK + "if rank == 3:\n    raise ValueError('bad three')")
         handle = session.run_background("import time\ntime.sleep(1.0)\n7")

@@ -234,8 +234,11 @@ class CellHandle:
     def _dispatch(self) -> None:
         group = self.session._require_group()
         self._checkpoint = self.session._checkpoint_for(self)
-        self._token = next(group.relay_tokens) if group.relay_tokens is not None else None
-        if self._token is not None and len(self.ranks) > 1:
+        # A token numbers a relayed cell; a cell on one rank is started directly and
+        # takes none (the listeners wait for the tokens in order).
+        relayed = group.relay_tokens is not None and len(self.ranks) > 1
+        self._token = next(group.relay_tokens) if relayed else None
+        if relayed:
             # One call to rank 0 starts the cell everywhere and brings back the
             # answers of ranks that finished at once; the others are asked directly.
             self._relay_ref = group.actors[0].relay.remote(

@@ -64,6 +64,7 @@ class RankActor:
     def __init__(self, context: dict[str, Any] | None, env: dict[str, str]) -> None:
         self._rendezvous: socket.socket | None = None
         self._relay: Any = None
+        self._relayed = 0  # rank 0: the last token relayed
         self._warm = threading.Event()
         self.runtime: RankRuntime
         if context is not None:
@@ -234,6 +235,12 @@ class RankActor:
         from ray import cloudpickle
 
         store = self._relay
+        # A token the driver took without this call reaching the store (a relay
+        # that failed before writing its cell) is marked as skipped: the listeners
+        # read the tokens in order and would otherwise wait for it for ever.
+        for skipped in range(self._relayed + 1, token):
+            store.set(_CELL_KEY.format(skipped), b"")
+        self._relayed = max(self._relayed, token)
         store.set(
             _CELL_KEY.format(token),
             cloudpickle.dumps((token, cell_id, code, checkpoint, replay, ranks)),
@@ -270,6 +277,8 @@ class RankActor:
                     continue  # an idle group: keep listening
                 return  # the store is gone with rank 0: so is this group
             token += 1
+            if not payload:
+                continue  # a token that was never relayed
             sent, cell_id, code, checkpoint, replay, ranks = cloudpickle.loads(payload)
             if rank not in ranks:
                 continue
