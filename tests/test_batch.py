@@ -26,6 +26,10 @@ def _run(args, tmp_path, timeout=300):
     )
 
 
+def _errors(nb) -> list:
+    return [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
 def test_quickstart_runs_unattended_with_static_figure_and_metrics(ray_cluster, tmp_path):
     out = tmp_path / "quick.out.ipynb"
     proc = _run(
@@ -35,6 +39,7 @@ def test_quickstart_runs_unattended_with_static_figure_and_metrics(ray_cluster, 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"output notebook: {out}" in proc.stdout
     nb = nbformat.read(out, as_version=4)
+    assert not _errors(nb)
     kinds = {k for cell in nb.cells for o in cell.get("outputs", []) for k in o.get("data", {})}
     assert "application/vnd.plotly.v1+json" in kinds
     assert "application/vnd.jupyter.widget-view+json" not in kinds
@@ -43,6 +48,18 @@ def test_quickstart_runs_unattended_with_static_figure_and_metrics(ray_cluster, 
     assert out.stat().st_size < 1_000_000
     # training progress reaches the terminal while it runs (papermill streams cell output)
     assert "rtnb: cell" in proc.stdout and "steps/s" in proc.stdout, proc.stdout[-2000:]
+    # The run lands under the caller's rtnb_runs, never in the repository, with a copy
+    # of the output notebook.
+    runs = list((tmp_path / "rtnb_runs").iterdir())
+    assert (
+        len(runs) == 1
+        and (runs[0] / "run.json").exists()
+        and (runs[0] / "metrics" / "rank-0.jsonl").exists()
+    )
+    assert not (REPO / "notebooks" / "rtnb_runs").exists(), "nothing is written into the repository"
+    kept = runs[0] / "notebooks" / out.name
+    assert kept.read_bytes() == out.read_bytes()
+    assert f"kept in the run directory: {kept}" in proc.stdout
 
 
 def test_a_failing_cell_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_path):
@@ -80,42 +97,23 @@ def test_bad_parameter_name_is_refused_before_running(tmp_path):
     assert "--timeout must be a positive number of seconds" in zero.stderr
 
 
-def test_runs_land_under_the_callers_rtnb_runs(ray_cluster, tmp_path):
-    proc = _run(
-        [
-            "run",
-            str(REPO / "notebooks" / "quickstart.ipynb"),
-            "-o",
-            str(tmp_path / "o.ipynb"),
-            "-p",
-            "steps",
-            "8",
-        ],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    runs = list((tmp_path / "rtnb_runs").iterdir())
-    assert (
-        len(runs) == 1
-        and (runs[0] / "run.json").exists()
-        and (runs[0] / "metrics" / "rank-0.jsonl").exists()
-    )
-    assert not (REPO / "notebooks" / "rtnb_runs").exists(), "nothing is written into the repository"
-    kept = runs[0] / "notebooks" / "o.ipynb"
-    assert kept.read_bytes() == (tmp_path / "o.ipynb").read_bytes()
-    assert f"kept in the run directory: {kept}" in proc.stdout
+# The examples that the tests above and below run unattended with their own checks.
+RUN_BY_THEIR_OWN_TESTS = {"quickstart.ipynb", "batch_template.ipynb"}
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        p.name
+        for p in (REPO / "notebooks").glob("*.ipynb")
+        if p.name not in RUN_BY_THEIR_OWN_TESTS
+    ),
+)
 def test_every_example_notebook_runs_unattended(ray_cluster, tmp_path, name):
     out = tmp_path / f"{name}.out.ipynb"
     proc = _run(["run", str(REPO / "notebooks" / name), "-o", str(out)], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    nb = nbformat.read(out, as_version=4)
-    errors = [
-        o for cell in nb.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"
-    ]
-    assert not errors
+    assert not _errors(nbformat.read(out, as_version=4))
     assert out.stat().st_size < 1_000_000
 
 
@@ -137,6 +135,8 @@ def test_batch_template_resumes_a_named_run_from_its_latest_checkpoint(ray_clust
         tmp_path,
     )
     assert first.returncode == 0, first.stderr[-2000:]
+    assert not _errors(nbformat.read(tmp_path / "1.ipynb", as_version=4))
+    assert (tmp_path / "1.ipynb").stat().st_size < 1_000_000
     second = _run(
         [
             "run",
