@@ -256,17 +256,3 @@ def group(ray_cluster):
     session.start()
     yield session
     session.stop()
-
-
-# Ray's client proxy spawns a server per ray:// connection, and on a head that has run
-# a while that spawn can die at birth (ray-project/ray#63202): the connection then
-# costs Ray's 30 s channel timeout and ~10 s of retries before rtnb's second try
-# succeeds. The one test that connects through ray:// runs first, on a young head
-# (11 s instead of 54 s); rtnb's retry itself stays in place for users.
-_RUN_FIRST = ("tests/test_remote.py::test_start_joins_a_remote_cluster_quietly[client]",)
-
-
-def pytest_collection_modifyitems(config, items):
-    first = [item for item in items if item.nodeid in _RUN_FIRST]
-    if first:
-        items[:] = first + [item for item in items if item not in first]
