@@ -94,10 +94,18 @@ class Kernel:
         finally:
             if timer is not None:
                 timer.cancel()
-        reply = self.kc.get_shell_msg(timeout=30)
-        result.status = reply["content"]["status"]
+        result.status = self._reply_to(msg_id)["content"]["status"]
         result.elapsed_s = time.monotonic() - start
         return result
+
+    def _reply_to(self, msg_id: str) -> dict:
+        # wait_for_ready() asks kernel_info once a second until one answer comes; a kernel
+        # slow to start (CI under load) answers all of them, and the extra replies wait on
+        # the shell channel, so the next reply read there need not be this request's.
+        while True:
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
     def shutdown(self) -> None:
         self.kc.stop_channels()
