@@ -40,10 +40,10 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tm
             assert session.run(f"runs += 1\n{i}") == {r: i for r in everyone}
         assert session.run("runs") == {r: 10 for r in everyone}
         assert session.run("5", ranks=[1, 6]) == {1: 5, 6: 5}
-        # A cell on one rank is started directly, and a token taken by a relay call
-        # that never wrote its cell is skipped: the ranks keep listening, and later
-        # cells are answered through the relay again (without this, every later cell
-        # waited out rank 0's gather and asked each rank directly).
+        # A cell on one rank goes through the relay too, and a token taken by a relay
+        # call that never wrote its cell is skipped: the ranks keep listening, and
+        # later cells are answered through the relay again (without this, every later
+        # cell waited out rank 0's gather and asked each rank directly).
         asked_directly: list[int] = []
         direct = CellHandle._run_on
 
@@ -52,8 +52,8 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tm
             return direct(handle, actors, rank)
 
         monkeypatch.setattr(CellHandle, "_run_on", spied)
-        assert session.run("6", ranks=[2]) == {2: 6}
-        assert asked_directly == [2]
+        assert session.run("runs += 1\n6", ranks=[2]) == {2: 6}
+        assert session.run("runs", ranks=[1, 2]) == {1: 10, 2: 11}, "only rank 2 ran it"
         next(session._group.relay_tokens)
         relayed_cells = 0
         for i in range(3):
@@ -62,6 +62,13 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tm
             # (a rank may miss its first wait on a loaded machine: then it is asked)
             relayed_cells += not asked_directly
         assert relayed_cells >= 1, "the listeners never caught up with the relay"
+        # Every cell of a rank runs in one thread, relayed or asked directly, so
+        # thread-local state (torch's grad mode here) holds from cell to cell.
+        session.run("import torch\ntorch.set_grad_enabled(False)")
+        session.run("import time\ntime.sleep(0.5)")  # answers come directly (a long cell)
+        assert session.run("torch.is_grad_enabled()", ranks=[4]) == {4: False}
+        assert session.run("torch.is_grad_enabled()") == {r: False for r in everyone}
+        session.run("torch.set_grad_enabled(True)")
         monkeypatch.undo()
         with pytest.raises(rtnb.CellError, match="bad three"):
             session.run(RANK + "if rank == 3:\n    raise ValueError('bad three')")

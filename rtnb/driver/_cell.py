@@ -234,9 +234,9 @@ class CellHandle:
     def _dispatch(self) -> None:
         group = self.session._require_group()
         self._checkpoint = self.session._checkpoint_for(self)
-        # A token numbers a relayed cell; a cell on one rank is started directly and
-        # takes none (the listeners wait for the tokens in order).
-        relayed = group.relay_tokens is not None and len(self.ranks) > 1
+        # In a relaying group every cell goes through rank 0, one on a single rank
+        # too: each listening rank runs all its cells in its listening thread.
+        relayed = group.relay_tokens is not None
         self._token = next(group.relay_tokens) if relayed else None
         if relayed:
             # One call to rank 0 starts the cell everywhere and brings back the

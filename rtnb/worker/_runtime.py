@@ -175,6 +175,8 @@ class RankRuntime:
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._cell_loop, name="rtnb-cell", daemon=True)
         self._thread.start()
+        # The thread running the current cell (an interrupt is raised in it).
+        self._cell_thread = self._thread.ident
         self._capture_output = capture_output
         _CURRENT = self
 
@@ -186,12 +188,14 @@ class RankRuntime:
         checkpoint: Any = None,
         replay: bool = False,
         token: int | None = None,
+        in_caller: bool = False,
     ) -> bool:
         """Run ``code`` in the cell thread; ``get_checkpoint()`` returns ``checkpoint``
         during it. A ``replay`` rebuilds state after a failure: its reports are not
         published and its checkpoints not saved (they were, the first time).
         With a dispatch ``token``, a cell already started under it is not started
-        again (False)."""
+        again (False). ``in_caller``: the calling thread runs it next, with
+        :meth:`execute` (the relay's listener, which runs every cell of its rank)."""
         with self._cond:
             if token is not None:
                 if token <= self._token:
@@ -210,44 +214,49 @@ class RankRuntime:
             self._stop_requested = False
             self._stop_target = None
             self._paused_at = None
-        self._jobs.put((cell_id, code))
+            self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
+        if not in_caller:
+            self._jobs.put((cell_id, code))
         return True
 
     def _cell_loop(self) -> None:
         while True:
-            cell_id, code = self._jobs.get()
-            filename = cell_filename(cell_id)
-            self._cache_source(filename, code)
-            state, value, error = CellState.DONE, None, None
-            if self._capture_output:
-                install_capture(self._add_output)
+            self.execute(*self._jobs.get())
+
+    def execute(self, cell_id: int, code: str) -> None:
+        """Run a started cell to its end in this thread and publish how it ended."""
+        filename = cell_filename(cell_id)
+        self._cache_source(filename, code)
+        state, value, error = CellState.DONE, None, None
+        if self._capture_output:
+            install_capture(self._add_output)
+        try:
+            body, last = split_last_expression(code, filename)
+            exec(body, self.namespace)
+            if last is not None:
+                result = eval(last, self.namespace)
+                if result is not None:
+                    value = to_portable(result)
+        except CellStopped:
+            state = CellState.INTERRUPTED
+        except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
+            state = CellState.ERROR
+            error = (_summary(exc), _user_traceback(exc, filename))
+        finally:
+            # A cell ends only once its last checkpoint is in storage and offered.
             try:
-                body, last = split_last_expression(code, filename)
-                exec(body, self.namespace)
-                if last is not None:
-                    result = eval(last, self.namespace)
-                    if result is not None:
-                        value = to_portable(result)
-            except CellStopped:
-                state = CellState.INTERRUPTED
-            except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
-                state = CellState.ERROR
-                error = (_summary(exc), _user_traceback(exc, filename))
-            finally:
-                # A cell ends only once its last checkpoint is in storage and offered.
-                try:
-                    self._finish_upload()
-                except BaseException as exc:  # noqa: BLE001 - the upload's own error
-                    if state is CellState.DONE:
-                        state = CellState.ERROR
-                        error = (_summary(exc), _summary(exc) + "\n")
-                flush_std()
-            with self._cond:
-                self._state, self._value, self._error = state, value, error
-                self._stop_requested = False
-                self._stop_target = None
-                self._paused_at = None
-                self._cond.notify_all()
+                self._finish_upload()
+            except BaseException as exc:  # noqa: BLE001 - the upload's own error
+                if state is CellState.DONE:
+                    state = CellState.ERROR
+                    error = (_summary(exc), _summary(exc) + "\n")
+            flush_std()
+        with self._cond:
+            self._state, self._value, self._error = state, value, error
+            self._stop_requested = False
+            self._stop_target = None
+            self._paused_at = None
+            self._cond.notify_all()
 
     def _cache_source(self, filename: str, code: str) -> None:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -544,7 +553,7 @@ class RankRuntime:
             self._stop_requested = True
             self._stop_target = -1  # any paused rank leaves at once
             self._cond.notify_all()
-        ident = self._thread.ident
+        ident = self._cell_thread
         if ident is None:
             return False
         hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(
