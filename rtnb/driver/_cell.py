@@ -50,9 +50,10 @@ __all__ = ["CellHandle"]
 
 # How often the driver loop wakes to check stop deadlines and Ctrl-C.
 _TICK_S = 0.1
-# How long rank 0 waits for the relayed ranks' answers: their first wait, and slack
-# for a busy machine. A rank that did not answer by then is asked directly.
-_RELAY_WAIT_S = POLL_WAIT_S + 2.0
+# How long rank 0 waits for the relayed ranks' answers: a first wait, and slack for
+# a busy machine to wake them. A rank that did not answer by then (a longer cell: it
+# runs in the listening thread and answers only when it ends) is asked directly.
+_RELAY_WAIT_S = POLL_WAIT_S + 0.25
 # When some ranks have paused for a stop while others still run, give the others
 # this long to reach a report() before choosing a later common stop step.
 _PAUSE_SKEW_S = 0.5

@@ -35,7 +35,10 @@ BATCH_S = 0.1
 
 # From this many ranks, cells are started through rank 0's relay (see RankActor.relay):
 # each Ray call costs the kernel ~0.8 ms of CPU on a small machine, one per rank.
-RELAY_FROM_RANKS = 8
+# Measured on 2 cores, the relay is cheaper from 2 ranks on: a trivial cell 2.5-3.7
+# vs 4.2 ms at 2 ranks, 4.8-5.7 vs 5.3-6.3 ms at 4, with less CPU in the ranks and
+# the kernel; a group of one rank is asked directly.
+RELAY_FROM_RANKS = 2
 _CELL_KEY = "rtnb/cell/{}"
 _ANSWER_KEY = "rtnb/answer/{}/{}"
 _RELAY_KEPT_CELLS = 256
