@@ -169,7 +169,7 @@ def test_reports_cross_as_columns_and_come_back_as_the_rows_that_were_reported(t
         (0, 10.0, {"loss": 1.5, "epoch": 0}),
         (1, 11.0, {"loss": torch.tensor(0.75), "epoch": 0, "note": "warm-up done"}),
         (2, 12.0, {"loss": float("inf"), "lr": 0.1}),
-        (3, 13.0, {"epoch": 1}),
+        (3, 13.0, {"epoch": 1, 'val "acc" ✓': 0.5}),
     ]
     columns = ReportColumns()
     for step, when, metrics in sent:
@@ -188,13 +188,13 @@ def test_reports_cross_as_columns_and_come_back_as_the_rows_that_were_reported(t
         {"loss": 1.5, "epoch": 0},
         {"loss": 0.75, "epoch": 0, "note": "warm-up done"},
         {"loss": "inf", "lr": 0.1},
-        {"epoch": 1},
+        {"epoch": 1, 'val "acc" ✓': 0.5},  # a name JSON must escape
     ]
     assert type(rows[0]["epoch"]) is int, "ints stay ints in the record"
     assert store.series("loss", 0)[0] == [0, 1, 2], "a metric a report lacked is not plotted there"
     assert store.series("epoch", 0)[2] == [0.0, 0.0, 1.0]
     assert "note" not in store.metric_names()
-    assert store.last[0].step == 3 and store.last[0].metrics == {"epoch": 1}
+    assert store.last[0].step == 3 and store.last[0].metrics == {"epoch": 1, 'val "acc" ✓': 0.5}
     assert store.count(0) == 4
 
 

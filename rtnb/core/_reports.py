@@ -15,6 +15,7 @@ GPU at every step.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import sys
 from array import array
@@ -193,16 +194,25 @@ class ReportBatch:
             array("d", (x for _, x in keep)),
         )
 
-    def to_json(self, rank: int) -> dict[str, Any]:
+    def json_line(self, rank: int) -> bytes:
         """One line of the metrics record: this batch as columns (numeric columns as
         base64 of little-endian int64/float64: writing floats as decimal text costs
-        the kernel ~0.4 us each, more than everything else a report costs it)."""
-        return {
-            "rank": rank,
-            "step": pack_column(self.steps),
-            "timestamp": pack_column(self.times),
-            "metrics": {n: pack_column(c) for n, c in self.columns.items()},
-        }
+        the kernel ~0.4 us each, more than everything else a report costs it).
+        Assembled as text rather than with ``json.dumps`` of a dict: base64 needs no
+        escaping, and scanning it for escapes was ~0.45 us of kernel CPU per report."""
+        metrics = ", ".join(f"{json.dumps(n)}: {_column_json(c)}" for n, c in self.columns.items())
+        return (
+            f'{{"rank": {int(rank)}, "step": {_column_json(self.steps)}, '
+            f'"timestamp": {_column_json(self.times)}, "metrics": {{{metrics}}}}}\n'
+        ).encode()
+
+
+def _column_json(column: Column) -> str:
+    packed = pack_column(column)
+    if isinstance(packed, dict):
+        [(kind, text)] = packed.items()
+        return f'{{"{kind}": "{text}"}}'
+    return json.dumps(packed)
 
 
 class ReportColumns:

@@ -30,7 +30,7 @@ class MetricsLog:
         self.dir = self._log.dir
 
     def add(self, rank: int, batch: ReportBatch) -> None:
-        self._log.add(rank, (json.dumps(batch.to_json(rank)) + "\n").encode())
+        self._log.add(rank, batch.json_line(rank))
 
     def flush(self) -> None:
         self._log.flush()
