@@ -171,6 +171,43 @@ def test_interrupt_breaks_a_pure_python_loop(runtime):
     assert runtime.namespace["n"] > 0
 
 
+def test_a_cell_run_by_the_relay_listener_in_its_own_thread_can_be_interrupted(runtime):
+    code = "n = 0\nwhile True:\n    n += 1"
+
+    def listener():  # what a listening rank does with a relayed cell
+        if runtime.start_cell(1, code, token=7, in_caller=True):
+            runtime.execute(1, code)
+
+    thread = threading.Thread(target=listener)
+    thread.start()
+    while runtime.namespace.get("n", 0) == 0:
+        time.sleep(0.01)
+    assert not runtime.start_cell(1, code, token=7), "a direct call does not start it again"
+    assert runtime.interrupt()
+    thread.join(5)
+    assert not thread.is_alive(), "the interrupt reached the thread running the cell"
+    assert runtime.wait(5.0, 0.0).state is CellState.INTERRUPTED
+
+
+@pytest.mark.parametrize("first", ["c().report({'v': 1})", "print('first line')"])
+def test_the_relays_first_wait_gives_way_at_a_cells_first_report_or_line(runtime, first):
+    # The relay answers for a rank only when its cell ended with nothing to deliver;
+    # a cell that reports or prints is handed to the long-poll at once rather than
+    # at its end, so the first points of a live plot are not held back.
+    runtime.start_cell(
+        1,
+        "import time\nfrom rtnb.worker._runtime import current_runtime as c\n"
+        f"{first}\nfor _ in range(500):\n    time.sleep(0.01)",
+    )
+    assert runtime.final_update(60.0) is None
+    assert runtime.state is CellState.RUNNING, "it gave way before the cell's 5 s ended"
+    assert runtime.interrupt()
+    while runtime.wait(5.0, 0.0).state is CellState.RUNNING:
+        pass
+    runtime.start_cell(2, "x = 1")
+    assert runtime.final_update(60.0).state is CellState.DONE, "a quiet cell is answered"
+
+
 def test_output_from_other_threads_is_captured(runtime):
     update = _run(
         runtime,

@@ -297,27 +297,32 @@ class RankRuntime:
 
     def final_update(self, timeout: float) -> RankUpdate | None:
         """The cell's last update if it ends within ``timeout`` and nothing waits to
-        be delivered with it (no output, reports or checkpoint offers), else None.
-        Nothing is drained: an update that gets lost on its way is simply asked for
-        again (``wait``), so a relayed answer can never lose a rank's output."""
+        be delivered with it (no output, reports or checkpoint offers), else None,
+        as soon as that is known: a cell that prints or reports is handed to the
+        long-poll at its first line or report, so the first points of a live plot
+        are not held back. Nothing is drained: an update that gets lost on its way
+        is simply asked for again (``wait``), so a relayed answer can never lose a
+        rank's output."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._state is CellState.RUNNING and self._paused_at is None:
+            while (
+                self._state is CellState.RUNNING
+                and self._paused_at is None
+                and not self._undelivered_locked()
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
-            if (
-                self._state is CellState.RUNNING
-                or self._output
-                or self._dropped_chars
-                or self._checkpoints
-            ):
+            if self._state is CellState.RUNNING or self._undelivered_locked():
                 return None
-            with self._reports_lock:
-                if len(self._reports):
-                    return None
             return self._update_locked([], [])
+
+    def _undelivered_locked(self) -> bool:
+        if self._output or self._dropped_chars or self._checkpoints:
+            return True
+        with self._reports_lock:
+            return bool(len(self._reports))
 
     def _drain_locked(self) -> tuple[RankUpdate, ReportColumns]:
         output, self._output, self._output_chars = self._output, [], 0
