@@ -63,6 +63,13 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tm
             # (a rank may miss its first wait on a loaded machine: then it is asked)
             relayed_cells += not asked_directly
         assert relayed_cells >= 1, "the listeners never caught up with the relay"
+        # Only rank 0 prints: the others' answers still come back through the relay.
+        only_zero_asked = 0
+        for _ in range(3):
+            asked_directly.clear()
+            session.run(RANK + "if rank == 0:\n    print('from rank 0 only')")
+            only_zero_asked += asked_directly == [0]
+        assert only_zero_asked >= 1, "a cell printing on rank 0 asked every rank directly"
         # Every cell of a rank runs in one thread, relayed or asked directly, so
         # thread-local state (torch's grad mode here) holds from cell to cell.
         session.run("import torch\ntorch.set_grad_enabled(False)")

@@ -46,6 +46,9 @@ _RELAY_KEPT_CELLS = 256
 _RELAY_LISTEN_S = 3600.0
 # A relayed rank's answer when it has none to give (the driver asks it directly).
 _NO_ANSWER = b"-"
+# How long rank 0 still waits for the others' answers once its own has gone to the
+# long-poll (the first reports of a live plot wait this much longer at most).
+_GIVE_WAY_S = 0.05
 # How long a direct run() waits for the listener to read a relayed cell's token.
 _HEAR_S = 5.0
 
@@ -258,10 +261,10 @@ class RankActor:
         to deliver, else None: the driver then asks that rank directly (``run`` with
         the same token, which does not start the cell twice).
 
-        Rank 0 waits up to ``wait_s`` for the answers; when its own cell is still
-        running after its first wait (a long cell), it waits no longer and closes the
-        missing answers instead, so a listener still running the cell finds its
-        answer closed and writes nothing that would stay in the store."""
+        Rank 0 waits up to ``wait_s`` for the answers (``_GIVE_WAY_S`` once its own
+        cell has output or reports, or runs long), then closes the missing ones, so
+        a listener still running the cell finds its answer closed and writes
+        nothing that would stay in the store."""
         from ray import cloudpickle
 
         store = self._relay
@@ -280,12 +283,13 @@ class RankActor:
             started = self.runtime.start_cell(cell_id, code, checkpoint, replay, token)
             answers[0] = self.runtime.final_update(POLL_WAIT_S) if started else None
             if answers[0] is None:
-                wait_s = 0.0
+                # Rank 0 has output or reports to deliver, or a long cell: the
+                # others get a moment more (a cell where only rank 0 prints still
+                # brings their answers back here), not the whole wait.
+                wait_s = min(wait_s, _GIVE_WAY_S)
         keys = {r: _ANSWER_KEY.format(token, r) for r in ranks if r != 0}
         if keys:
             try:
-                if wait_s <= 0:  # (a zero timeout is no timeout to the store)
-                    raise TimeoutError
                 store.wait(list(keys.values()), timedelta(seconds=wait_s))
                 values = store.multi_get(list(keys.values()))
             except Exception:  # noqa: BLE001 - a rank that did not answer in time
