@@ -318,6 +318,8 @@ class RankActor:
                         self._run_relayed(store, rank, *cloudpickle.loads(payload))
                     except CellStopped:
                         pass  # an interrupt that landed just after its cell ended
+                # (after the cell too: it also covers a token not for this rank, and
+                # one whose start raised before _run_relayed marked it heard)
                 self._heard(token)
                 token += 1
         finally:
