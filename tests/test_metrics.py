@@ -389,19 +389,18 @@ REPORTS_OF_A_LOOP = [
 ]
 
 
-def _report_through_the_api(monkeypatch, native) -> tuple[list, int]:
+def _report_through_the_api(monkeypatch, report) -> tuple[list, int]:
     import torch
 
-    from rtnb.worker import _api, _runtime
+    from rtnb.worker import _runtime
     from rtnb.worker._runtime import RankContext, RankRuntime
 
-    monkeypatch.setattr(_api, "_native_add", native)
     runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
     monkeypatch.setattr(_runtime, "_CURRENT", runtime)
     for metrics in REPORTS_OF_A_LOOP:
         if metrics.get("loss") == "TENSOR":
             metrics = {**metrics, "loss": torch.tensor(4.0)}
-        _api.report(metrics)
+        report(metrics)
     rows = [(step, metrics) for step, _when, metrics in runtime._reports.take().rows()]
     return rows, runtime.step
 
@@ -410,14 +409,23 @@ def test_reports_recorded_in_c_are_exactly_those_of_the_python_path(monkeypatch)
     native = require(
         "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
     )
+    from rtnb.worker import _api, _runtime
+
+    # Built, rtnb.report is the C builtin; report_in_python is what it falls back to.
+    assert _api.report is not _api.report_in_python
     answers = []
 
-    def counted(runtime, metrics):
+    def add_then_python(metrics):
+        runtime = _runtime._CURRENT
         answers.append(native.add(runtime, metrics))
-        return answers[-1]
+        if answers[-1] == 2:
+            runtime.after_plain_report()
+        elif not answers[-1]:
+            _api.report_in_python(metrics)
 
-    in_c = _report_through_the_api(monkeypatch, counted)
-    assert in_c == _report_through_the_api(monkeypatch, None)
+    in_c = _report_through_the_api(monkeypatch, _api.report)
+    assert in_c == _report_through_the_api(monkeypatch, _api.report_in_python)
+    assert in_c == _report_through_the_api(monkeypatch, add_then_python)
     rows, last_step = in_c
     assert [step for step, _ in rows] == [0, 1, 2, 3, 4, 5, 40, 41, 42, 43, 44, 45]
     assert rows[1][1] == {"loss": 2.0, "lr": 0.2} and rows[4][1]["loss"] == 4.0
@@ -425,6 +433,46 @@ def test_reports_recorded_in_c_are_exactly_those_of_the_python_path(monkeypatch)
     # Reports with the keys of the one before went through C; new keys, a tensor, a
     # "step" metric, an empty report and a bool took the Python path.
     assert answers == [0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1]
+
+
+def test_a_fast_loops_reports_set_off_no_garbage_collection(monkeypatch):
+    """At 40 kHz an object the collector tracks per report (a tuple of values, as
+    before) set off a young collection every few hundred steps and now and then a
+    full one of the whole torch process (~140 ms here): reports in C allocate none."""
+    import gc
+
+    native = require(
+        "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
+    )
+    from rtnb.worker import _api, _runtime
+    from rtnb.worker._runtime import RankContext, RankRuntime
+
+    assert _api.report is not _api.report_in_python, native
+    runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
+    monkeypatch.setattr(_runtime, "_CURRENT", runtime)
+    metrics = {"loss": 0.5, "lr": 0.1, "tokens": 0}
+    _api.report(metrics)  # the first report of a run of keys takes the Python path
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        for i in range(50_000):
+            metrics["loss"] = i * 0.5
+            metrics["tokens"] = i
+            _api.report(metrics)
+            if i == 25_000:
+                first = runtime._reports.take()
+    finally:
+        gc.callbacks.remove(count)
+    assert collections == []
+    rest = runtime._reports.take()
+    assert len(first) + len(rest) == 50_001
+    assert list(rest.columns["tokens"])[-1] == 49_999 and rest.numbers("loss")[2][-1] == 24_999.5
 
 
 def test_reports_from_two_threads_while_polled_stay_whole_and_in_order(monkeypatch):
@@ -473,3 +521,22 @@ def test_reports_from_two_threads_while_polled_stay_whole_and_in_order(monkeypat
     assert all(m == {"a": m["a"], "b": 1.0} for m in steady_rows), "no report mixed with another"
     assert [m["c"] for m in changing_rows] == [float(i) for i in range(n)]
     assert all(("d" in m) == (m["c"] % 2 == 0) for m in changing_rows)
+
+
+def test_report_keeps_its_signature_help_and_errors_when_built_in_c():
+    import inspect
+
+    import rtnb
+    from rtnb.errors import SessionError
+
+    assert list(inspect.signature(rtnb.report).parameters) == [
+        "metrics",
+        "checkpoint",
+        "checkpoint_dir_name",
+        "step",
+    ]
+    assert "cheap enough to call every step" in inspect.getdoc(rtnb.report)
+    with pytest.raises(SessionError, match="inside a %%rtrain cell"):
+        rtnb.report({"loss": 1.0})
+    with pytest.raises(SessionError, match="inside a %%rtrain cell"):
+        rtnb.report({"loss": 1.0}, step=3)

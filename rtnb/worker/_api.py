@@ -6,6 +6,7 @@ These functions only work inside a rank of a worker group (a ``%%rtrain`` cell o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -23,12 +24,6 @@ __all__ = [
     "prepare_model",
     "report",
 ]
-
-
-try:
-    from rtnb.core._fastreport import add as _native_add
-except ImportError:  # built without a C compiler: the Python path records the same
-    _native_add = None
 
 
 def _runtime(what: str) -> RankRuntime:
@@ -73,13 +68,7 @@ def report(
     """
     runtime = _rank._CURRENT
     if checkpoint is None and step is None and runtime is not None:
-        # Every step of a fast loop: keep this path short.
-        if _native_add is not None:
-            recorded = _native_add(runtime, metrics)
-            if recorded:
-                if recorded == 2:
-                    runtime.after_plain_report()
-                return
+        # Every step of a fast loop (where the C path below is not built): keep it short.
         if type(metrics) is dict and "step" not in metrics:
             runtime.report_plain(metrics)
             return
@@ -104,6 +93,21 @@ def report(
             for name, value in metrics.items()
         }
     runtime.report(metrics, step, checkpoint)
+
+
+report_in_python = report
+
+try:
+    from rtnb.core._fastreport import make_report
+except ImportError:  # built without a C compiler: the Python path records the same
+    pass
+else:
+    report = make_report(
+        report_in_python,
+        vars(_rank),
+        "report(metrics, checkpoint=None, checkpoint_dir_name=None, *, step=None)\n--\n\n"
+        + inspect.cleandoc(report_in_python.__doc__ or ""),
+    )
 
 
 def get_checkpoint():
