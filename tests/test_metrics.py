@@ -523,11 +523,15 @@ def test_reports_from_two_threads_while_polled_stay_whole_and_in_order(monkeypat
     assert all(("d" in m) == (m["c"] % 2 == 0) for m in changing_rows)
 
 
-def test_report_keeps_its_signature_help_and_errors_when_built_in_c():
+def test_report_keeps_its_signature_help_and_errors_when_built_in_c(monkeypatch):
     import inspect
 
     import rtnb
     from rtnb.errors import SessionError
+    from rtnb.worker import _runtime
+
+    # Outside a rank (other tests here leave a runtime of theirs behind).
+    monkeypatch.setattr(_runtime, "_CURRENT", None)
 
     assert list(inspect.signature(rtnb.report).parameters) == [
         "metrics",
