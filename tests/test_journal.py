@@ -277,11 +277,16 @@ def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(ray_clust
         group_factory=InterruptedAfterActorsExist,
     )
     started = time.monotonic()
-    with pytest.raises(rtnb.SessionError, match="interrupted.*freed"):
-        session.start()
-    assert wait_for_free_cpus(free_before, timeout=10) >= free_before
-    assert time.monotonic() - started < 10 + 5
-    session.stop()
+    try:
+        with pytest.raises(rtnb.SessionError, match="interrupted.*freed"):
+            session.start()
+        assert wait_for_free_cpus(free_before, timeout=10) >= free_before
+        # Not a timing claim: on a loaded 2-core machine creating the actors alone can
+        # take ~20 s; what must not happen is waiting for the group to finish starting.
+        assert time.monotonic() - started < 60
+    finally:
+        # Whatever failed above, leave nothing held for the tests after this one.
+        session.stop()
 
 
 def test_a_thousand_racing_commits_each_hold_every_ranks_shard(ray_cluster, tmp_path):

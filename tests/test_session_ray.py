@@ -184,3 +184,43 @@ def test_a_rank_process_holds_no_driver_code(group):
         "sorted(m for m in sys.modules if m.startswith(('rtnb.driver', 'rtnb.batch', 'rtnb.magics', 'rtnb.widgets')))"
     )
     assert value == {0: [], 1: []}
+
+
+def test_the_driver_takes_a_finished_poll_without_waiting_for_the_others(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """Two ranks whose batches fell out of step each waited for the other's poll up
+    to a tick (live reports every ~300 ms instead of 100 ms): a finished poll is
+    taken as soon as it is ready, the others stay in flight."""
+    import ray
+
+    from rtnb.driver import _cell
+
+    release = tmp_path / "release"
+
+    @ray.remote(num_cpus=0)
+    def held(path: str) -> str:
+        import os
+        import time as _time
+
+        while not os.path.exists(path):
+            _time.sleep(0.05)
+        return "held"
+
+    @ray.remote(num_cpus=0)
+    def finished() -> str:
+        return "finished"
+
+    slow, fast = held.remote(str(release)), finished.remote()
+    ray.get(fast)
+    # A tick far longer than the test may take: only a wait for all would use it.
+    monkeypatch.setattr(_cell, "_TICK_S", 120.0)
+    try:
+        started = time.monotonic()
+        ready, values = _cell._wait_and_get(ray, [slow, fast])
+        waited = time.monotonic() - started
+    finally:
+        release.touch()
+    assert (ready, values) == ([fast], ["finished"])
+    assert waited < 60, "it waited for the poll still in flight"
+    assert ray.get(slow, timeout=60) == "held"

@@ -655,18 +655,27 @@ class CellHandle:
 
 
 def _wait_and_get(ray, refs: list) -> tuple[list, list]:
-    """Whatever ``refs`` are ready within one tick, with their results.
+    """Whatever ``refs`` are ready within one tick, with their results, as soon as
+    one is.
 
-    A short cell usually answers on every rank within the first call, so try a
-    single ``ray.get`` of all first: one driver call instead of wait + get.
+    One call in flight (the relay, or a single rank) is fetched with one
+    ``ray.get``. With several, the first ready one is taken with those ready by
+    then: a ``ray.get`` of all of them held a rank's finished poll until the others'
+    were ready too, up to a tick, so two ranks whose batches fell out of step (often
+    for a whole cell) each waited for the other, and live reports arrived every
+    ~300 ms instead of every 100 ms.
     """
-    try:
-        return refs, ray.get(refs, timeout=_TICK_S)
-    except ray.exceptions.GetTimeoutError:
-        pass
-    except ray.exceptions.RayError:
-        return refs, _get_each(ray, refs)
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    if len(refs) == 1:
+        try:
+            return refs, ray.get(refs, timeout=_TICK_S)
+        except ray.exceptions.GetTimeoutError:
+            return [], []
+        except ray.exceptions.RayError:
+            return refs, _get_each(ray, refs)
+    ready, rest = ray.wait(refs, num_returns=1, timeout=_TICK_S)
+    if ready and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        ready += more
     return ready, _get_each(ray, ready)
 
 
