@@ -257,7 +257,9 @@ def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_restarting(
         assert session.failures == 1
 
 
-def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(ray_cluster, tmp_path):
+def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(
+    ray_cluster, tmp_path, request
+):
     import _thread
 
     from rtnb.driver._group import WorkerGroup
@@ -269,6 +271,10 @@ def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(ray_clust
             super()._assign_local_ranks(described)
             time.sleep(5)  # the KeyboardInterrupt arrives in here
 
+    # A shell's background job (`bash .ci/run &`) starts Python with SIGINT ignored,
+    # and interrupt_main() then does nothing: give this test a kernel's Ctrl-C.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     free_before = wait_for_free_cpus(4)
     session = rtnb.Session(
         workers=2,
