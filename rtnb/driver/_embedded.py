@@ -2,6 +2,11 @@
 
 Used by an embedded session and by the warm Ray's host process; joining such a
 Ray on loopback needs :func:`node_ip_as_given` too.
+
+Either kind leaves the fixed ports of a Ray the user starts (``ray start --head``:
+6379, 8265, 10001, the dashboard agent's 52365) to that Ray. The warm Ray is also
+kept out of every way Ray finds "the local cluster" (:func:`start_embedded_ray`'s
+``private_dir``), because it outlives the kernel and is not the user's.
 """
 
 from __future__ import annotations
@@ -10,22 +15,43 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 from rtnb.core._startup import lazy_imports_for_children
 
-__all__ = ["LOOPBACK", "node_ip_as_given", "start_embedded_ray"]
+__all__ = [
+    "HIDDEN_RAYLET_NAME",
+    "LOOPBACK",
+    "joining_private_ray",
+    "node_ip_as_given",
+    "start_embedded_ray",
+]
 
 LOOPBACK = "127.0.0.1"
+# What a private Ray's raylet is started as: Ray finds local clusters by looking for
+# processes whose executable's name contains "raylet" (services._is_raylet_process).
+HIDDEN_RAYLET_NAME = "rtnb-warm-node"
 # An embedded Ray takes 30% of RAM for its object store by default; a notebook
 # sharing the machine with the user's other work should not.
 _EMBEDDED_OBJECT_STORE_BYTES = 2 * 1024**3
 
 
 def start_embedded_ray(
-    ray, num_cpus: int | None, listen: str | None = None, namespace: str | None = None
+    ray,
+    num_cpus: int | None,
+    listen: str | None = None,
+    namespace: str | None = None,
+    private_dir: Path | None = None,
 ) -> None:
     """``ray.init`` of a Ray in this process: loopback unless ``listen`` says
-    otherwise, a capped object store, no dashboard, only the processes it uses."""
+    otherwise, a capped object store, no dashboard, only the processes it uses.
+
+    With ``private_dir`` the Ray is invisible to the user's own Ray tools: its
+    session files live there instead of Ray's shared temp dir (``/tmp/ray``, whose
+    ``session_latest`` the CLI reads), and its raylet runs under another name, so
+    ``ray status``, ``ray.init(address="auto")`` and Ray Train's own look-ups of
+    "the local cluster" never find it (they scan for raylet processes and read
+    their ``--gcs-address``)."""
     kwargs: dict = {
         "log_to_driver": False,
         "logging_level": logging.ERROR,
@@ -37,12 +63,79 @@ def start_embedded_ray(
     if (listen or LOOPBACK) not in ("0.0.0.0", "::"):
         # 0.0.0.0: Ray's own default (the node's address, every interface).
         kwargs["_node_ip_address"] = listen or LOOPBACK
+    if private_dir is not None:
+        kwargs["_temp_dir"] = str(private_dir)
     with (
         node_ip_as_given((listen or LOOPBACK) == LOOPBACK),
         lazy_imports_for_children(),
         _lean_embedded_ray(),
+        _no_fixed_agent_port(),
+        _raylet_named_apart(private_dir),
     ):
         ray.init(**kwargs)
+
+
+@contextlib.contextmanager
+def _no_fixed_agent_port() -> Iterator[None]:
+    """Let the dashboard agent take any free port instead of Ray's fixed 52365.
+
+    ``ray.init`` has no option for it; on the fixed port, a ``ray start --head``
+    the user runs beside this Ray has no dashboard agent, so their ``ray job
+    submit`` fails. The agent reports the port it bound (0 = any)."""
+    from ray._private import parameter
+
+    original = parameter.RayParams.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        kwargs.setdefault("dashboard_agent_listen_port", 0)
+        original(self, *args, **kwargs)
+
+    parameter.RayParams.__init__ = init
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = original
+
+
+@contextlib.contextmanager
+def _raylet_named_apart(private_dir: Path | None) -> Iterator[None]:
+    """Start the raylet through a link named :data:`HIDDEN_RAYLET_NAME`."""
+    if private_dir is None:
+        yield
+        return
+    from ray._private import services
+
+    link = private_dir / HIDDEN_RAYLET_NAME
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(services.RAYLET_EXECUTABLE)
+    original = services.RAYLET_EXECUTABLE
+    services.RAYLET_EXECUTABLE = str(link)
+    try:
+        yield
+    finally:
+        services.RAYLET_EXECUTABLE = original
+
+
+@contextlib.contextmanager
+def joining_private_ray() -> Iterator[None]:
+    """Around a driver's ``ray.init(address=...)`` of a Ray started with
+    ``private_dir``: a driver finds its node's raylet by the same scan that the
+    user's tools use (``services.find_node_ids``), so it is shown the renamed
+    raylet too, for this call only."""
+    from ray._private import services
+
+    original = services._is_raylet_process
+
+    def is_raylet(cmdline) -> bool:
+        named = bool(cmdline) and os.path.basename(cmdline[0]) == HIDDEN_RAYLET_NAME
+        return named or original(cmdline)
+
+    services._is_raylet_process = is_raylet
+    try:
+        yield
+    finally:
+        services._is_raylet_process = original
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rtnb.core._net import probe_tcp
-from rtnb.driver._embedded import LOOPBACK, node_ip_as_given
+from rtnb.driver._embedded import LOOPBACK, joining_private_ray, node_ip_as_given
 from rtnb.errors import ClusterError, one_line
 from rtnb.storage._rundir import BATCH_RUNS_ENV
 from rtnb.worker._actor import RAY_OWNED_ENV
@@ -41,6 +42,8 @@ SWITCH_ENV = "RTNB_WARM_RAY"
 IDLE_ENV = "RTNB_WARM_RAY_IDLE_S"
 HOME_ENV = "RTNB_HOME"
 DEFAULT_IDLE_S = 600.0
+TOKEN_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 _LAUNCH_TIMEOUT_S = 120.0
 
 _active: WarmRay | None = None
@@ -118,13 +121,49 @@ def rank_env(extra: dict[str, str]) -> dict[str, str]:
     return {**inherited, **extra}
 
 
-def _use_the_warm_rays_token() -> None:
-    # A Ray started by ray.init turns token auth on and keeps the token in
-    # ~/.ray/auth_token; a process joining it by address must opt in, and Ray reads
-    # the mode once, so a kernel that imported Ray already has it refreshed too.
-    from ray._private.authentication import authentication_token_setup as auth
+def _token_file(directory: Path) -> Path:
+    """The warm Ray's own auth token (0600), made on first use.
 
-    auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    Not ``~/.ray/auth_token``: a Ray started by ``ray.init`` writes that file when
+    it is missing, and once it exists the user's own ``ray start --head`` turns
+    token auth on, after which their ``ray status`` fails with InvalidAuthToken.
+    The warm Ray keeps token auth (it runs code as this user) with a token of its
+    own, which only its host, its processes and the kernels joining it read."""
+    path = directory / "auth_token"
+    if not path.exists():
+        fd = os.open(path.with_suffix(f".{os.getpid()}.tmp"), os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+        os.replace(path.with_suffix(f".{os.getpid()}.tmp"), path)
+    return path
+
+
+def _private_token_env(token_file: Path) -> dict[str, str]:
+    return {TOKEN_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_file)}
+
+
+@contextlib.contextmanager
+def _with_the_warm_rays_token(token_file: Path) -> Iterator[None]:
+    """This process joins with the warm Ray's token, for this ``ray.init`` only.
+
+    Ray reads the mode and the token once (its config and token loader keep them
+    for the life of the driver); the environment is put back afterwards so that
+    a ``!ray status`` run from the notebook, or the user's own Ray later, sees
+    the environment it would without rtnb."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    saved = {name: os.environ.get(name) for name in (TOKEN_MODE_ENV, TOKEN_PATH_ENV)}
+    os.environ.update(_private_token_env(token_file))
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -150,7 +189,8 @@ def _live_state(state_file: Path) -> dict[str, Any] | None:
 
 def _launch(state_file: Path, key: str, spares: int) -> dict[str, Any]:
     log_path = state_file.with_suffix(".log")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(_private_token_env(_token_file(state_file.parent)))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [
@@ -215,11 +255,15 @@ def attach(
     import ray
 
     try:
-        _use_the_warm_rays_token()
-        with node_ip_as_given(True):
+        with (
+            _with_the_warm_rays_token(_token_file(directory)),
+            node_ip_as_given(True),
+            joining_private_ray(),
+        ):
             ray.init(
                 address=state["address"],
                 _node_ip_address=LOOPBACK,
+                _temp_dir=state.get("temp_dir"),
                 log_to_driver=False,
                 logging_level=logging.ERROR,
             )

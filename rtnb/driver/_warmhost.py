@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -192,7 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(args.state.parent)
     import ray
 
-    start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE)
+    # Fresh for each warm Ray (a dead Ray's files in a reused temp dir can make a
+    # later one wait for it), short (Ray's socket paths must fit 107 bytes), and
+    # apart from /tmp/ray, which is the user's Ray's.
+    private_dir = Path(tempfile.mkdtemp(prefix=f"rtnb-warm-{os.getuid()}-"))
+    start_embedded_ray(
+        ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir
+    )
     try:
         pool = (
             ray.remote(WarmPool)
@@ -208,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 "address": ray.get_runtime_context().gcs_address,
                 "cpus": args.cpus,
                 "started": time.time(),
+                "temp_dir": str(private_dir),
             },
         )
         print(f"warm Ray ready for {args.key} (pid {os.getpid()})", flush=True)
@@ -227,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         ray.shutdown()
+        shutil.rmtree(private_dir, ignore_errors=True)
     return 0
 
 

@@ -1,0 +1,148 @@
+"""The user's own Ray tools beside a live warm Ray, run as a user would run them.
+
+Run by tests/test_warm_neighbour.py inside a fresh PID and mount namespace with
+its own /tmp and HOME, so "the machine" has no Ray but what this script starts
+(the test session's own cluster would otherwise be found by Ray's process scan).
+Prints one JSON line: what each command did, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+WORK = Path(os.environ["NEIGHBOUR_WORK"])
+results: dict[str, dict] = {}
+
+KERNEL = r"""
+import sys, rtnb
+s = rtnb.Session(workers=2, cpus_per_worker=0.5, storage=sys.argv[1])
+s.start()
+s.run("x = 1")
+print("holding", flush=True)
+sys.stdin.readline()
+s.stop()
+print("detached", flush=True)
+sys.stdin.readline()
+"""
+
+AUTO = r"""
+import ray
+ray.init(address="auto")
+print("GCS", ray.get_runtime_context().gcs_address)
+"""
+
+PLAIN = r"""
+import ray
+ray.init()
+print("GCS", ray.get_runtime_context().gcs_address)
+"""
+
+FIT = r"""
+import os, ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+ray.init()
+
+def loop(config):
+    import ray.train
+    ray.train.report({"x": 1.0})
+
+TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
+             run_config=RunConfig(storage_path=os.environ["NEIGHBOUR_WORK"] + "/fit")).fit()
+print("FIT OK")
+"""
+
+
+def run(name: str, args: list[str], timeout: float = 120.0) -> None:
+    started = time.monotonic()
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=WORK)
+        code, text = out.returncode, out.stdout + out.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = None
+        text = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
+            errors="replace"
+        )
+    results[name] = {"rc": code, "s": round(time.monotonic() - started, 1), "out": text[-4000:]}
+
+
+def python(name: str, code: str, timeout: float = 120.0) -> None:
+    run(name, [sys.executable, "-c", code], timeout)
+
+
+def without_user_cluster(prefix: str) -> None:
+    run(f"{prefix}status", [str(BIN / "ray"), "status"], 60)
+    python(f"{prefix}auto", AUTO, 60)
+
+
+def main() -> None:
+    without_user_cluster("bare.")
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL, str(WORK / "runs")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=WORK,
+        env={**os.environ, "RTNB_WARM_RAY": "1"},
+    )
+    head = None
+    try:
+        line = kernel.stdout.readline().strip()
+        if line != "holding":
+            raise SystemExit(f"kernel did not start: {kernel.stderr.read()[-3000:]}")
+        state = next((Path(os.environ["RTNB_HOME"]) / "warm-ray").glob("*.json"))
+        results["warm.state"] = {
+            "address": json.loads(state.read_text())["address"],
+            "home_ray": (Path.home() / ".ray").exists(),
+            "tmp_ray": sorted(os.listdir("/tmp/ray")) if os.path.isdir("/tmp/ray") else [],
+        }
+        without_user_cluster("warm.")
+        head = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=3"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=WORK,
+        )
+        python("user.wait", "import ray, time\nfor _ in range(120):\n"
+               "    try:\n        ray.init(address='auto'); break\n"
+               "    except Exception: time.sleep(0.5)\n", 90)
+        # A new head publishes its status a few seconds after its GCS answers
+        # ("No cluster status" until then), with or without rtnb.
+        for _ in range(30):
+            run("user.status", [str(BIN / "ray"), "status"], 60)
+            if "No cluster status" not in results["user.status"]["out"]:
+                break
+            time.sleep(1)
+        python("user.auto", AUTO, 60)
+        python("user.plain", PLAIN, 60)
+        run(
+            "user.job",
+            [str(BIN / "ray"), "job", "submit", "--address", "http://127.0.0.1:8265",
+             "--", sys.executable, "-c", "print('job ran')"],
+            180,
+        )
+        python("user.fit", FIT, 240)
+        kernel.stdin.write("\n")
+        kernel.stdin.flush()
+        results["detach"] = {"line": kernel.stdout.readline().strip()}
+        # Detached: the warm Ray idles, still alive, for its idle time.
+        run("detached.status", [str(BIN / "ray"), "status"], 60)
+        python("detached.auto", AUTO, 60)
+    finally:
+        if head is not None:
+            os.killpg(head.pid, signal.SIGKILL)
+        kernel.kill()
+        print("RESULTS " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The warm Ray is invisible to the user's own Ray: with a notebook holding it, and
+after the notebook detached, `ray status`, `ray.init(address="auto")`, `ray.init()`,
+`ray job submit` and a `TorchTrainer.fit()` behave as on a machine without rtnb.
+
+The commands run in tests/_neighbour.py inside a fresh PID and mount namespace
+(its own /proc, /tmp and HOME): there "the machine" has no Ray but what the
+scenario starts, and everything it started ends with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import missing
+
+pytestmark = pytest.mark.slow
+
+SCENARIO = Path(__file__).with_name("_neighbour.py")
+NOT_FOUND = "Could not find any running Ray instance"
+
+
+def _namespace_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", "mount -t tmpfs t /tmp"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    if not _namespace_works():
+        missing("unshare cannot make a PID and mount namespace here (needs root)")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RTNB_"))
+    }
+    env.update(
+        HOME="/tmp/home",
+        RTNB_HOME="/tmp/rtnb-home",
+        NEIGHBOUR_WORK="/tmp/work",
+        RTNB_WARM_RAY_IDLE_S="120",
+        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1",
+        PYTHONPATH=str(SCENARIO.parent.parent),
+    )
+    script = (
+        "mount -t tmpfs tmpfs /tmp && mkdir -p /tmp/home /tmp/work && "
+        f'exec "{sys.executable}" "{SCENARIO}"'
+    )
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULTS ")), None)
+    assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(line[len("RESULTS ") :])
+
+
+def test_without_a_user_cluster_ray_finds_nothing_at_once(results):
+    for name in ("status", "auto"):
+        bare, warm = results[f"bare.{name}"], results[f"warm.{name}"]
+        assert bare["rc"] not in (0, None) and NOT_FOUND in bare["out"], bare
+        assert warm["rc"] == bare["rc"] and NOT_FOUND in warm["out"], (name, warm["out"])
+        assert warm["s"] < 20, f"{name} waited {warm['s']} s"
+
+
+def test_the_warm_ray_leaves_no_trace_where_ray_looks(results):
+    state = results["warm.state"]
+    assert not state["home_ray"], "~/.ray/auth_token written: the user's ray start turns auth on"
+    assert state["tmp_ray"] == [], f"the warm Ray's session files in /tmp/ray: {state['tmp_ray']}"
+    port = state["address"].rpartition(":")[2]
+    for name, result in results.items():
+        if "out" in result:
+            assert f":{port}" not in result["out"], f"{name} saw the warm Ray: {result['out']}"
+
+
+def test_the_users_cluster_is_the_one_found(results):
+    assert results["user.wait"]["rc"] == 0, results["user.wait"]
+    status = results["user.status"]
+    assert status["rc"] == 0 and "0.0/3.0 CPU" in status["out"], status["out"]
+    for name in ("user.auto", "user.plain", "detached.auto"):
+        assert results[name]["rc"] == 0 and ":6379" in results[name]["out"], results[name]
+    assert results["detach"]["line"] == "detached"
+    detached = results["detached.status"]
+    assert detached["rc"] == 0 and "0.0/3.0 CPU" in detached["out"], detached["out"]
+
+
+def test_jobs_and_ray_train_run_on_the_users_cluster(results):
+    job = results["user.job"]
+    assert job["rc"] == 0 and "job ran" in job["out"], job["out"]
+    fit = results["user.fit"]
+    assert fit["rc"] == 0 and "FIT OK" in fit["out"], fit["out"]
+    assert "multiple active Ray instances" not in fit["out"], fit["out"]
