@@ -182,3 +182,65 @@ def test_the_warm_ray_is_for_notebook_kernels_unless_asked(monkeypatch):
     monkeypatch.delitem(sys.modules, "ipykernel")
     monkeypatch.delenv("RTNB_WARM_RAY")
     assert not _warm.wanted(None), "a plain script embeds, as before"
+
+
+DYING = r"""
+import json, sys, time, rtnb
+s = rtnb.Session(workers=2, cpus_per_worker=0.5, storage=sys.argv[1])
+s.start()
+pids = s.run("import os\nos.getpid()")
+print(json.dumps({"ranks": sorted(pids.values()), "ray_s": s.last_start.seconds("Ray")}), flush=True)
+busy = "import time\nwhile True:\n    time.sleep(0.001)"
+if sys.argv[2] == "background":
+    s.run_background(busy)
+print("ready", flush=True)
+if sys.argv[2] == "foreground":
+    s.run(busy)
+time.sleep(600)
+"""
+
+
+def test_a_killed_kernels_ranks_end_at_once(tmp_path):
+    """A kernel SIGKILLed idle, during a foreground and during a background cell: its
+    ranks end within about a second although nobody reaped the kernel (a zombie, as
+    under a Jupyter server), and the next kernel takes warm ranks at once."""
+    (tmp_path / "nb").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="10")
+    host = None
+    took: dict[str, float] = {}
+    try:
+        for when in ("idle", "foreground", "background"):
+            kernel = subprocess.Popen(
+                [sys.executable, "-c", DYING, str(tmp_path / "runs"), when],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=tmp_path / "nb",
+            )
+            first = kernel.stdout.readline()
+            assert first.strip(), kernel.stderr.read()[-3000:]
+            seen = json.loads(first)
+            assert kernel.stdout.readline().strip() == "ready"
+            if host is None:
+                state = next((tmp_path / "home" / "warm-ray").glob("*.json"))
+                host = psutil.Process(json.loads(state.read_text())["pid"])
+            else:
+                assert seen["ray_s"] < 5.0, f"{when}: joined the warm Ray in {seen['ray_s']} s"
+            time.sleep(0.5)  # the cell is running on the ranks
+            kernel.kill()  # not waited for: the kernel stays a zombie
+            killed = time.monotonic()
+            assert _wait_gone(seen["ranks"], 20) == [], f"{when}: ranks outlived the kernel"
+            took[when] = time.monotonic() - killed
+            kernel.wait()
+        print("ranks ended after", took)
+        # "Within 2 s" on an idle machine; this one runs the suite beside it.
+        assert max(took.values()) < 5.0, took
+    finally:
+        if host is not None:
+            for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass

@@ -7,8 +7,9 @@ the warm Ray; Ray's own processes die with it. One :class:`WarmPool` actor keeps
 the spare ranks and the leases:
 
 * a kernel attaches with its pid and detaches when its session stops; the pool
-  checks every second that each attached kernel is still alive, and kills the
-  ranks a dead kernel had claimed;
+  checks four times a second that each attached kernel is still alive (a zombie
+  is dead: a killed kernel's parent may reap it only minutes later), and kills
+  the ranks a dead kernel had claimed, so their CPUs are free at once;
 * with no kernel attached for ``idle_s`` (10 minutes unless ``RTNB_WARM_RAY_IDLE_S``
   says otherwise), the pool says so and this process shuts the Ray down, removes
   its state file and exits. A SIGTERM does the same at once.
@@ -46,14 +47,39 @@ MAX_SPARES = 8
 REFILL_DELAY_S = 3.0
 
 
-def _alive(pid: int) -> bool:
+# How often the pool looks at the attached kernels: a dead kernel's ranks (busy in
+# its last cell, maybe) end within about this much.
+WATCH_S = 0.25
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (None if it is gone): with the pid, who it is."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    """Whether the kernel that attached as ``pid`` still runs.
+
+    A killed kernel stays a zombie until its parent (the Jupyter server, nbclient)
+    reaps it, which can take minutes; signal 0 still reaches a zombie, so the
+    process state is read instead. The start time tells a new process that took
+    the pid from the kernel."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (
+            started is None or proc.create_time() == started
+        )
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.Error:  # another user's process: not ours to judge
         return True
-    return True
 
 
 class WarmPool:
@@ -65,7 +91,7 @@ class WarmPool:
         self._lock = threading.Lock()
         self._spares: list[Any] = []
         self._claimed: dict[int, list[Any]] = {}
-        self._leases: set[int] = set()
+        self._leases: dict[int, float | None] = {}
         self._idle_since = time.monotonic()
         self._idle = threading.Event()
         self._refill(delay_s=0.0, background=False)
@@ -74,11 +100,11 @@ class WarmPool:
     # ---- kernels ---------------------------------------------------------------------
     def attach(self, pid: int) -> None:
         with self._lock:
-            self._leases.add(pid)
+            self._leases.setdefault(pid, _started(pid))
 
     def detach(self, pid: int) -> None:
         with self._lock:
-            self._leases.discard(pid)
+            self._leases.pop(pid, None)
             actors = self._claimed.pop(pid, [])
             if not self._leases:
                 self._idle_since = time.monotonic()
@@ -88,7 +114,7 @@ class WarmPool:
         """``count`` rank actors for the kernel ``pid``: the spares first, new ones for
         the rest (made at once, since that kernel is waiting)."""
         with self._lock:
-            self._leases.add(pid)
+            self._leases.setdefault(pid, _started(pid))
             taken, self._spares = self._spares[:count], self._spares[count:]
             self._target = min(MAX_SPARES, max(self._target, count))
         taken += [self._new_rank(background=False) for _ in range(count - len(taken))]
@@ -143,11 +169,12 @@ class WarmPool:
     # ---- leases ----------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._idle.is_set():
-            time.sleep(1.0)
+            time.sleep(WATCH_S)
             gone: list[Any] = []
             with self._lock:
-                for pid in [p for p in self._leases if not _alive(p)]:
-                    self._leases.discard(pid)
+                dead = [pid for pid, started in self._leases.items() if not _alive(pid, started)]
+                for pid in dead:
+                    del self._leases[pid]
                     gone += self._claimed.pop(pid, [])
                     if not self._leases:
                         self._idle_since = time.monotonic()
