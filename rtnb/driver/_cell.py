@@ -35,6 +35,7 @@ from rtnb.errors import (
     CellError,
     CellInterrupted,
     CheckpointError,
+    ClusterError,
     RtnbError,
     SessionError,
     WaitTimeout,
@@ -64,6 +65,10 @@ _LOG_BYTES = 2_000_000
 
 class _Restart(Exception):
     """Internal: a rank died, or the cell could not be stopped in place."""
+
+
+class _RayLost(Exception):
+    """Internal: the Ray under the group is gone; nothing to rebuild on."""
 
 
 class CellHandle:
@@ -283,7 +288,13 @@ class CellHandle:
         while True:
             try:
                 self._drive()
+            except _RayLost:
+                self._finish_ray_lost()
+                return
             except _Restart:
+                if self.session.check_ray_lost():
+                    self._finish_ray_lost()
+                    return
                 if self._final:
                     self._finish_abandoned()
                     return
@@ -298,6 +309,9 @@ class CellHandle:
                     except _Restart:
                         continue  # a rank died again while the journal was replayed
                     except RtnbError as exc:
+                        if self.session.ray_lost:
+                            self._finish_ray_lost()
+                            return
                         self._finish(
                             error=WorkerGroupError(
                                 f"{self._death_summary()}; recovery failed: {exc}"
@@ -326,6 +340,8 @@ class CellHandle:
         actors = self.session._require_group().actors
         timing = poll_timing(len(actors))
         while len(self._finished) + len(self._dead) < len(self.ranks):
+            if self.session.ray_lost:
+                raise _RayLost()
             self._ensure_polled(actors)
             refs = list(self._pending)
             if self._relay_ref is not None:
@@ -592,6 +608,9 @@ class CellHandle:
                 kept=False,
             )
         )
+
+    def _finish_ray_lost(self) -> None:
+        self._finish(error=ClusterError(f"cell {self.cell_id} ended: {self.session.ray_lost}"))
 
     def _finish_with_restart(self) -> None:
         session = self.session

@@ -7,23 +7,153 @@ that does not answer is detected with a plain TCP probe first, because
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rtnb.core._net import probe_tcp, use_auth_token_if_present
+from rtnb.core._redact import redact_uri
 from rtnb.driver._embedded import start_embedded_ray
 from rtnb.errors import ClusterError, one_line
 
 if TYPE_CHECKING:
     from rtnb.driver._warm import WarmRay
 
-__all__ = ["ClusterConnection", "connect", "will_embed"]
+__all__ = ["ClusterConnection", "RayWatch", "connect", "will_embed"]
+
+# Ray's driver ends its own process when its GCS has not answered for this many
+# seconds (60 by default): in a notebook that is the kernel, with the user's state.
+_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+# A week: rtnb notices a lost Ray in about a second and lets go of the driver then
+# (ray.shutdown), so this only has to outlast that. Ray keeps it in 32 bits of ms.
+_RECONNECT_S = 7 * 24 * 3600
+# How often the watch knocks on the GCS's port, and for how long it must stay shut.
+_WATCH_S = 0.5
+_LOST_AFTER_S = 1.0
+
+# A driver whose Ray died is shut down in the background (ray.shutdown takes ~5 s
+# then); the next connect waits for it.
+_letting_go: threading.Thread | None = None
+
+
+class RayWatch:
+    """Notices, within about 1.5 s, that the Ray this process drives is gone (its
+    GCS no longer accepts connections), and says so once to each subscriber.
+
+    A TCP knock, not a Ray call: every Ray call to a dead GCS waits on Ray's
+    reconnect timeout."""
+
+    def __init__(self, host: str, port: int, what: str) -> None:
+        self.host, self.port, self.what = host, port, what
+        self.lost: str | None = None
+        self._subscribers: list[Callable[[str], None]] = []
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="rtnb-ray-watch", daemon=True).start()
+
+    def subscribe(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            if self.lost is None:
+                self._subscribers.append(callback)
+                return
+        callback(self.lost)
+
+    def answers(self, timeout_s: float = 1.0) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
+
+    def check_now(self) -> str | None:
+        """Before something that would wait on the GCS (a rebuild): is Ray gone?"""
+        if self.lost is None and not self.answers() and not self.answers():
+            self._declare_lost()
+        return self.lost
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        shut_since: float | None = None
+        while not self._closed.wait(_WATCH_S) and self.lost is None:
+            if self.answers():
+                shut_since = None
+                continue
+            now = time.monotonic()
+            shut_since = shut_since or now
+            if now - shut_since >= _LOST_AFTER_S:
+                self._declare_lost()
+
+    def _declare_lost(self) -> None:
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = f"{self.what} is gone (nothing answers at {self.host}:{self.port})"
+            subscribers, self._subscribers = self._subscribers, []
+        self._closed.set()
+        _let_go_of_the_driver()
+        for callback in subscribers:
+            with contextlib.suppress(Exception):
+                callback(self.lost)
+
+
+def _let_go_of_the_driver() -> None:
+    """Shut this process's Ray driver down in the background, so that a new
+    ``%rtnb start`` can ``ray.init`` again; nothing else calls Ray meanwhile."""
+    global _letting_go
+
+    def let_go() -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+
+    _letting_go = threading.Thread(target=let_go, name="rtnb-ray-let-go", daemon=True)
+    _letting_go.start()
+
+
+def _after_letting_go() -> None:
+    if _letting_go is not None:
+        _letting_go.join(60)
+
+
+@contextlib.contextmanager
+def _driver_outlives_its_ray() -> Iterator[None]:
+    """Around ``ray.init`` in the kernel: its driver does not end the process when
+    the GCS goes away; the Ray processes ``ray.init`` starts (an embedded Ray's GCS
+    and raylet, and through them its workers) keep Ray's own timeout, so they
+    still end when their GCS is gone."""
+    if _RECONNECT_ENV in os.environ:  # the user's own setting
+        yield
+        return
+    from ray._private import services
+
+    original = services.start_ray_process
+
+    def start_ray_process(*args, **kwargs):
+        value = os.environ.pop(_RECONNECT_ENV, None)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if value is not None:
+                os.environ[_RECONNECT_ENV] = value
+
+    os.environ[_RECONNECT_ENV] = str(_RECONNECT_S)
+    services.start_ray_process = start_ray_process
+    try:
+        yield
+    finally:
+        os.environ.pop(_RECONNECT_ENV, None)
+        services.start_ray_process = original
 
 
 @dataclass
@@ -35,14 +165,45 @@ class ClusterConnection:
     client_mode: bool
     # Set when this is the per-user warm Ray (rtnb.driver._warm): stopping detaches.
     warm: WarmRay | None = None
+    watch: RayWatch | None = field(default=None, repr=False)
+
+    @property
+    def lost(self) -> str | None:
+        """Why this Ray is gone, once it is (then no Ray call may be made)."""
+        return self.watch.lost if self.watch is not None else None
+
+    def check_lost(self) -> str | None:
+        return self.watch.check_now() if self.watch is not None else None
 
     def shutdown(self) -> None:
         import ray
 
+        if self.watch is not None:
+            self.watch.close()
+            if self.watch.lost is not None:
+                if self.warm is not None:
+                    self.warm.forget()
+                return  # the driver is being let go of already
         if self.warm is not None:
             self.warm.detach()
         if self.owned and ray.is_initialized():
             ray.shutdown()
+
+
+def _watch(connection: ClusterConnection, what: str) -> ClusterConnection:
+    """Start watching the Ray just joined (its GCS, or the client server)."""
+    import ray
+
+    try:
+        if connection.client_mode:
+            bare = connection.address.split("://", 1)[-1]
+        else:
+            bare = ray.get_runtime_context().gcs_address
+        host, port = _split_host_port(bare)
+    except Exception:  # noqa: BLE001 - not knowing where to knock: no watch
+        return connection
+    connection.watch = RayWatch(host, port, what)
+    return connection
 
 
 def _quiet_ray_logging() -> None:
@@ -80,15 +241,22 @@ def connect(
     if target is not None:
         # Before `import ray`: Ray reads RAY_AUTH_MODE when it is first imported.
         use_auth_token_if_present()
+    _after_letting_go()
     import ray
 
     _quiet_ray_logging()
     if ray.is_initialized():
-        return ClusterConnection(
-            address=address or "existing", owned=False, client_mode=_in_client_mode()
+        return _watch(
+            ClusterConnection(
+                address=address or "existing", owned=False, client_mode=_in_client_mode()
+            ),
+            "the Ray this process uses",
         )
     if target is None:
-        return _embed(ray, num_cpus, listen, need_cpus, ranks, progress)
+        with _driver_outlives_its_ray():
+            connection = _embed(ray, num_cpus, listen, need_cpus, ranks, progress)
+        what = "the warm Ray" if connection.warm is not None else "the embedded Ray"
+        return _watch(connection, what)
     kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
     if target != "auto":
         bare = target[len("ray://") :] if target.startswith("ray://") else target
@@ -98,7 +266,8 @@ def connect(
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
-        _init_with_retry(ray, target, kwargs, timeout_s)
+        with _driver_outlives_its_ray():
+            _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
             f"could not connect to Ray at {target!r}: {one_line(exc)}. "
@@ -114,7 +283,10 @@ def connect(
     client_mode = _in_client_mode()
     if client_mode:
         _mute_client_log_stream()
-    return ClusterConnection(address=target, owned=False, client_mode=client_mode)
+    return _watch(
+        ClusterConnection(address=target, owned=False, client_mode=client_mode),
+        f"the Ray at {redact_uri(target)}",
+    )
 
 
 def _embed(
@@ -148,6 +320,7 @@ def will_embed(address: str | None) -> bool:
     """Whether connecting to ``address`` starts an embedded Ray in this process."""
     if address is not None or os.environ.get("RAY_ADDRESS"):
         return False
+    _after_letting_go()  # a driver whose Ray died is on its way out
     ray = sys.modules.get("ray")
     return not (ray is not None and ray.is_initialized())
 

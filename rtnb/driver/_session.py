@@ -44,6 +44,7 @@ from rtnb.errors import (
     CellError,
     CellInterrupted,
     CheckpointError,
+    ClusterError,
     ConfigError,
     RtnbError,
     SessionError,
@@ -119,6 +120,7 @@ class Session:
         self._last_error: BaseException | None = None
         self._last_training_code: str | None = None
         self._started_at: float | None = None  # run.json's "started"
+        self._lost: str | None = None  # set once the Ray under this session is gone
         self._lock = threading.RLock()
         _LIVE.add(self)
 
@@ -174,6 +176,8 @@ class Session:
                             progress=lambda text: steps.say(f"rtnb: {text}…"),
                         )
                     _stop_sessions_at_exit()
+                    if self.connection.watch is not None:
+                        self.connection.watch.subscribe(self._ray_lost)
                 self._group = self._new_group(steps)
             except BaseException as exc:
                 # A start that fails stops the embedded Ray it started (WorkerGroup.start
@@ -199,6 +203,37 @@ class Session:
                 self._replay_onto_new_group("start --replay")
             _announce_to_batch_runner(self.config.storage_path, self.run_name)
         return self
+
+    # ---- the Ray under the session going away -------------------------------------------
+    @property
+    def ray_lost(self) -> str | None:
+        """One line on the Ray this session used being gone, once it is: no Ray call
+        is made after that (each would wait on a GCS that never answers)."""
+        return self._lost
+
+    def check_ray_lost(self) -> str | None:
+        """As :attr:`ray_lost`, asking the cluster now (before a rebuild)."""
+        if self._lost is None and self.connection is not None:
+            self.connection.check_lost()  # a lost Ray reaches _ray_lost through the watch
+        return self._lost
+
+    def _ray_lost(self, why: str) -> None:
+        latest = None
+        with contextlib.suppress(Exception):
+            latest = self.latest_checkpoint_id()
+        kept = (
+            f"the run's latest checkpoint is {latest}"
+            if latest
+            else "no checkpoint of this run was committed"
+        )
+        self._lost = (
+            f"{why}: the ranks and their variables went with it; {kept}. "
+            f"`%rtnb start --name {self.run_name} --replay` starts a fresh Ray and "
+            "rebuilds the ranks from the run's journal"
+        )
+        self._group = None
+        with contextlib.suppress(RuntimeError):  # already stopping or stopped
+            self.state_machine.to(GroupState.FAILED, self._lost)
 
     def _drop_owned_connection(self) -> None:
         connection, self.connection = self.connection, None
@@ -410,13 +445,15 @@ class Session:
     def stop(self) -> None:
         """Stop any running cell and free every actor and the placement group;
         returns within ``stop_grace_s`` + 1 s."""
-        clean = self._stop_active("stopped because the worker group is stopping")
+        clean = self._lost is None and self._stop_active(
+            "stopped because the worker group is stopping"
+        )
         with self._lock:
             if self.state in (GroupState.NEW, GroupState.STOPPED):
                 return
             self.state_machine.to(GroupState.STOPPING)
             group, self._group = self._group, None
-            if group is not None:
+            if group is not None and self._lost is None:
                 group.shutdown(graceful=clean, timeout_s=1.0 if not clean else 5.0)
             if self.connection is not None:
                 self.connection.shutdown()
@@ -480,6 +517,8 @@ class Session:
     ) -> None:
         """Replace the group; ``fresh`` records that the ranks' state is gone (the
         journal's replay starts after it)."""
+        if self.check_ray_lost():
+            raise ClusterError(self._lost)
         with self._lock:
             self.state_machine.to(GroupState.RESTARTING, reason)
             group, self._group = self._group, None
@@ -524,6 +563,8 @@ class Session:
     def _require_group(self, wait_s: float = 0.0) -> WorkerGroup:
         """The running group. While it is being rebuilt (recovery, restart, scale),
         wait up to ``wait_s`` for it, then say so; never "no worker group"."""
+        if self._lost is not None:
+            raise ClusterError(self._lost)
         if self.state in (GroupState.RESTARTING, GroupState.STARTING) or (
             self._group is None and self.state is GroupState.RUNNING
         ):
@@ -853,7 +894,9 @@ class Session:
                     )
                 )
         cell = ""
-        if active is not None:
+        if self._lost is not None:
+            cell = self._lost
+        elif active is not None:
             cell = f"cell {active.cell_id}{' (background)' if active.background else ''} running for {active.elapsed_s:.1f} s"
         return GroupStatus(
             state=self._state_text(),

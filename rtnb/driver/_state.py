@@ -33,7 +33,12 @@ class GroupState(str, enum.Enum):
 _ALLOWED: dict[GroupState, set[GroupState]] = {
     GroupState.NEW: {GroupState.STARTING},
     GroupState.STARTING: {GroupState.READY, GroupState.FAILED},
-    GroupState.READY: {GroupState.RUNNING, GroupState.RESTARTING, GroupState.STOPPING},
+    GroupState.READY: {
+        GroupState.RUNNING,
+        GroupState.RESTARTING,
+        GroupState.STOPPING,
+        GroupState.FAILED,  # the Ray under the group is gone
+    },
     GroupState.RUNNING: {
         GroupState.READY,
         GroupState.RESTARTING,

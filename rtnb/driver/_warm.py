@@ -99,6 +99,12 @@ class WarmRay:
 
         return ray.get(self.pool.claim.remote(os.getpid(), count), timeout=120)
 
+    def forget(self) -> None:
+        """This warm Ray is gone: the next start launches a new one."""
+        global _active
+        if _active is self:
+            _active = None
+
     def detach(self) -> None:
         global _active
         import ray
