@@ -77,6 +77,22 @@ def python(name: str, code: str, timeout: float = 120.0) -> None:
     run(name, [sys.executable, "-c", code], timeout)
 
 
+def listening() -> list[list]:
+    """Every listening socket on this "machine": the warm Ray, its spare ranks, the
+    kernel and its group's ranks (nothing else runs in this namespace yet)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.append([conn.laddr.ip, conn.laddr.port, proc.name()])
+        except psutil.Error:
+            pass
+    return found
+
+
 def without_user_cluster(prefix: str) -> None:
     run(f"{prefix}status", [str(BIN / "ray"), "status"], 60)
     python(f"{prefix}auto", AUTO, 60)
@@ -104,6 +120,7 @@ def main() -> None:
             "home_ray": (Path.home() / ".ray").exists(),
             "tmp_ray": sorted(os.listdir("/tmp/ray")) if os.path.isdir("/tmp/ray") else [],
         }
+        results["warm.listen"] = {"sockets": listening()}
         without_user_cluster("warm.")
         head = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=3"],
@@ -124,12 +141,18 @@ def main() -> None:
             time.sleep(1)
         python("user.auto", AUTO, 60)
         python("user.plain", PLAIN, 60)
-        run(
-            "user.job",
-            [str(BIN / "ray"), "job", "submit", "--address", "http://127.0.0.1:8265",
-             "--", sys.executable, "-c", "print('job ran')"],
-            180,
-        )
+        # The head's job agent registers after its dashboard answers ("No available
+        # agent ... try again later" until then), with or without rtnb.
+        for _ in range(12):
+            run(
+                "user.job",
+                [str(BIN / "ray"), "job", "submit", "--address", "http://127.0.0.1:8265",
+                 "--", sys.executable, "-c", "print('job ran')"],
+                180,
+            )
+            if "No available agent" not in results["user.job"]["out"]:
+                break
+            time.sleep(5)
         python("user.fit", FIT, 240)
         kernel.stdin.write("\n")
         kernel.stdin.flush()

@@ -9,6 +9,7 @@ scenario starts, and everything it started ends with it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -104,3 +105,17 @@ def test_jobs_and_ray_train_run_on_the_users_cluster(results):
     fit = results["user.fit"]
     assert fit["rc"] == 0 and "FIT OK" in fit["out"], fit["out"]
     assert "multiple active Ray instances" not in fit["out"], fit["out"]
+
+
+def test_everything_the_warm_ray_opens_listens_on_loopback_only(results):
+    sockets = results["warm.listen"]["sockets"]
+    names = " ".join(name for _, _, name in sockets)
+    assert "gcs_server" in names and "RankActor" in names, names
+    assert "WarmPool" in names, names
+
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip)
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+    exposed = [s for s in sockets if not loopback(s[0])]
+    assert not exposed, f"listening beyond loopback: {exposed}"
