@@ -119,7 +119,9 @@ def phase_trainer(fits: int) -> dict:
 def _run_phase(name: str, env_extra: dict[str, str], arg: int) -> dict:
     from _common import run_phase
 
-    return run_phase(__file__, ["--phase", name, "--arg", str(arg)], f"phase {name}", 900, env_extra)
+    return run_phase(
+        __file__, ["--phase", name, "--arg", str(arg)], f"phase {name}", 900, env_extra
+    )
 
 
 def main() -> None:

@@ -90,9 +90,7 @@ def cold_start_rtnb(mode: str, home: str | None = None) -> dict:
         kernel_s = time.perf_counter() - started
         load_s, _ = _execute(client, "%load_ext rtnb")
         start_s, messages = _execute(client, "%rtnb start")
-        phases = next(
-            (line for line in _texts(messages).splitlines() if "ready in" in line), "?"
-        )
+        phases = next((line for line in _texts(messages).splitlines() if "ready in" in line), "?")
         cell_s, messages = _execute(client, "%%rtrain\nx = 1\nx")
         assert "[rank 1] 1" in _texts(messages), _texts(messages)
         total_s = time.perf_counter() - started
@@ -148,8 +146,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.install_peers:
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "nbdistributed==0.1.0",
-             "jupyter-distributed==0.1.1"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "nbdistributed==0.1.0",
+                "jupyter-distributed==0.1.1",
+            ],
             check=True,
         )
     import _peers
@@ -170,9 +175,7 @@ def main() -> None:
         workdir = tempfile.mkdtemp(prefix="peer-")
         runs["nbdistributed"].append(_peers.cold_start_nbdistributed(sys.executable, workdir))
         runs["jupyter_distributed"].append(
-            _peers.cold_start_jupyter_distributed(
-                sys.executable, workdir, process_group_cell=True
-            )
+            _peers.cold_start_jupyter_distributed(sys.executable, workdir, process_group_cell=True)
         )
 
     def median(name: str, key: str) -> float | None:

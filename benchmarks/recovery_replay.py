@@ -52,9 +52,7 @@ STEPS_PER_CELL = 60
 
 
 def _cells() -> list[str]:
-    return [SETUP] + [
-        TRAIN.format(end=STEPS_PER_CELL * (k + 1)) for k in range(CELLS_PER_RUN)
-    ]
+    return [SETUP] + [TRAIN.format(end=STEPS_PER_CELL * (k + 1)) for k in range(CELLS_PER_RUN)]
 
 
 def main() -> None:

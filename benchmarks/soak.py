@@ -21,7 +21,9 @@ MB = 1024 * 1024
 SHORT = "x = {i}\nprint('cell', {i}, 'x' * 200)\nrtnb.report({{'x': {i}}})\nx"
 BACKGROUND = "for _ in range(20):\n    rtnb.report({'b': 1.0})\nprint('background', 'y' * 500)"
 INTERRUPTED = "import time\nwhile True:\n    rtnb.report({'spin': 1.0})\n    time.sleep(0.002)"
-CHECKPOINT = "rtnb.report({{'c': {i}}}, checkpoint=rtnb.Checkpoint.from_state({{'w': torch.randn(10_000)}}))"
+CHECKPOINT = (
+    "rtnb.report({{'c': {i}}}, checkpoint=rtnb.Checkpoint.from_state({{'w': torch.randn(10_000)}}))"
+)
 
 
 def rss(pid: int) -> float:

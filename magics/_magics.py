@@ -7,6 +7,7 @@ available from Python through ``rtnb.Session``.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import shlex
 
@@ -27,7 +28,7 @@ from rtnb.widgets import (
     static_figure_bundle,
 )
 
-from rtnb import Session
+from rtnb import Session, stop_warm_ray, warm_ray_status
 from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
 from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
@@ -191,6 +192,20 @@ _LEADING_OPTIONS = re.compile(
     r"\s*(?:(?:--(?:background|quiet|no-live|once)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
 
+
+@magic_arguments()
+@argument(
+    "action",
+    nargs="?",
+    default="status",
+    choices=("status", "stop"),
+    help="status (default) or stop",
+)
+@argument("--force", action="store_true", help="stop it even while kernels use it")
+def _warm_args(line):
+    """the warm Ray: who uses it, its spare ranks, when it ends; stop to end it now"""
+
+
 SUBCOMMANDS = [
     Subcommand(
         "start",
@@ -252,6 +267,12 @@ SUBCOMMANDS = [
         "%rtnb load latest --run other-run",
         _resume_args,
     ),
+    Subcommand(
+        "warm",
+        "the warm Ray: attached kernels, spare ranks, idle timeout (stop: end it now)",
+        "%rtnb warm stop",
+        _warm_args,
+    ),
 ]
 _SUBCOMMANDS = tuple(sub.name for sub in SUBCOMMANDS)
 _BY_NAME = {s.name: s for s in SUBCOMMANDS}
@@ -295,6 +316,7 @@ class RtnbMagics(Magics):
             %rtnb checkpoints [RUN] the checkpoint browser (Resume / Load / Delete)
             %rtnb resume [latest|ID] [--run RUN]   re-run the last training cell from it
             %rtnb load [latest|ID] [--run RUN]     rtnb.get_checkpoint() returns it on every rank
+            %rtnb warm [stop [--force]]   the warm Ray: kernels, spare ranks, idle timeout
 
         Example::
 
@@ -453,6 +475,25 @@ class RtnbMagics(Magics):
         checkpoint = self._require().load(args.checkpoint, run=args.run)
         print(f"rtnb: rtnb.get_checkpoint() now returns {checkpoint.id} on every rank")
 
+    def _rtnb_warm(self, rest: str):
+        args = parse_argstring(_warm_args, rest)
+        if args.action == "stop":
+            stopped = stop_warm_ray(force=args.force)
+            if not stopped:
+                print("rtnb: no warm Ray is running")
+            for status in stopped:
+                print(f"rtnb: stopped the warm Ray at {status.address} (pid {status.pid})")
+            return None
+        running = warm_ray_status()
+        if not running:
+            print(
+                "rtnb: no warm Ray is running (the next `%rtnb start` in a notebook "
+                "starts one; RTNB_WARM_RAY=0 keeps kernels off it)"
+            )
+        for status in running:
+            print(status.summary(this_pid=os.getpid()))
+        return None
+
     def _rtnb_result(self, rest: str):
         self._no_args("result", rest)
         return self._require().result()
@@ -518,7 +559,9 @@ class RtnbMagics(Magics):
             lambda: store.list(include_incomplete=True),
             resume=(lambda cid: _resume_in_view(session, cid, other)) if ours else None,
             load=(
-                lambda cid: f"rtnb.get_checkpoint() now returns {session.load(cid, run=other).id} on every rank"
+                lambda cid: (
+                    f"rtnb.get_checkpoint() now returns {session.load(cid, run=other).id} on every rank"
+                )
             )
             if ours
             else None,

@@ -35,6 +35,9 @@ _EXPORTS: dict[str, str] = {
     "StateChange": "rtnb.driver._state",
     "GroupStatus": "rtnb.driver._status",
     "SessionConfig": "rtnb.core._config",
+    "WarmRayStatus": "rtnb.driver._warmctl",
+    "stop_warm_ray": "rtnb.driver._warmctl",
+    "warm_ray_status": "rtnb.driver._warmctl",
     "PerRank": "rtnb.core._values",
     "MetricsStore": "rtnb.metrics._store",
     "Progress": "rtnb.metrics._store",
@@ -89,6 +92,7 @@ __all__ = [
     "SessionError",
     "StateChange",
     "WaitTimeout",
+    "WarmRayStatus",
     "WorkerGroupError",
     "get_checkpoint",
     "get_context",
@@ -99,7 +103,9 @@ __all__ = [
     "prepare_data_loader",
     "prepare_model",
     "report",
+    "stop_warm_ray",
     "unload_ipython_extension",
+    "warm_ray_status",
 ]
 
 
@@ -136,6 +142,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.driver._session import Session
     from rtnb.driver._state import GroupState, StateChange
     from rtnb.driver._status import GroupStatus
+    from rtnb.driver._warmctl import WarmRayStatus, stop_warm_ray, warm_ray_status
     from rtnb.errors import (
         CellError,
         CellInterrupted,

@@ -129,9 +129,13 @@ def main() -> None:
             start_new_session=True,
             cwd=WORK,
         )
-        python("user.wait", "import ray, time\nfor _ in range(120):\n"
-               "    try:\n        ray.init(address='auto'); break\n"
-               "    except Exception: time.sleep(0.5)\n", 90)
+        python(
+            "user.wait",
+            "import ray, time\nfor _ in range(120):\n"
+            "    try:\n        ray.init(address='auto'); break\n"
+            "    except Exception: time.sleep(0.5)\n",
+            90,
+        )
         # A new head publishes its status a few seconds after its GCS answers
         # ("No cluster status" until then), with or without rtnb.
         for _ in range(30):
@@ -146,8 +150,17 @@ def main() -> None:
         for _ in range(12):
             run(
                 "user.job",
-                [str(BIN / "ray"), "job", "submit", "--address", "http://127.0.0.1:8265",
-                 "--", sys.executable, "-c", "print('job ran')"],
+                [
+                    str(BIN / "ray"),
+                    "job",
+                    "submit",
+                    "--address",
+                    "http://127.0.0.1:8265",
+                    "--",
+                    sys.executable,
+                    "-c",
+                    "print('job ran')",
+                ],
                 180,
             )
             if "No available agent" not in results["user.job"]["out"]:

@@ -89,7 +89,9 @@ def kernel(ray_cluster, tmp_path_factory):
 def _one_line_error(run) -> str:
     assert run.status == "error", run.text
     shown = ("\n".join(run.traceback) + run.stderr).strip()
-    assert "Traceback" not in shown and "site-packages" not in shown and "/rtnb/" not in shown, shown
+    assert "Traceback" not in shown and "site-packages" not in shown and "/rtnb/" not in shown, (
+        shown
+    )
     return shown
 
 
@@ -135,7 +137,11 @@ def _notebooks(tmp_path) -> dict[str, str]:
     (tmp_path / "empty.ipynb").write_text("")
     (tmp_path / "nocells.ipynb").write_text(json.dumps({"metadata": {}}))
     dies = new_notebook(["x = 1"])
-    dies.metadata["kernelspec"] = {"name": "rtnb-dies", "display_name": "dies", "language": "python"}
+    dies.metadata["kernelspec"] = {
+        "name": "rtnb-dies",
+        "display_name": "dies",
+        "language": "python",
+    }
     nbformat.write(dies, tmp_path / "dies.ipynb")
     return {p.stem: str(p) for p in tmp_path.iterdir()}
 
@@ -155,14 +161,20 @@ CLI = [
     (["run", "{plain}", "--timeout", "-5"], "--timeout must be a positive number"),
     (["run", "{plain}", "--timeout", "abc"], "invalid float value: 'abc'"),
     (["run", "{plain}", "--kernel", "julia-9"], "kernel 'julia-9', which is not installed"),
-    (["run", "{plain}", "--storage-file", "/nonexistent/f"], "--storage-file '/nonexistent/f' cannot be read"),
+    (
+        ["run", "{plain}", "--storage-file", "/nonexistent/f"],
+        "--storage-file '/nonexistent/f' cannot be read",
+    ),
     (["checkpoints", "../x"], "RUN '../x' must start with a letter"),
     (["checkpoints", "nope", "--storage", "{tmp}"], "no run 'nope'"),
     (["runs", "nosuch://x"], "is not a path or URI rtnb can use"),
     (["submit", "{plain}", "--address", "ftp://x"], "is not a Ray dashboard URL"),
     (["submit", "{plain}", "--address", "http://127.0.0.1:1"], "no Ray dashboard answers"),
     (["submit", "nope.ipynb", "--address", "http://127.0.0.1:1"], "does not exist"),
-    (["submit", "{plain}", "--address", "http://127.0.0.1:1", "-p", "api_token", "x"], "looks like a secret"),
+    (
+        ["submit", "{plain}", "--address", "http://127.0.0.1:1", "-p", "api_token", "x"],
+        "looks like a secret",
+    ),
     (["logs"], "the following arguments are required: job"),
 ]
 
@@ -173,7 +185,9 @@ def test_command_line_mistakes_get_one_clear_line(tmp_path):
 
     def answer(case):
         argv = [a.format(**names) for a in case[0]]
-        proc = subprocess.run(RTNB + argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        proc = subprocess.run(
+            RTNB + argv, capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
         return argv, case[1], proc
 
     failures = []
@@ -203,11 +217,17 @@ def test_a_kernel_that_dies_on_start_is_one_line(ray_cluster, tmp_path):
     names = _notebooks(tmp_path)
     env = {**__import__("os").environ, "JUPYTER_PATH": str(tmp_path)}
     proc = subprocess.run(
-        [*RTNB, "run", names["dies"]], capture_output=True, text=True, cwd=tmp_path, env=env,
+        [*RTNB, "run", names["dies"]],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
         timeout=180,
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "the kernel died" in proc.stderr.lower() or "kernel died" in proc.stderr.lower(), proc.stderr
+    assert "the kernel died" in proc.stderr.lower() or "kernel died" in proc.stderr.lower(), (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr
 
 
@@ -225,7 +245,11 @@ SESSION = [
     (dict(name="x" * 200), rtnb.ConfigError, "must start with a letter or digit"),
     (dict(env={"A": 1}), rtnb.ConfigError, "env values must be strings"),
     (dict(env=["A"]), rtnb.ConfigError, "env must be a dict"),
-    (dict(listen="0.0.0.0", address="auto"), rtnb.ConfigError, "--listen sets where an embedded Ray"),
+    (
+        dict(listen="0.0.0.0", address="auto"),
+        rtnb.ConfigError,
+        "--listen sets where an embedded Ray",
+    ),
     (dict(replay=True), rtnb.ConfigError, "--replay rebuilds a run"),
 ]
 
@@ -253,7 +277,10 @@ def test_an_embedded_session_too_big_for_this_machine_fails_before_ray_starts(tm
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=120,
     )
     out = proc.stdout

@@ -104,9 +104,7 @@ RUN_BY_THEIR_OWN_TESTS = {"quickstart.ipynb", "batch_template.ipynb"}
 @pytest.mark.parametrize(
     "name",
     sorted(
-        p.name
-        for p in (REPO / "notebooks").glob("*.ipynb")
-        if p.name not in RUN_BY_THEIR_OWN_TESTS
+        p.name for p in (REPO / "notebooks").glob("*.ipynb") if p.name not in RUN_BY_THEIR_OWN_TESTS
     ),
 )
 def test_every_example_notebook_runs_unattended(ray_cluster, tmp_path, name):
@@ -269,7 +267,9 @@ def test_a_notebook_without_kernelspec_runs_in_this_pythons_kernel(ray_cluster, 
     nb = nbformat.v4.new_notebook()  # as nbformat, jupytext and many tools write them
     nb.cells = [
         nbformat.v4.new_code_cell("%load_ext rtnb\n%rtnb start --name bare"),
-        nbformat.v4.new_code_cell("%%rtrain\nimport torch.distributed as dist\ndist.get_world_size()"),
+        nbformat.v4.new_code_cell(
+            "%%rtrain\nimport torch.distributed as dist\ndist.get_world_size()"
+        ),
         nbformat.v4.new_code_cell("%rtnb stop"),
     ]
     assert "kernelspec" not in nb.metadata

@@ -18,8 +18,18 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(ray_cluster, tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         str(REPO), "-w", str(wheels)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(REPO),
+            "-w",
+            str(wheels),
+        ],
         check=True,
         capture_output=True,
     )
@@ -31,14 +41,26 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(ray_cluster, tmp_pat
     # editable rtnb: a plain directory on sys.path, whose .pth files are not read.
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "-q", "--no-deps", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
     )
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import rtnb; print(rtnb.__file__)"],
-        capture_output=True, text=True, check=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
     ).stdout.strip()
     assert where.startswith(str(site)), f"not the installed wheel: {where}"
     stand_in = Path(where).parent / "core" / "_lazy_imports" / "rfc3987_syntax" / "__init__.py"
@@ -49,7 +71,10 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(ray_cluster, tmp_pat
     work = tmp_path / "elsewhere"
     work.mkdir()
     proc = subprocess.run(
-        [str(venv / "bin" / "rtnb"), "demo"], capture_output=True, text=True, cwd=work,
+        [str(venv / "bin" / "rtnb"), "demo"],
+        capture_output=True,
+        text=True,
+        cwd=work,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

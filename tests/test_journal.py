@@ -232,9 +232,7 @@ def test_restart_during_a_background_cell_rebuilds_once_and_wait_does_not_hang(
         assert session.run("1") == {0: 1, 1: 1}
 
 
-def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_restarting(
-    ray_cluster, tmp_path
-):
+def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_restarting(ray_cluster, tmp_path):
     with rtnb.Session(
         workers=2, storage=str(tmp_path), name="pull", max_failures=1, stop_grace_s=1.0
     ) as session:
@@ -315,13 +313,13 @@ def test_a_thousand_racing_commits_each_hold_every_ranks_shard(ray_cluster, tmp_
             session.checkpoints.get(info.id).verify(full=True)
 
 
-def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(
-    ray_cluster, tmp_path
-):
+def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(ray_cluster, tmp_path):
     with rtnb.Session(workers=2, storage=str(tmp_path), name="broken") as session:
         # The index beside the checkpoints cannot be replaced: a real storage error.
         (tmp_path / "broken" / "checkpoints" / "index.json" / "x").mkdir(parents=True)
-        with pytest.raises(rtnb.CheckpointError, match="checkpoint step-000000000 is committed, but") as info:
+        with pytest.raises(
+            rtnb.CheckpointError, match="checkpoint step-000000000 is committed, but"
+        ) as info:
             session.run(
                 "import rtnb\nrtnb.report({'a': 1}, checkpoint=rtnb.Checkpoint.from_state({'a': 1}))"
             )

@@ -149,6 +149,7 @@ _RULES: dict[str, tuple[set[str] | None, set[str]]] = {
     "batch": (None, {"driver", "worker"}),
 }
 
+
 def _violations(part: str) -> list[tuple[str, str]]:
     allowed, forbidden = _RULES[part]
     found = []
@@ -187,9 +188,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     A package __init__ importing its own submodules is not an edge."""
     edges = {
         module: sorted(
-            t
-            for t in targets
-            if t in graph and t != module and not t.startswith(module + ".")
+            t for t in targets if t in graph and t != module and not t.startswith(module + ".")
         )
         for module, targets in graph.items()
     }

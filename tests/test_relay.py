@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RANK = "import torch.distributed as dist\nrank = dist.get_rank()\n"
 
 
-def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tmp_path, monkeypatch):
+def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
+    ray_cluster, tmp_path, monkeypatch
+):
     world = 8
     everyone = range(world)
     with rtnb.Session(
@@ -82,9 +84,7 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(ray_cluster, tm
             session.run(RANK + "if rank == 3:\n    raise ValueError('bad three')")
         handle = session.run_background("import time\ntime.sleep(1.0)\n7")
         assert handle.wait(120) == {r: 7 for r in everyone}
-        reported = session.run(
-            "import rtnb\nfor s in range(50):\n    rtnb.report({'x': s})\ns"
-        )
+        reported = session.run("import rtnb\nfor s in range(50):\n    rtnb.report({'x': s})\ns")
         assert reported == {r: 49 for r in everyone}
         assert all(session.metrics.count(r) == 50 for r in everyone)
 

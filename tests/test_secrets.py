@@ -35,9 +35,7 @@ def _with_credentials(storage: str, secret: str) -> str:
 def _everything_in(client, prefix: str) -> str:
     listed = client.list_objects_v2(Bucket="rtnb-test", Prefix=prefix).get("Contents", [])
     assert listed, f"nothing written under {prefix}"
-    blobs = [
-        client.get_object(Bucket="rtnb-test", Key=o["Key"])["Body"].read() for o in listed
-    ]
+    blobs = [client.get_object(Bucket="rtnb-test", Key=o["Key"])["Body"].read() for o in listed]
     return "\n".join(b.decode("latin-1") for b in blobs) + "\n".join(o["Key"] for o in listed)
 
 
@@ -87,7 +85,10 @@ def test_secrets_planted_in_a_session_appear_nowhere(ray_cluster, s3_storage, mo
 
 
 def test_secrets_given_to_rtnb_run_and_submit_appear_nowhere(
-    ray_head, ray_cluster, s3_storage, tmp_path  # noqa: F811
+    ray_head,
+    ray_cluster,
+    s3_storage,
+    tmp_path,  # noqa: F811
 ):
     storage, client = s3_storage
     secret = f"batch-{uuid.uuid4().hex}"
@@ -142,7 +143,16 @@ def test_secrets_given_to_rtnb_run_and_submit_appear_nowhere(
         job_src,
     )
     sub = subprocess.run(
-        [*RTNB, "submit", str(job_src), "--address", address, "--storage", secret_storage, "--wait"],
+        [
+            *RTNB,
+            "submit",
+            str(job_src),
+            "--address",
+            address,
+            "--storage",
+            secret_storage,
+            "--wait",
+        ],
         capture_output=True,
         text=True,
         env={**env, "RTNB_STORAGE": ""},

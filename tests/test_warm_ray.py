@@ -244,3 +244,91 @@ def test_a_killed_kernels_ranks_end_at_once(tmp_path):
                     proc.kill()
                 except psutil.Error:
                     pass
+
+
+def _rtnb_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rtnb.batch.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_warm_status_and_stop_from_a_notebook_and_the_shell(tmp_path):
+    """``%rtnb warm`` names the address, this kernel, the spares and the idle timeout;
+    a stop refuses while a kernel uses it, ``--force`` ends it under a live session
+    (which then answers at once and starts a fresh one), and an idle one ends with
+    every process and its state file."""
+    from tests._kernel import Kernel
+
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(home), RTNB_WARM_RAY_IDLE_S="300")
+    kernel = Kernel(cwd=str(tmp_path), env=env)
+    hosts: list[psutil.Process] = []
+
+    def cell(code: str, ok: bool = True):
+        run = kernel.execute(code, timeout=240)
+        assert (run.status == "ok") == ok, f"{code!r}: {run.text}\n" + "\n".join(run.traceback)
+        return run
+
+    def host_now() -> psutil.Process:
+        state = json.loads(next((home / "warm-ray").glob("*.json")).read_text())
+        hosts.append(psutil.Process(state["pid"]))
+        return hosts[-1]
+
+    try:
+        cell(f"%load_ext rtnb\n%rtnb start --workers 2 --storage {tmp_path}/runs --name w")
+        kernel_pid = int(cell("import os; print(os.getpid())").stdout.strip())
+        host = host_now()
+        shown = cell("%rtnb warm").stdout
+        assert f"(pid {host.pid}," in shown and "127.0.0.1:" in shown
+        assert f"kernels attached: 1: pid {kernel_pid} (this kernel)" in shown
+        assert "ranks: 2 in use" in shown and "ends 5 min after the last kernel leaves" in shown
+
+        refused = _rtnb_cli("warm", "stop", env=env)
+        assert refused.returncode == 2 and f"in use by the kernel(s) with pid {kernel_pid}" in (
+            refused.stderr
+        ), refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and host.is_running()
+        refused_here = cell("%rtnb warm stop", ok=False)
+        assert refused_here.stderr.startswith("UsageError: the warm Ray is in use"), refused_here
+        assert "--force" in refused_here.stderr and not refused_here.traceback
+
+        # --force under a live session: the session is told, and answers at once.
+        cell("%%rtrain --background\nimport time\nfor i in range(600):\n    time.sleep(0.1)")
+        forced = cell("%rtnb warm stop --force")
+        assert "stopped the warm Ray at" in forced.stdout
+        assert _wait_gone([host.pid], 5) == [] and not list((home / "warm-ray").glob("*.json"))
+        # The background cell ended with one line: Ray is gone, and what to do.
+        waited = cell("%rtnb wait --timeout 30", ok=False)
+        assert waited.elapsed_s < 5 and len(waited.traceback) == 1, waited
+        assert waited.ename == "ClusterError", waited
+        assert waited.evalue.startswith("cell 1 ended: the warm Ray is gone"), waited
+        assert "%rtnb start --name w --replay" in waited.evalue, waited
+        status = cell("%rtnb status")
+        shown = status.text + "".join(r.get("text/plain", "") for r in status.results)
+        assert status.elapsed_s < 1 and ": failed," in shown, (forced.text, shown)
+        cell("%rtnb stop")
+        # A new start in the same kernel starts a fresh warm Ray and replays the run.
+        cell(f"%rtnb start --workers 2 --storage {tmp_path}/runs --name w --replay")
+        again = host_now()
+        assert again.pid != host.pid
+        cell("%rtnb stop")
+        idle = _rtnb_cli("warm", env=env)
+        assert "no kernel attached for" in idle.stdout and "it ends in" in idle.stdout, idle
+        stopped = _rtnb_cli("warm", "stop", env=env)
+        assert stopped.returncode == 0 and f"(pid {again.pid})" in stopped.stdout, stopped
+        family = [again.pid]
+        assert _wait_gone(family, 5) == [] and not list((home / "warm-ray").glob("*.json"))
+        assert "no warm Ray is running" in _rtnb_cli("warm", env=env).stdout
+    finally:
+        kernel.shutdown()
+        for host in hosts:
+            for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass

@@ -238,8 +238,7 @@ class CheckpointBrowser(w.VBox):
         chosen = self._rows.value
         # Rows of incomplete checkpoints are listed too; selecting one does nothing.
         options = [
-            (text, c.id if c.status == "committed" else f"\0{c.id}")
-            for c, text in zip(rows, lines)
+            (text, c.id if c.status == "committed" else f"\0{c.id}") for c, text in zip(rows, lines)
         ]
         self._rows.options = options
         self._rows.rows = max(3, min(12, len(options)))

@@ -111,7 +111,35 @@ def _parser() -> argparse.ArgumentParser:
     ckpts.add_argument("run")
     ckpts.add_argument("--storage", default=None)
     ckpts.add_argument("--all", action="store_true", help="also show incomplete ones")
+
+    warm = sub.add_parser(
+        "warm", help="the warm Ray notebooks share: status (default), or stop to end it now"
+    )
+    warm.add_argument("action", nargs="?", default="status", choices=("status", "stop"))
+    warm.add_argument(
+        "--force",
+        action="store_true",
+        help="stop it even while kernels use it (their sessions end)",
+    )
     return parser
+
+
+def _warm_command(action: str, force: bool) -> int:
+    from rtnb.driver._warmctl import stop_warm_ray, warm_ray_status
+
+    if action == "stop":
+        stopped = stop_warm_ray(force=force)
+        for status in stopped:
+            print(f"rtnb: stopped the warm Ray at {status.address} (pid {status.pid})")
+        if not stopped:
+            print("rtnb: no warm Ray is running")
+        return 0
+    running = warm_ray_status()
+    for status in running:
+        print(status.summary())
+    if not running:
+        print("rtnb: no warm Ray is running (the next notebook's `%rtnb start` starts one)")
+    return 0
 
 
 def _storage(value: str | None) -> str:
@@ -223,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("submit", "jobs", "logs"):
             return _jobs_command(args)
+        if args.command == "warm":
+            return _warm_command(args.action, args.force)
         if args.command == "runs":
             return _print_runs(_storage(args.storage), args.metric)
         if args.command == "checkpoints":

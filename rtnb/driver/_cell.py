@@ -634,6 +634,9 @@ class CellHandle:
             session._rebuild(reason=what, fresh=True)
             tail = "the worker group was rebuilt with fresh ranks; variables defined on the ranks are gone"
         except RtnbError as exc:
+            if session.ray_lost:
+                self._finish_ray_lost()
+                return
             tail = f"rebuilding the worker group failed: {exc}"
         message = f"{what}; {tail}"
         error = CellInterrupted(message, kept=False) if interrupted else WorkerGroupError(message)

@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rtnb.core._net import probe_tcp, use_auth_token_if_present
+from rtnb.core._net import probe_tcp
 from rtnb.core._redact import redact_uri
+from rtnb.driver._auth import as_the_environment_says, joining_with, users_token
 from rtnb.driver._embedded import start_embedded_ray
+from rtnb.driver._ray_output import quiet_rank_machinery
 from rtnb.errors import ClusterError, one_line
 
 if TYPE_CHECKING:
@@ -73,10 +75,23 @@ class RayWatch:
         except OSError:
             return False
 
-    def check_now(self) -> str | None:
-        """Before something that would wait on the GCS (a rebuild): is Ray gone?"""
+    def check_now(self, settle_s: float = 0.0) -> str | None:
+        """Before something that would wait on the GCS (a rebuild): is Ray gone?
+
+        ``settle_s``: after a Ray call failed, also wait that long for a GCS that
+        still answers to close (a Ray shutting down fails calls first)."""
         if self.lost is None and not self.answers() and not self.answers():
             self._declare_lost()
+        deadline = time.monotonic() + settle_s
+        shut_since: float | None = None
+        while self.lost is None and time.monotonic() < deadline:
+            if self.answers(timeout_s=0.2):
+                shut_since = None
+            else:
+                shut_since = shut_since or time.monotonic()
+                if time.monotonic() - shut_since >= _LOST_AFTER_S:
+                    self._declare_lost()
+            time.sleep(_WATCH_S / 5)
         return self.lost
 
     def close(self) -> None:
@@ -116,6 +131,7 @@ def _let_go_of_the_driver() -> None:
 
         with contextlib.suppress(Exception):
             ray.shutdown()
+        as_the_environment_says()
 
     _letting_go = threading.Thread(target=let_go, name="rtnb-ray-let-go", daemon=True)
     _letting_go.start()
@@ -172,8 +188,8 @@ class ClusterConnection:
         """Why this Ray is gone, once it is (then no Ray call may be made)."""
         return self.watch.lost if self.watch is not None else None
 
-    def check_lost(self) -> str | None:
-        return self.watch.check_now() if self.watch is not None else None
+    def check_lost(self, settle_s: float = 0.0) -> str | None:
+        return self.watch.check_now(settle_s) if self.watch is not None else None
 
     def shutdown(self) -> None:
         import ray
@@ -188,6 +204,7 @@ class ClusterConnection:
             self.warm.detach()
         if self.owned and ray.is_initialized():
             ray.shutdown()
+            as_the_environment_says()
 
 
 def _watch(connection: ClusterConnection, what: str) -> ClusterConnection:
@@ -238,13 +255,11 @@ def connect(
     ``progress`` hears which of these happens.
     """
     target = address or os.environ.get("RAY_ADDRESS") or None
-    if target is not None:
-        # Before `import ray`: Ray reads RAY_AUTH_MODE when it is first imported.
-        use_auth_token_if_present()
     _after_letting_go()
     import ray
 
     _quiet_ray_logging()
+    quiet_rank_machinery()
     if ray.is_initialized():
         return _watch(
             ClusterConnection(
@@ -266,7 +281,7 @@ def connect(
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     try:
-        with _driver_outlives_its_ray():
+        with _driver_outlives_its_ray(), joining_with(users_token()):
             _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
@@ -306,7 +321,10 @@ def _embed(
         if attached is not None:
             _quiet_ray_logging()
             return ClusterConnection(
-                address=f"{attached.address} (the warm Ray)", owned=True, client_mode=False, warm=attached
+                address=f"{attached.address} (the warm Ray)",
+                owned=True,
+                client_mode=False,
+                warm=attached,
             )
     try:
         start_embedded_ray(ray, num_cpus=num_cpus, listen=listen)

@@ -16,6 +16,7 @@ from typing import Any
 from rtnb.core._config import SessionConfig
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
+from rtnb.driver._ray_output import watch_ranks
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor
@@ -93,6 +94,7 @@ class WorkerGroup:
             }
             for rank in range(cfg.workers)
         ]
+
         def slow(base_s: float) -> float:
             # Only there so that nothing waits forever: N ranks starting Python and
             # torch on a few cores take seconds each, so the bound grows with N.
@@ -134,6 +136,7 @@ class WorkerGroup:
                     self.actors.append(actor)
                 described = ray.get([a.describe.remote() for a in self.actors], timeout=slow(120))
                 self._assign_local_ranks(described)
+                watch_ranks(r.pid for r in self.ranks)
                 check_storage_locality(self.node_count, self.storage_path, cfg.allow_local_storage)
                 devices = ray.get(
                     [

@@ -527,6 +527,11 @@ class Session:
             try:
                 self._group = self._new_group()
             except RtnbError as exc:
+                # A Ray that is shutting down (`rtnb warm stop --force`, a head's
+                # `ray stop`) kills the ranks and refuses new ones before its GCS
+                # closes: then the news is that Ray is gone, not the placement.
+                if self.connection is not None and self.connection.check_lost(settle_s=2.5):
+                    raise ClusterError(self._lost or str(exc)) from None
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
             self.journal.append(kind, workers=self.config.workers, keep=not fresh)
@@ -882,7 +887,11 @@ class Session:
                     state = active.states.get(info.rank, "running")
                     # the rank's own step once it answered (after a resume it is
                     # below the last report of the earlier line)
-                    step = max(active.steps.get(info.rank, -1), 0) if info.rank in active.lines else step
+                    step = (
+                        max(active.steps.get(info.rank, -1), 0)
+                        if info.rank in active.lines
+                        else step
+                    )
                 ranks.append(
                     RankStatus(
                         info.rank,

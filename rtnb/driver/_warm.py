@@ -31,19 +31,23 @@ from pathlib import Path
 from typing import Any
 
 from rtnb.core._net import probe_tcp
+from rtnb.driver._auth import (
+    TOKEN_MODE_ENV,
+    TOKEN_PATH_ENV,
+    as_the_environment_says,
+    joining_with,
+)
 from rtnb.driver._embedded import LOOPBACK, joining_private_ray, node_ip_as_given
 from rtnb.errors import ClusterError, one_line
 from rtnb.storage._rundir import BATCH_RUNS_ENV
 from rtnb.worker._actor import RAY_OWNED_ENV
 
-__all__ = ["WarmRay", "active", "attach", "state_dir", "wanted"]
+__all__ = ["WarmRay", "active", "attach", "live_state", "state_dir", "wanted"]
 
 SWITCH_ENV = "RTNB_WARM_RAY"
 IDLE_ENV = "RTNB_WARM_RAY_IDLE_S"
 HOME_ENV = "RTNB_HOME"
 DEFAULT_IDLE_S = 600.0
-TOKEN_MODE_ENV = "RAY_AUTH_MODE"
-TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 _LAUNCH_TIMEOUT_S = 120.0
 
 _active: WarmRay | None = None
@@ -149,30 +153,6 @@ def _private_token_env(token_file: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _with_the_warm_rays_token(token_file: Path) -> Iterator[None]:
-    """This process joins with the warm Ray's token, for this ``ray.init`` only.
-
-    Ray reads the mode and the token once (its config and token loader keep them
-    for the life of the driver); the environment is put back afterwards so that
-    a ``!ray status`` run from the notebook, or the user's own Ray later, sees
-    the environment it would without rtnb."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    saved = {name: os.environ.get(name) for name in (TOKEN_MODE_ENV, TOKEN_PATH_ENV)}
-    os.environ.update(_private_token_env(token_file))
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -182,7 +162,7 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _live_state(state_file: Path) -> dict[str, Any] | None:
+def live_state(state_file: Path) -> dict[str, Any] | None:
     try:
         state = json.loads(state_file.read_text())
         os.kill(int(state["pid"]), 0)
@@ -221,7 +201,7 @@ def _launch(state_file: Path, key: str, spares: int) -> dict[str, Any]:
         )
     deadline = time.monotonic() + _LAUNCH_TIMEOUT_S
     while time.monotonic() < deadline:
-        state = _live_state(state_file)
+        state = live_state(state_file)
         if state is not None and state.get("pid") == proc.pid:
             return state
         if proc.poll() is not None:
@@ -247,7 +227,7 @@ def attach(
     state_file = directory / f"{key}.json"
     launched = False
     with _locked(directory / f"{key}.lock"):
-        state = _live_state(state_file)
+        state = live_state(state_file)
         if state is None:
             idle = idle_seconds()
             after = f"{idle / 60:.0f} min" if idle >= 120 else f"{idle:.0f} s"
@@ -262,7 +242,7 @@ def attach(
 
     try:
         with (
-            _with_the_warm_rays_token(_token_file(directory)),
+            joining_with(_private_token_env(_token_file(directory))),
             node_ip_as_given(True),
             joining_private_ray(),
         ):
@@ -279,6 +259,7 @@ def attach(
         free = ray.available_resources().get("CPU", 0.0)
         if free + 1e-9 < need_cpus:
             ray.shutdown()
+            as_the_environment_says()
             say(
                 f"the warm Ray has {free:g} of {need_cpus:g} CPUs free (another kernel "
                 "holds them): starting an embedded Ray for this kernel"
@@ -288,6 +269,7 @@ def attach(
     except Exception as exc:  # noqa: BLE001 - a broken warm Ray must not block the start
         with contextlib.suppress(Exception):
             ray.shutdown()
+        as_the_environment_says()
         say(f"the warm Ray did not answer ({one_line(exc)}): starting an embedded Ray")
         return None
     _active = WarmRay(state["address"], int(state["pid"]), pool, launched)

@@ -89,10 +89,15 @@ class WarmPool:
         self._idle_s = idle_s
         self._target = min(MAX_SPARES, max(0, spares))
         self._lock = threading.Lock()
+        # Bumped on every change the state file shows, so the host rewrites it at once
+        # (a `rtnb warm stop` right after a kernel's `%rtnb stop` sees it detached).
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
         self._spares: list[Any] = []
         self._claimed: dict[int, list[Any]] = {}
         self._leases: dict[int, float | None] = {}
         self._idle_since = time.monotonic()
+        self._idle_since_wall = time.time()
         self._idle = threading.Event()
         self._refill(delay_s=0.0, background=False)
         threading.Thread(target=self._watch, name="rtnb-warm-watchdog", daemon=True).start()
@@ -101,13 +106,15 @@ class WarmPool:
     def attach(self, pid: int) -> None:
         with self._lock:
             self._leases.setdefault(pid, _started(pid))
+            self._bump()
 
     def detach(self, pid: int) -> None:
         with self._lock:
             self._leases.pop(pid, None)
             actors = self._claimed.pop(pid, [])
             if not self._leases:
-                self._idle_since = time.monotonic()
+                self._went_idle()
+            self._bump()
         self._kill(actors)
 
     def claim(self, pid: int, count: int) -> list[Any]:
@@ -116,24 +123,45 @@ class WarmPool:
         with self._lock:
             self._leases.setdefault(pid, _started(pid))
             taken, self._spares = self._spares[:count], self._spares[count:]
+            self._bump()
             self._target = min(MAX_SPARES, max(self._target, count))
         taken += [self._new_rank(background=False) for _ in range(count - len(taken))]
         with self._lock:
             self._claimed.setdefault(pid, []).extend(taken)
+            self._bump()
         self._refill(delay_s=REFILL_DELAY_S, background=True)
         return taken
 
-    def counts(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """Who uses this Ray, for the state file (``%rtnb warm``, ``rtnb warm``)."""
         with self._lock:
-            return {
-                "spares": len(self._spares),
-                "claimed": sum(len(a) for a in self._claimed.values()),
-                "kernels": len(self._leases),
-            }
+            return self._usage()
 
-    def wait_idle(self, timeout_s: float) -> bool:
+    def next_usage(self, seen_version: int, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        """The usage once it differs from ``seen_version``'s (or after ``timeout_s``)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != seen_version, timeout_s)
+            return self._version, self._usage()
+
+    def is_idle(self) -> bool:
         """True once no kernel has been attached for the idle time."""
-        return self._idle.wait(timeout_s)
+        return self._idle.is_set()
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "kernels": sorted(self._leases),
+            "spares": len(self._spares),
+            "claimed": sum(len(a) for a in self._claimed.values()),
+            "idle_since": None if self._leases else round(self._idle_since_wall, 1),
+        }
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def _went_idle(self) -> None:
+        self._idle_since = time.monotonic()
+        self._idle_since_wall = time.time()
 
     # ---- spares ----------------------------------------------------------------------
     def _new_rank(self, background: bool) -> Any:
@@ -160,6 +188,7 @@ class WarmPool:
                 actor = self._new_rank(background)
                 with self._lock:
                     self._spares.append(actor)
+                    self._bump()
 
         if delay_s:
             threading.Thread(target=refill, name="rtnb-warm-refill", daemon=True).start()
@@ -177,11 +206,13 @@ class WarmPool:
                     del self._leases[pid]
                     gone += self._claimed.pop(pid, [])
                     if not self._leases:
-                        self._idle_since = time.monotonic()
+                        self._went_idle()
+                    self._bump()
                 idle = not self._leases and time.monotonic() - self._idle_since > self._idle_s
+                if idle:
+                    self._idle.set()
+                    self._bump()
             self._kill(gone)
-            if idle:
-                self._idle.set()
 
     @staticmethod
     def _kill(actors: list[Any]) -> None:
@@ -225,36 +256,38 @@ def main(argv: list[str] | None = None) -> int:
     # later one wait for it), short (Ray's socket paths must fit 107 bytes), and
     # apart from /tmp/ray, which is the user's Ray's.
     private_dir = Path(tempfile.mkdtemp(prefix=f"rtnb-warm-{os.getuid()}-"))
-    start_embedded_ray(
-        ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir
-    )
+    start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir)
     try:
         pool = (
             ray.remote(WarmPool)
             .options(name=POOL_NAME, num_cpus=0, max_concurrency=16)
             .remote(args.idle_s, args.spares)
         )
-        ray.get(pool.counts.remote(), timeout=120)
-        _write_state(
-            args.state,
-            {
-                "key": args.key,
-                "pid": os.getpid(),
-                "address": ray.get_runtime_context().gcs_address,
-                "cpus": args.cpus,
-                "started": time.time(),
-                "temp_dir": str(private_dir),
-            },
-        )
+        state = {
+            "key": args.key,
+            "pid": os.getpid(),
+            "address": ray.get_runtime_context().gcs_address,
+            "cpus": args.cpus,
+            "started": time.time(),
+            "temp_dir": str(private_dir),
+            "idle_s": args.idle_s,
+            **ray.get(pool.usage.remote(), timeout=120),
+        }
+        _write_state(args.state, state)
         print(f"warm Ray ready for {args.key} (pid {os.getpid()})", flush=True)
+        version = -1
         while not stop.is_set():
             try:
-                if ray.get(pool.wait_idle.remote(1.0), timeout=30):
+                version, usage = ray.get(pool.next_usage.remote(version, 1.0), timeout=30)
+                if ray.get(pool.is_idle.remote(), timeout=30):
                     print("no kernel attached for the idle time: shutting down", flush=True)
                     break
             except Exception as exc:  # noqa: BLE001 - the pool died: nothing to keep
                 print(f"warm pool gone ({exc}): shutting down", flush=True)
                 break
+            if any(state[name] != value for name, value in usage.items()) and not stop.is_set():
+                state.update(usage)
+                _write_state(args.state, state)
     finally:
         try:
             current = json.loads(args.state.read_text())

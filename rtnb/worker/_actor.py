@@ -43,7 +43,10 @@ _CELL_KEY = "rtnb/cell/{}"
 _ANSWER_KEY = "rtnb/answer/{}/{}"
 _RELAY_KEPT_CELLS = 256
 # A listener's blocking read of the next cell gives up after this and reads again.
-_RELAY_LISTEN_S = 3600.0
+# torch's store client logs two warning lines for every read or wait that times
+# out, so it is as long as its poll() takes (32-bit milliseconds): an idle group
+# logs nothing for 24 days.
+_RELAY_LISTEN_S = 24 * 24 * 3600.0
 # A relayed rank's answer when it has none to give (the driver asks it directly).
 _NO_ANSWER = b"-"
 # How long rank 0 still waits for the others' answers once its own has gone to the
@@ -77,6 +80,7 @@ class RankActor:
         self._relay: Any = None
         self._relayed = 0  # rank 0: the last token relayed
         self._sweeper: _KeySweeper | None = None  # rank 0: deletes spent relay keys
+        self._closer: Any = None  # rank 0: closes answers not in on time (see _gather)
         # Ranks but 0: the listener's progress through the tokens.
         self._hearing = threading.Condition()
         self._heard_token = 0
@@ -228,6 +232,7 @@ class RankActor:
         self._relay = self._store_client(master_addr, master_port)
         if self.runtime.context.world_rank == 0:
             self._sweeper = _KeySweeper(self._store_client(master_addr, master_port))
+            self._closer = self._store_client(master_addr, master_port)
         else:
             self._listening = True
             threading.Thread(target=self._listen, name="rtnb-cell-relayed", daemon=True).start()
@@ -289,17 +294,36 @@ class RankActor:
                 wait_s = min(wait_s, _GIVE_WAY_S)
         keys = {r: _ANSWER_KEY.format(token, r) for r in ranks if r != 0}
         if keys:
-            try:
-                store.wait(list(keys.values()), timedelta(seconds=wait_s))
-                values = store.multi_get(list(keys.values()))
-            except Exception:  # noqa: BLE001 - a rank that did not answer in time
-                values = [store.compare_set(key, b"", _NO_ANSWER) for key in keys.values()]
+            values = self._gather(list(keys.values()), wait_s)
             for rank, value in zip(keys, values):
                 answers[rank] = None if value == _NO_ANSWER else value
             self._sweeper.delete(list(keys.values()))
         if token > _RELAY_KEPT_CELLS:
             self._sweeper.delete([_CELL_KEY.format(token - _RELAY_KEPT_CELLS)])
         return answers
+
+    def _gather(self, keys: list[str], wait_s: float) -> list[bytes]:
+        """The listeners' answers, each closed with ``_NO_ANSWER`` if it is not in
+        after ``wait_s``. The wait itself never times out (torch's store client
+        logs two warning lines for every wait that does, which a user-started Ray
+        streams into the notebook): the answers still missing are closed from
+        another connection (the same compare_set a late listener then loses to),
+        which ends the wait."""
+        store = self._relay
+        if not store.check(keys):
+            closing = threading.Timer(wait_s, self._close_answers, args=(keys,))
+            closing.start()
+            try:
+                store.wait(keys)
+            finally:
+                closing.cancel()
+                closing.join()  # it closes nothing after the sweeper deleted the keys
+        return store.multi_get(keys)
+
+    def _close_answers(self, keys: list[str]) -> None:
+        with contextlib.suppress(Exception):  # the store is gone with the group
+            for key in keys:
+                self._closer.compare_set(key, b"", _NO_ANSWER)
 
     def _listen(self) -> None:
         from ray import cloudpickle
