@@ -325,6 +325,10 @@ class CellHandle:
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # noqa: BLE001 - never leave a handle hanging
+                # A GCS that just went away shows first as an unknown object owner.
+                if not isinstance(exc, RtnbError) and self.session.check_ray_lost(settle_s=2.5):
+                    self._finish_ray_lost()
+                    return
                 self._finish(
                     error=exc
                     if isinstance(exc, RtnbError)

@@ -211,10 +211,13 @@ class Session:
         is made after that (each would wait on a GCS that never answers)."""
         return self._lost
 
-    def check_ray_lost(self) -> str | None:
-        """As :attr:`ray_lost`, asking the cluster now (before a rebuild)."""
+    def check_ray_lost(self, settle_s: float = 0.0) -> str | None:
+        """As :attr:`ray_lost`, asking the cluster now (before a rebuild, or on a Ray
+        error that a GCS going away causes); ``settle_s``: how long a shut GCS port
+        must stay shut to count."""
         if self._lost is None and self.connection is not None:
-            self.connection.check_lost()  # a lost Ray reaches _ray_lost through the watch
+            # A lost Ray reaches _ray_lost through the watch.
+            self.connection.check_lost(settle_s)
         return self._lost
 
     def _ray_lost(self, why: str) -> None:
@@ -530,8 +533,9 @@ class Session:
                 # A Ray that is shutting down (`rtnb warm stop --force`, a head's
                 # `ray stop`) kills the ranks and refuses new ones before its GCS
                 # closes: then the news is that Ray is gone, not the placement.
-                if self.connection is not None and self.connection.check_lost(settle_s=2.5):
-                    raise ClusterError(self._lost or str(exc)) from None
+                lost = self.check_ray_lost(settle_s=2.5)
+                if lost:
+                    raise ClusterError(lost) from None
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
             self.journal.append(kind, workers=self.config.workers, keep=not fresh)

@@ -42,7 +42,16 @@ from rtnb.errors import ClusterError, one_line
 from rtnb.storage._rundir import BATCH_RUNS_ENV
 from rtnb.worker._actor import RAY_OWNED_ENV
 
-__all__ = ["WarmRay", "active", "attach", "live_state", "state_dir", "wanted"]
+__all__ = [
+    "WarmRay",
+    "active",
+    "attach",
+    "ensure_running",
+    "live_state",
+    "state_dir",
+    "switched_off",
+    "wanted",
+]
 
 SWITCH_ENV = "RTNB_WARM_RAY"
 IDLE_ENV = "RTNB_WARM_RAY_IDLE_S"
@@ -57,9 +66,8 @@ def wanted(listen: str | None) -> bool:
     """Whether an embedded start in this process should join the warm Ray."""
     if listen not in (None, LOOPBACK):
         return False
-    switch = os.environ.get(SWITCH_ENV, "").strip().lower()
-    if switch:
-        return switch not in ("0", "false", "no", "off")
+    if os.environ.get(SWITCH_ENV, "").strip():
+        return not switched_off()
     return "ipykernel" in sys.modules and not os.environ.get(BATCH_RUNS_ENV)
 
 
@@ -76,16 +84,21 @@ def state_dir() -> Path:
 
 
 def _fingerprint() -> str:
-    """One warm Ray per Python, Ray and rtnb code: ranks of another version would
-    run other code than the kernel's."""
-    import ray
+    """One warm Ray per Python environment, Ray and rtnb code: ranks of another
+    version would run other code than the kernel's. Read without importing Ray, so
+    a Jupyter server can warm it (rtnb.jupyter_extension); a kernel started by that
+    server has the server's ``sys.prefix``."""
+    from importlib.metadata import version
 
     package = Path(__file__).resolve().parent.parent
     newest = max(
         (entry.stat().st_mtime_ns for entry in package.rglob("*.py")),
         default=0,
     )
-    text = f"{sys.executable}|{ray.__version__}|{os.getuid()}|{package}|{newest}|{os.cpu_count()}"
+    text = (
+        f"{sys.prefix}|{sys.version_info[:2]}|{version('ray')}|{os.getuid()}|{package}|"
+        f"{newest}|{os.cpu_count()}"
+    )
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -214,6 +227,36 @@ def _launch(state_file: Path, key: str, spares: int) -> dict[str, Any]:
     )
 
 
+def switched_off() -> bool:
+    """``RTNB_WARM_RAY=0`` (or false/no/off): no kernel joins a warm Ray and no
+    Jupyter server starts one."""
+    return os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def ensure_running(
+    spares: int = 2, progress: Callable[[str], None] | None = None
+) -> tuple[dict[str, Any], bool]:
+    """The live warm Ray's state (address, pid, temp dir), started if none runs, and
+    whether this call started it. Imports no Ray: the warm Ray is a process of its
+    own. A second caller waits for the first's start (a file lock) and joins it."""
+    say = progress or (lambda text: None)
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = _fingerprint()
+    state_file = directory / f"{key}.json"
+    with _locked(directory / f"{key}.lock"):
+        state = live_state(state_file)
+        if state is not None:
+            return state, False
+        idle = idle_seconds()
+        after = f"{idle / 60:.0f} min" if idle >= 120 else f"{idle:.0f} s"
+        say(
+            "starting the warm Ray (later kernels join it in about a second; it ends "
+            f"{after} after the last kernel leaves)"
+        )
+        return _launch(state_file, key, spares), True
+
+
 def attach(
     need_cpus: float, spares: int, progress: Callable[[str], None] | None = None
 ) -> WarmRay | None:
@@ -221,28 +264,13 @@ def attach(
     ``need_cpus`` CPUs free, so the caller embeds a Ray of its own."""
     global _active
     say = progress or (lambda text: None)
-    directory = state_dir()
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = _fingerprint()
-    state_file = directory / f"{key}.json"
-    launched = False
-    with _locked(directory / f"{key}.lock"):
-        state = live_state(state_file)
-        if state is None:
-            idle = idle_seconds()
-            after = f"{idle / 60:.0f} min" if idle >= 120 else f"{idle:.0f} s"
-            say(
-                "starting the warm Ray (later kernels join it in about a second; it ends "
-                f"{after} after the last kernel leaves)"
-            )
-            state = _launch(state_file, key, spares)
-            launched = True
+    state, launched = ensure_running(spares, say)
     say(f"joining the warm Ray at {state['address']}")
     import ray
 
     try:
         with (
-            joining_with(_private_token_env(_token_file(directory))),
+            joining_with(_private_token_env(_token_file(state_dir()))),
             node_ip_as_given(True),
             joining_private_ray(),
         ):
