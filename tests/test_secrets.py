@@ -87,8 +87,8 @@ def test_secrets_planted_in_a_session_appear_nowhere(ray_cluster, s3_storage, mo
 def test_secrets_given_to_rtnb_run_and_submit_appear_nowhere(
     ray_head,
     ray_cluster,
-    s3_storage,
-    tmp_path,  # noqa: F811
+    s3_storage,  # noqa: F811 - the moto fixture, imported above
+    tmp_path,
 ):
     storage, client = s3_storage
     secret = f"batch-{uuid.uuid4().hex}"
