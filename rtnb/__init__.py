@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
     """Jupyter server: warm Ray at server start (rtnb.jupyter_extension)."""
     return [{"module": "rtnb.jupyter_extension"}]

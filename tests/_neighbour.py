@@ -146,8 +146,10 @@ def main() -> None:
         python("user.auto", AUTO, 60)
         python("user.plain", PLAIN, 60)
         # The head's job agent registers after its dashboard answers ("No available
-        # agent ... try again later" until then), with or without rtnb.
-        for _ in range(12):
+        # agent ... try again later" until then), with or without rtnb; beside a
+        # busy test suite on 2 cores that took over a minute.
+        deadline = time.monotonic() + 240
+        while True:
             run(
                 "user.job",
                 [
@@ -165,13 +167,21 @@ def main() -> None:
             )
             if "No available agent" not in results["user.job"]["out"]:
                 break
+            if time.monotonic() > deadline:
+                break
             time.sleep(5)
         python("user.fit", FIT, 240)
         kernel.stdin.write("\n")
         kernel.stdin.flush()
         results["detach"] = {"line": kernel.stdout.readline().strip()}
-        # Detached: the warm Ray idles, still alive, for its idle time.
-        run("detached.status", [str(BIN / "ray"), "status"], 60)
+        # Detached: the warm Ray idles, still alive, for its idle time. The fit's
+        # workers give their CPUs back a moment after it returned (Ray frees them
+        # asynchronously), so the status is read until they are back.
+        for _ in range(30):
+            run("detached.status", [str(BIN / "ray"), "status"], 60)
+            if "0.0/3.0 CPU" in results["detached.status"]["out"]:
+                break
+            time.sleep(1)
         python("detached.auto", AUTO, 60)
     finally:
         if head is not None:

@@ -243,6 +243,10 @@ SESSION = [
     (dict(storage="nosuch://bucket/x"), rtnb.ConfigError, "is not a path or URI rtnb can use"),
     (dict(name="a/b"), rtnb.ConfigError, "must start with a letter or digit"),
     (dict(name="x" * 200), rtnb.ConfigError, "must start with a letter or digit"),
+    # a `$` anchor would accept the newline at the end
+    (dict(name="run\n"), rtnb.ConfigError, "contains a control character"),
+    (dict(name="run\x1b[2J"), rtnb.ConfigError, "contains a control character"),
+    (dict(name="run\u2028"), rtnb.ConfigError, "must start with a letter or digit"),
     (dict(env={"A": 1}), rtnb.ConfigError, "env values must be strings"),
     (dict(env=["A"]), rtnb.ConfigError, "env must be a dict"),
     (
@@ -260,6 +264,30 @@ def test_session_argument_mistakes_get_one_line(kwargs, error, expected, tmp_pat
     with pytest.raises(error) as info:
         rtnb.Session(**kwargs)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_credentials_in_a_storage_query_are_never_echoed(tmp_path):
+    secrets = {
+        "X-Amz-Signature": "sig-9f2c",
+        "X-Amz-Credential": "cred-AKIA77",
+        "token": "tok-5521",
+        "secret_key": "sk-0193",
+        "session_token": "st-4471",
+        "sig": "azure-8d1e",
+    }
+    query = "&".join(f"{k}={v}" for k, v in secrets.items())
+    with pytest.raises(rtnb.ConfigError) as info:
+        rtnb.Session(storage=f"s3://bucket/runs?endpoint_override=127.0.0.1:1&{query}")
+    said = str(info.value)
+    assert "is not a path or URI rtnb can use" in said and "\n" not in said
+    for value in secrets.values():
+        assert value not in said, said
+    from rtnb.core._redact import redact_text
+
+    presigned = f"failed to GET https://b.s3.amazonaws.com/k?{query}&X-Amz-Expires=60"
+    shown = redact_text(presigned)
+    assert all(value not in shown for value in secrets.values()), shown
+    assert "X-Amz-Expires=60" in shown, "what is not a secret stays readable"
 
 
 def test_an_embedded_session_too_big_for_this_machine_fails_before_ray_starts(tmp_path):

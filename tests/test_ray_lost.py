@@ -119,7 +119,9 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, how):
     assert "is gone" in text and "--name lost --replay" in text, text
     assert "\n" not in text
     # "within 5 s" on an idle machine; the suite runs beside this one.
-    assert out["ended_after_kill_s"] < 10, (out, proc.stderr[-6000:])
+    if out["ended_after_kill_s"] >= 10:
+        print(proc.stderr[-12000:])  # the stacks faulthandler dumped at 10 s
+    assert out["ended_after_kill_s"] < 10, out
     state, cell, status_s = out["status"]
     assert state == "failed" and "is gone" in cell and status_s < 1.0, out["status"]
     assert out["stop_s"] < 1.0, out

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import missing
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCENARIO = Path(__file__).with_name("_neighbour.py")
 NOT_FOUND = "Could not find any running Ray instance"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rtnb.batch._runner import check_parameters_cell, check_timeout, parse_parameters
+from rtnb.batch._runner import check_parameters_cell, check_timeout
 from rtnb.core._net import probe_tcp, use_auth_token_if_present
 from rtnb.errors import ClusterError, ConfigError, one_line
 
@@ -77,7 +77,7 @@ def _status_name(status) -> str:
 def submit_notebook(
     notebook: str | Path,
     address: str,
-    parameters: list[tuple[str, str]] = (),
+    parameters: dict | None = None,
     storage: str | None = None,
     timeout_s: float | None = None,
     working_dir: str | Path | None = None,
@@ -91,7 +91,8 @@ def submit_notebook(
     if not src.is_file() or src.suffix != ".ipynb":
         raise ConfigError(f"notebook {str(notebook)!r} does not exist or is not a .ipynb file")
     # What the job would refuse, refused here, before the cluster is asked anything.
-    check_parameters_cell(src, parse_parameters(list(parameters)))
+    parameters = dict(parameters or {})
+    check_parameters_cell(src, parameters)
     check_timeout(timeout_s)
     relative = src.name
     if working_dir is not None:
@@ -116,8 +117,9 @@ def submit_notebook(
         # dashboard and `ray job list` show).
         Path(staged, STORAGE_FILE).write_text(storage)
         command += ["--storage-file", STORAGE_FILE]
-    for name, value in parameters:
-        command += ["-p", name, value]
+    for name, value in parameters.items():
+        # The job's `rtnb run` reads each value back as a Python literal.
+        command += ["-p", name, repr(value)]
     if timeout_s is not None:
         command += ["--timeout", f"{timeout_s:g}"]
     runtime_env: dict = {"working_dir": staged}

@@ -22,10 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rtnb.core._redact import is_secret_name, redact_uri
-from rtnb.errors import CellError, ConfigError
+from rtnb.errors import CellError, ConfigError, one_line
 from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
 
-__all__ = ["BatchResult", "check_timeout", "parse_parameters", "run_notebook"]
+__all__ = [
+    "BatchResult",
+    "KernelChoice",
+    "check_timeout",
+    "collect_parameters",
+    "parse_parameters",
+    "run_notebook",
+]
 
 
 @dataclass
@@ -129,6 +136,21 @@ def _keep_in_run_dirs(output: Path, runs_file: str) -> list[str]:
     return kept
 
 
+def _check_parameter_name(name: str) -> None:
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ConfigError(
+            f"parameter name {name!r} is not a Python identifier (letters, digits, _; "
+            "not starting with a digit): papermill inserts names into code as they are"
+        )
+    if is_secret_name(name):
+        # papermill writes parameters into the output notebook as code.
+        raise ConfigError(
+            f"parameter {name!r} looks like a secret, and parameters are written into "
+            "the output notebook: pass it as an environment variable instead and read "
+            "it with os.environ in the notebook"
+        )
+
+
 def parse_parameters(pairs: list[tuple[str, str]]) -> dict:
     """``-p NAME VALUE`` pairs to a dict; values are Python literals when they parse.
 
@@ -136,23 +158,56 @@ def parse_parameters(pairs: list[tuple[str, str]]) -> dict:
     """
     params = {}
     for name, raw in pairs:
-        if not name.isidentifier() or keyword.iskeyword(name):
-            raise ConfigError(
-                f"parameter name {name!r} is not a Python identifier (letters, digits, _; "
-                "not starting with a digit): papermill inserts names into code as they are"
-            )
-        if is_secret_name(name):
-            # papermill writes parameters into the output notebook as code.
-            raise ConfigError(
-                f"parameter {name!r} looks like a secret, and parameters are written into "
-                "the output notebook: pass it as an environment variable instead and read "
-                "it with os.environ in the notebook"
-            )
+        _check_parameter_name(name)
         try:
             params[name] = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             params[name] = raw
     return params
+
+
+def collect_parameters(
+    files: list[str] = (), yamls: list[str] = (), pairs: list[tuple[str, str]] = ()
+) -> dict:
+    """``-f FILE.yaml``, ``-y YAML`` and ``-p NAME VALUE`` merged in that order (a later
+    one wins, as papermill merges them), each name checked as ``-p``'s are."""
+    import yaml
+
+    merged: dict = {}
+    for where, text in [(f"parameters file {f!r}", _read_parameters_file(f)) for f in files] + [
+        (f"-y {y!r}", y) for y in yamls
+    ]:
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"{_masked(where)} is not valid YAML{at}") from None
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{_masked(where)} must be a mapping of names to values (name: value per line)"
+            )
+        for name in values:
+            _check_parameter_name(str(name))
+        merged.update({str(k): v for k, v in values.items()})
+    merged.update(parse_parameters(pairs))
+    return merged
+
+
+def _read_parameters_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"parameters file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"parameters file {path!r} cannot be read: {one_line(exc)}") from None
+
+
+def _masked(where: str) -> str:
+    # -y text may hold a value that must not be echoed: name only the option.
+    return "-y" if where.startswith("-y") else where
 
 
 def check_timeout(timeout_s: float | None) -> None:
@@ -203,22 +258,37 @@ def check_parameters_cell(path: Path, parameters: dict | None) -> None:
         )
 
 
-def choose_kernel(path: Path, requested: str | None) -> str:
-    """``--kernel``, else the notebook's kernelspec, else this Python's kernel; a
-    kernel that does not exist gets one line listing those that do."""
-    notebook = read_notebook(path)
-    name = requested or (notebook.get("metadata", {}).get("kernelspec") or {}).get("name")
-    if not name:
-        return NATIVE_KERNEL  # written by nbformat, jupytext, ...: no kernelspec
-    from jupyter_client.kernelspec import KernelSpecManager
+@dataclass(frozen=True)
+class KernelChoice:
+    name: str
+    # papermill needs it to write parameters; a notebook written by nbformat,
+    # jupytext or VS Code may name none.
+    language: str
 
-    known = KernelSpecManager().find_kernel_specs()
-    if name not in known:
+
+def choose_kernel(path: Path, requested: str | None) -> KernelChoice:
+    """``--kernel``, else the notebook's kernelspec, else this Python's kernel; a
+    kernel that does not exist gets one line listing those that do. The language is
+    the notebook's, else the kernel's (Python for this Python's kernel)."""
+    metadata = read_notebook(path).get("metadata") or {}
+    kernelspec = metadata.get("kernelspec") or {}
+    said = kernelspec.get("language") or (metadata.get("language_info") or {}).get("name")
+    name = requested or kernelspec.get("name")
+    if not name:
+        # Written by nbformat, jupytext, VS Code, ...: no kernelspec.
+        return KernelChoice(NATIVE_KERNEL, said or "python")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    manager = KernelSpecManager()
+    try:
+        spec = manager.get_kernel_spec(name)
+    except NoSuchKernel:
+        known = manager.find_kernel_specs()
         raise ConfigError(
             f"the notebook asks for kernel {name!r}, which is not installed here; "
             f"installed: {', '.join(sorted(known)) or 'none'}. Pass --kernel NAME"
-        )
-    return name
+        ) from None
+    return KernelChoice(name, (spec.language if requested else said) or spec.language or "python")
 
 
 def run_notebook(
@@ -239,7 +309,7 @@ def run_notebook(
     if src.suffix != ".ipynb":
         raise ConfigError(f"{str(src)!r} is not a .ipynb notebook")
     check_timeout(timeout_s)
-    kernel_name = choose_kernel(src, kernel_name)
+    kernel = choose_kernel(src, kernel_name)
     check_parameters_cell(src, parameters)
     dst = Path(output) if output else src.with_name(src.stem + ".output.ipynb")
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +326,8 @@ def run_notebook(
                 str(src),
                 str(dst),
                 parameters=parameters or {},
-                kernel_name=kernel_name,
+                kernel_name=kernel.name,
+                language=kernel.language,
                 execution_timeout=timeout_s,
                 # past the timeout, interrupt (the ranks stop cleanly), then fail
                 interrupt_on_timeout=True,

@@ -28,6 +28,22 @@ def _notebook_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument(
         "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE")
     )
+    parser.add_argument(
+        "-f",
+        "--parameters-file",
+        action="append",
+        default=[],
+        metavar="FILE.yaml",
+        help="parameters from a YAML file (as papermill's -f)",
+    )
+    parser.add_argument(
+        "-y",
+        "--parameters-yaml",
+        action="append",
+        default=[],
+        metavar="YAML",
+        help="parameters as YAML text; merged: files, then -y, then -p",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per cell")
     return parser
 
@@ -125,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _warm_command(action: str, force: bool) -> int:
-    from rtnb.driver._warmctl import stop_warm_ray, warm_ray_status
+    # The public face, as a notebook would: batch code never reaches into the driver.
+    from rtnb import stop_warm_ray, warm_ray_status
 
     if action == "stop":
         stopped = stop_warm_ray(force=force)
@@ -221,7 +238,7 @@ def _jobs_command(args) -> int:
     job = _jobs.submit_notebook(
         args.notebook,
         args.address,
-        [tuple(p) for p in args.parameter],
+        _parameters(args),
         storage=args.storage,
         timeout_s=args.timeout,
         working_dir=args.working_dir,
@@ -241,12 +258,20 @@ def _jobs_command(args) -> int:
     return 0 if status == "SUCCEEDED" else 1
 
 
+def _parameters(args: argparse.Namespace) -> dict:
+    from rtnb.batch._runner import collect_parameters
+
+    return collect_parameters(
+        args.parameters_file, args.parameters_yaml, [tuple(p) for p in args.parameter]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # papermill imports nbformat, and with it jsonschema's unused IRI grammar: ~2.5 s
     # before `rtnb run` could even say that a notebook does not exist.
     defer_unused_imports()
-    from rtnb.batch._runner import example_notebook, parse_parameters, run_notebook
+    from rtnb.batch._runner import example_notebook, run_notebook
 
     try:
         if args.command in ("submit", "jobs", "logs"):
@@ -274,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_notebook(
                 args.notebook,
                 args.output,
-                parameters=parse_parameters([tuple(p) for p in args.parameter]),
+                parameters=_parameters(args),
                 timeout_s=args.timeout,
                 kernel_name=args.kernel,
             )

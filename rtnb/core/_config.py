@@ -15,7 +15,7 @@ __all__ = ["SessionConfig", "parse_ranks", "STRATEGIES", "BACKENDS"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BACKENDS = ("gloo", "nccl")
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -130,7 +130,13 @@ class SessionConfig:
 def check_name(name: object, what: str = "run name") -> str:
     """A run name someone typed: it becomes one directory, so nothing in it may
     lead elsewhere (no separators, no '..', no control characters)."""
-    if not isinstance(name, str) or not _RUN_NAME.match(name) or ".." in name:
+    if isinstance(name, str) and any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ConfigError(
+            f"{what} {name!r} contains a control character: use only letters, digits, "
+            "'.', '_' and '-' (it names a directory under the storage path)"
+        )
+    # fullmatch: a `$` would also accept a name ending in a newline.
+    if not isinstance(name, str) or not _RUN_NAME.fullmatch(name) or ".." in name:
         raise ConfigError(
             f"{what} {name!r} must start with a letter or digit and use only letters, "
             "digits, '.', '_' and '-' (no '..'): it names a directory under the storage path"

@@ -2,7 +2,7 @@
 
 Environment variables given to the ranks are recorded by name only. Storage URIs
 may carry credentials (``s3://KEY:SECRET@bucket``, ``?access_key=...&secret_key=...``,
-``session_token=...``): wherever a URI is shown or stored, :func:`redact_uri` shows
+``session_token=...``, a presigned URL's ``X-Amz-Signature=...``, ``token=...``, ``sig=...``): wherever a URI is shown or stored, :func:`redact_uri` shows
 it with those parts replaced by ``***``. The real URI stays in memory only, where
 the filesystem needs it.
 """
@@ -19,7 +19,9 @@ MASK = "***"
 # Names that hold a credential: AWS/GCS/Azure style keys, tokens, passwords.
 _SECRET_NAME = re.compile(
     r"(secret|password|passwd|token|credential|access_key|accesskey|api_key|apikey|private_key|"
-    r"session_key|account_key|sas|auth)",
+    r"session_key|account_key|sas|auth|signature)"
+    # Azure SAS signs with `sig=`; matched whole, as the word is part of others.
+    r"|^sig$",
     re.IGNORECASE,
 )
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")

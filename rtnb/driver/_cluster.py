@@ -44,6 +44,7 @@ _LOST_AFTER_S = 1.0
 # A driver whose Ray died is shut down in the background (ray.shutdown takes ~5 s
 # then); the next connect waits for it.
 _letting_go: threading.Thread | None = None
+_auto_connect_before: bool | None = None
 
 
 class RayWatch:
@@ -123,8 +124,19 @@ class RayWatch:
 
 def _let_go_of_the_driver() -> None:
     """Shut this process's Ray driver down in the background, so that a new
-    ``%rtnb start`` can ``ray.init`` again; nothing else calls Ray meanwhile."""
+    ``%rtnb start`` can ``ray.init`` again; nothing else calls Ray meanwhile.
+
+    Until that start, a Ray call in this process does not start a Ray of its own:
+    Ray's API calls ``ray.init()`` when no driver is connected, so a cell loop's
+    ``ray.wait`` landing just after the shutdown started a whole local Ray (tens
+    of seconds on 2 cores) instead of failing."""
     global _letting_go
+    from ray._private import auto_init_hook
+
+    global _auto_connect_before
+    if _auto_connect_before is None:
+        _auto_connect_before = auto_init_hook.enable_auto_connect
+    auto_init_hook.enable_auto_connect = False
 
     def let_go() -> None:
         import ray
@@ -138,8 +150,16 @@ def _let_go_of_the_driver() -> None:
 
 
 def _after_letting_go() -> None:
+    """Before rtnb's own ``ray.init``: the lost driver is gone, and Ray's automatic
+    ``ray.init`` is as it was."""
+    global _auto_connect_before
     if _letting_go is not None:
         _letting_go.join(60)
+    if _auto_connect_before is not None:
+        from ray._private import auto_init_hook
+
+        auto_init_hook.enable_auto_connect = _auto_connect_before
+        _auto_connect_before = None
 
 
 @contextlib.contextmanager
