@@ -190,7 +190,14 @@ def test_live_cells_leave_figures_that_last_in_the_saved_notebook(ray_cluster, t
     said = "".join(o.get("text", "") for o in nb.cells[7].outputs)
     assert "UsageError: no run 'no-such-run'" in said and "%rtnb runs" in said
 
+    for index in (1, 4, 6):
+        kinds_shown = [sorted(d) for d in data(index)]
+        assert any(d.get(SVG, "").startswith("<svg") for d in data(index)), (index, kinds_shown)
+
     from nbconvert import HTMLExporter
 
     html, _ = HTMLExporter().from_filename(str(path))
-    assert html.count("<svg") >= 3, "the figures show in nbconvert's HTML"
+    assert html.count("<svg") >= 3, (
+        "the figures show in nbconvert's HTML",
+        [[sorted(d) for d in data(i)] for i in range(len(nb.cells))],
+    )
