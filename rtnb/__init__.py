@@ -70,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "rtnb.errors",
     "RtnbError": "rtnb.errors",
     "SessionError": "rtnb.errors",
+    "StorageError": "rtnb.errors",
     "WaitTimeout": "rtnb.errors",
     "WorkerGroupError": "rtnb.errors",
 }
@@ -96,6 +97,7 @@ __all__ = [
     "Session",
     "SessionConfig",
     "SessionError",
+    "StorageError",
     "StateChange",
     "WaitTimeout",
     "WarmRayStatus",

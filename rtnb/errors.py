@@ -10,6 +10,7 @@ what the kit means to tell the user and nothing else::
     │   └── WaitTimeout          a wait ran out of time (also a TimeoutError)
     ├── CellError                a cell failed on one or more ranks (remote traceback kept)
     ├── CellInterrupted          the user interrupted a cell; says what was kept or lost
+    │   └── StorageError         a storage write failed: the cell stopped at one step
     ├── WorkerGroupError         a rank died or the group had to be rebuilt
     └── CheckpointError          a checkpoint is unknown, incomplete or untrusted
 
@@ -30,6 +31,7 @@ __all__ = [
     "ConfigError",
     "RtnbError",
     "SessionError",
+    "StorageError",
     "WaitTimeout",
     "WorkerGroupError",
     "one_line",
@@ -92,6 +94,14 @@ class CellInterrupted(RtnbError):
 
     def __reduce__(self):
         return (self.__class__, (self.message, self.kept, self.step))
+
+
+class StorageError(CellInterrupted):
+    """A write to the run's storage failed (a full disk, a read-only folder, an
+    object-store error) during a cell: every rank was stopped at one step, as an
+    interrupt stops them, and the message says what could not be written where,
+    the last committed checkpoint and what to do. ``kept`` and ``step`` as for
+    :class:`CellInterrupted`."""
 
 
 class CellError(RtnbError):

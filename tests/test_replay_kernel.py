@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -79,3 +80,42 @@ def test_a_new_kernel_replays_the_journal_of_a_killed_one(ray_cluster, tmp_path)
     finally:
         second.shutdown()
     assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+
+
+def test_a_kernel_killed_the_instant_a_cell_returns_loses_nothing(ray_cluster, tmp_path):
+    """The journal is written ahead: a push and a cell whose results reached the
+    notebook are in it even when the kernel dies the next instant (its writer thread
+    had no time to put their files in storage)."""
+    storage = str(tmp_path / "runs")
+    start = f"%rtnb start --name instant --storage {storage} --cpus-per-worker 0.5"
+    first = Kernel(cwd=str(tmp_path))
+    try:
+        _ok(first.execute("%load_ext rtnb"))
+        _ok(first.execute(start))
+        # One cell: push, a cell on the ranks, and the kernel's death microseconds later.
+        first.kc.execute(
+            "import os, signal\n"
+            "a = 3\n"
+            "get_ipython().run_line_magic('rtnb', 'push a')\n"
+            "get_ipython().run_line_magic('rtrain', 'b = a * 2')\n"
+            "os.kill(os.getpid(), signal.SIGKILL)"
+        )
+        deadline = time.monotonic() + 60
+        while first.km.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not first.km.is_alive()
+    finally:
+        first.kc.stop_channels()
+        first.km.cleanup_resources()
+    assert wait_for_free_cpus(CLUSTER_CPUS, timeout=60) >= CLUSTER_CPUS
+
+    second = Kernel(cwd=str(tmp_path))
+    try:
+        _ok(second.execute("%load_ext rtnb"))
+        run = _ok(second.execute(start + " --replay"))
+        assert "1 cell and 1 push replayed in" in run.text, run.text
+        run = _ok(second.execute("%rtrain (a, b)"))
+        assert "[rank 0] (3, 6)" in _out(run) and "[rank 1] (3, 6)" in _out(run), _out(run)
+        _ok(second.execute("%rtnb stop"))
+    finally:
+        second.shutdown()

@@ -80,7 +80,8 @@ class RankUpdate:
     ``loaded_checkpoint`` is the id of the checkpoint ``get_checkpoint()`` handed
     out in this cell, so messages name what the ranks really loaded. ``line`` is
     the line of training the rank's steps belong to (0, or the branch a resume
-    from an earlier checkpoint started).
+    from an earlier checkpoint started). ``storage_error``: this rank could not
+    write its checkpoint files; it pauses at its next report for the common stop.
     """
 
     rank: int
@@ -95,3 +96,6 @@ class RankUpdate:
     error: tuple[str, str] | None = None  # (one-line summary, user traceback)
     loaded_checkpoint: str | None = None
     line: int = 0
+    # A checkpoint write that failed (full disk, read-only, an object-store error):
+    # the rank stopped writing and asks for the cell to stop at a common step.
+    storage_error: str | None = None

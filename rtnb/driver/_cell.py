@@ -22,6 +22,7 @@ the group, exactly once. A rank that dies hands the cell to recovery
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -38,6 +39,7 @@ from rtnb.errors import (
     ClusterError,
     RtnbError,
     SessionError,
+    StorageError,
     WaitTimeout,
     WorkerGroupError,
     one_line,
@@ -137,6 +139,9 @@ class CellHandle:
         self._interrupt_sent = False
         self._stop_lock = threading.Lock()
         self._commit_error: CheckpointError | None = None
+        # The first storage write that failed during this cell (a rank's checkpoint
+        # files, the metrics record, the logs, a commit): the cell stops at one step.
+        self._storage_failure: str | None = None
         self._restart_noted = True
 
     # ---- public ------------------------------------------------------------------------
@@ -379,6 +384,37 @@ class CellHandle:
             # The cell fails with this line; its ranks stop at a common step first.
             self._commit_error = exc
             self.stop(f"stopped: {exc}")
+        except OSError as exc:  # the manifest could not be written
+            self._storage_failed(str(exc))
+
+    def _storage_failed(self, what: str) -> None:
+        """A write to the run's storage failed: stop the cell on every rank at one step
+        (cooperatively, as an interrupt does) and end it with one line saying so."""
+        if self._storage_failure is None:
+            self._storage_failure = what
+            self.stop("stopped because storage failed")
+
+    def _storage_error(self, finished: dict[int, RankUpdate]) -> StorageError:
+        steps = {u.step for u in finished.values()}
+        stopped = (
+            f"every rank stopped at step {steps.pop()}" if len(steps) == 1 else "every rank stopped"
+        )
+        latest = None
+        with contextlib.suppress(Exception):
+            latest = self.session.latest_checkpoint_id()
+        kept = (
+            f"the last committed checkpoint is {latest}"
+            if latest
+            else "no checkpoint of this run was committed"
+        )
+        return StorageError(
+            f"cell {self.cell_id} stopped: {self._storage_failure}; {stopped}, the worker "
+            f"group and its variables are intact and {kept}. Free space there (or fix "
+            "its permissions) and run the next cell, or `%rtnb start --storage ELSEWHERE "
+            f"--name {self.session.run_name} --replay`",
+            kept=True,
+            step=max((u.step for u in finished.values()), default=None),
+        )
 
     def _death_summary(self) -> str:
         ranks = sorted(self._dead)
@@ -483,14 +519,24 @@ class CellHandle:
             self.loaded[rank] = update.loaded_checkpoint
             self._note_restart_origin()
         session = self.session
+        if update.storage_error is not None:
+            self._storage_failed(update.storage_error)
         if update.reports:
             self.reported = True
             session.metrics.add(rank, update.reports)
+            if session.metrics.log is not None and session.metrics.log.failure:
+                self._storage_failed(
+                    f"the metrics record could not be written: {session.metrics.log.failure}"
+                )
         for offer in update.checkpoints:
             session.checkpoints.offer(rank, offer)
         for stream, text in update.output:
             if session.logs is not None and not self.replay:
                 session.logs.add(rank, text)
+                if session.logs.failure:
+                    self._storage_failed(
+                        f"the ranks' output could not be kept: {session.logs.failure}"
+                    )
             self._keep_in_log(rank, stream, text)
             for sink in list(self._sinks):
                 try:
@@ -574,6 +620,9 @@ class CellHandle:
         finished = self._finished
         if self._commit_error is not None:
             self._finish(error=self._commit_error)
+            return
+        if self._storage_failure is not None:
+            self._finish(error=self._storage_error(finished))
             return
         interrupted = [u for u in finished.values() if u.state is CellState.INTERRUPTED]
         if self._stop_reason is not None and interrupted:

@@ -467,6 +467,7 @@ class Session:
                 self.metrics.exporter = None
             with contextlib.suppress(RtnbError):
                 self.journal.flush(timeout=10.0)
+            self.journal.close()
             self.state_machine.to(GroupState.STOPPED)
             try:
                 self._write_run_json()

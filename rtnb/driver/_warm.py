@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rtnb.core._net import probe_tcp
+from rtnb.core._paths import rtnb_home
 from rtnb.driver._auth import (
     TOKEN_MODE_ENV,
     TOKEN_PATH_ENV,
@@ -55,7 +56,6 @@ __all__ = [
 
 SWITCH_ENV = "RTNB_WARM_RAY"
 IDLE_ENV = "RTNB_WARM_RAY_IDLE_S"
-HOME_ENV = "RTNB_HOME"
 DEFAULT_IDLE_S = 600.0
 _LAUNCH_TIMEOUT_S = 120.0
 
@@ -79,8 +79,7 @@ def idle_seconds() -> float:
 
 
 def state_dir() -> Path:
-    home = os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "rtnb")
-    return Path(home) / "warm-ray"
+    return rtnb_home() / "warm-ray"
 
 
 def _fingerprint() -> str:

@@ -3,6 +3,11 @@
 A local path appends to ``{folder}/rank-N{suffix}``; object stores cannot
 append, so each flush writes the next numbered chunk under ``{folder}/rank-N/``.
 Writes are buffered and flushed at most once a second (or when the buffer is big).
+
+A flush that fails (a full disk, a read-only folder, an object-store error) raises
+nothing: what it could not write stays buffered for the next flush, a local file
+is cut back to its last whole line, and :attr:`RankAppendLog.failure` says what
+failed until a flush succeeds again; the owner decides what to stop.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import posixpath
 import time
 
+from rtnb.errors import one_line
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["RankAppendLog"]
@@ -32,6 +38,8 @@ class RankAppendLog:
         self._epoch = f"{time.time_ns() // 1_000_000:013d}"
         self._buffered = 0
         self._last_flush = time.monotonic()
+        # What the last flush could not write, and where; None once one succeeds.
+        self.failure: str | None = None
         run_dir.fs.create_dir(self.dir, recursive=True)
 
     def where(self, rank: int) -> str:
@@ -49,22 +57,36 @@ class RankAppendLog:
             self.flush()
 
     def flush(self) -> None:
-        for rank, parts in self._buffers.items():
-            if not parts:
-                continue
-            data = b"".join(parts)
-            if self._local:
-                with open(posixpath.join(self.dir, f"rank-{rank}{self.suffix}"), "ab") as out:
-                    out.write(data)
-            else:
-                seq = self._chunks.get(rank, 0)
-                self._chunks[rank] = seq + 1
-                folder = posixpath.join(self.dir, f"rank-{rank}")
-                self.run_dir.fs.create_dir(folder, recursive=True)
-                with self.run_dir.fs.open_output_stream(
-                    posixpath.join(folder, f"{self._epoch}-{seq:08d}{self.suffix}")
-                ) as out:
-                    out.write(data)
-            parts.clear()
+        try:
+            for rank, parts in self._buffers.items():
+                if parts:
+                    self._write(rank, b"".join(parts))
+                    parts.clear()
+        except Exception as exc:  # noqa: BLE001 - any storage error; kept for the retry
+            self.failure = f"writing {self.where(rank)} failed: {one_line(exc)}"
+            return
+        self.failure = None
         self._buffered = 0
         self._last_flush = time.monotonic()
+
+    def _write(self, rank: int, data: bytes) -> None:
+        if self._local:
+            path = posixpath.join(self.dir, f"rank-{rank}{self.suffix}")
+            with open(path, "ab") as out:
+                start = out.tell()
+                try:
+                    out.write(data)
+                    out.flush()
+                except OSError:
+                    # No half line is left for a reader to trip on: the retry writes it all.
+                    out.truncate(start)
+                    raise
+            return
+        seq = self._chunks.get(rank, 0)
+        folder = posixpath.join(self.dir, f"rank-{rank}")
+        self.run_dir.fs.create_dir(folder, recursive=True)
+        with self.run_dir.fs.open_output_stream(
+            posixpath.join(folder, f"{self._epoch}-{seq:08d}{self.suffix}")
+        ) as out:
+            out.write(data)
+        self._chunks[rank] = seq + 1

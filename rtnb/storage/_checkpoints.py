@@ -134,8 +134,12 @@ class CheckpointStore:
                     except CheckpointError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - storage errors of any kind
-                        raise CheckpointError(
-                            f"committing checkpoint {cid} failed: {one_line(exc)}"
+                        # Storage refuses writes: what waits for a commit is dropped (its
+                        # files stay an incomplete folder, never listed, cleaned up later).
+                        self._pending.clear()
+                        raise OSError(
+                            f"checkpoint {cid} could not be committed to "
+                            f"{self.run_dir.shown(f'checkpoints/{cid}')} ({one_line(exc)})"
                         ) from None
         return committed
 

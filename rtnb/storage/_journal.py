@@ -8,18 +8,23 @@ ends, an entry with its outcome, duration and whether it reported. Values (pushe
 variables, functions) are stored beside their entry as ``{seq}.pkl`` and read
 back only when a replay needs them, so the driver keeps no copy in memory.
 
-An entry is in the journal (and in every replay plan of this process) the moment
-``append`` returns; one writer thread puts the files in storage in that order, off
-the cell's critical path (a trivial cell cost 0.6 ms more with the writes inline).
-``flush()`` waits for them; a write that fails is raised by the next append or
-flush. A process killed outright can lose the last few milliseconds of entries,
-never one in the middle; a cell whose entries were lost was running or had just
-ended, and a replay in a new kernel leaves it out, as it leaves out any cell whose
-outcome it cannot see.
+An entry is written ahead: before ``append`` returns (so before its action reaches
+a rank, and before a cell's result reaches the notebook) its line is in a
+write-ahead file, with one ``os.write`` to a file opened for appending: in the OS,
+so a kernel killed the next instant (SIGKILL, the OOM killer) loses nothing. On a
+local run directory that file, ``journal/ahead-*.jsonl``, is the journal. Object
+storage cannot append: there the write-ahead file is in this machine's spool
+(``RTNB_HOME/journal-spool/``) and one writer thread also puts each entry as a file
+of its own in storage, in order, off the cell's critical path; ``flush()`` waits for
+them. Reading merges both, so a journal whose last files never reached storage is
+whole again on this machine, and the next writer puts what was missing there. A
+push's values are written to the same place as its line, before it. A write that
+fails is one line (a full disk, a read-only folder): an entry that was not written
+ahead was never acted on; one that did not reach object storage is written again
+with the next entry.
 
-One file per entry works the same on a local disk and on object storage, which
-cannot append. Entries are never rewritten; a crash can lose at most the entry
-being written, never one before it. The journal is what recovery replays after a
+Entries are never rewritten; a crash can lose at most the line being written
+(which a reader skips), never one before it. The journal is what recovery replays after a
 failure, what ``--replay`` rebuilds a new kernel's ranks from, and what ``scale``
 carries over to a new group (docs/architecture.md, "The journal").
 """
@@ -27,7 +32,9 @@ carries over to a new group (docs/architecture.md, "The journal").
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
+import os
 import posixpath
 import queue
 import threading
@@ -35,12 +42,14 @@ import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from rtnb.core._paths import rtnb_home
 from rtnb.errors import SessionError, one_line
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["CellOutcome", "EntryKind", "Journal", "JournalEntry", "ReplayStep"]
 
 FOLDER = "journal"
+SPOOL = "journal-spool"
 
 
 class EntryKind(str, enum.Enum):
@@ -133,6 +142,15 @@ class Journal:
         self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
+        self._ahead_fd: int | None = None
+        self._failed: list[tuple[str, bytes]] = []
+        # Where lines are written ahead: the journal folder itself when it is on a
+        # local disk, else this machine's spool for the run.
+        self._ahead_dir = (
+            os.path.join(run_dir.path, FOLDER)
+            if run_dir.is_local
+            else str(rtnb_home() / SPOOL / hashlib.sha1(run_dir.uri.encode()).hexdigest()[:16])
+        )
 
     # ---- reading -------------------------------------------------------------------
     def entries(self) -> list[JournalEntry]:
@@ -153,26 +171,66 @@ class Journal:
             for i in infos
             if i.type == pafs.FileType.File and i.base_name.endswith(".json")
         )
-        entries = []
+        stored: dict[int, JournalEntry] = {}
         for name in names:
             try:
-                entries.append(JournalEntry.from_json(self.run_dir.read_json(f"{FOLDER}/{name}")))
+                entry = JournalEntry.from_json(self.run_dir.read_json(f"{FOLDER}/{name}"))
             except (OSError, ValueError, TypeError):
                 continue  # a torn last entry (crash mid-write) is not an action
-        return sorted(entries, key=lambda e: e.seq)
+            stored[entry.seq] = entry
+        ahead = self._read_ahead()
+        for seq in sorted(set(ahead) - set(stored)):
+            # Written ahead by a process that ended before its files reached storage.
+            entry = ahead[seq]
+            if entry.values is not None:
+                values = os.path.join(self._ahead_dir, entry.values)
+                if not os.path.exists(values):
+                    continue  # its values never got written: its action never happened
+                if not self.run_dir.is_local:
+                    with open(values, "rb") as src:
+                        self._write(f"{FOLDER}/{entry.values}", src.read())
+            if not self.run_dir.is_local:
+                self._write(_entry_name(entry), _entry_bytes(entry))
+            stored[seq] = entry
+        return [stored[seq] for seq in sorted(stored)]
+
+    def _read_ahead(self) -> dict[int, JournalEntry]:
+        found: dict[int, JournalEntry] = {}
+        try:
+            names = sorted(n for n in os.listdir(self._ahead_dir) if n.startswith("ahead-"))
+        except OSError:
+            return found
+        for name in names:
+            try:
+                with open(os.path.join(self._ahead_dir, name), "rb") as src:
+                    lines = src.read().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                try:
+                    entry = JournalEntry.from_json(json.loads(line))
+                except (ValueError, TypeError, KeyError):
+                    continue  # a line cut short by a crash mid-write
+                found[entry.seq] = entry
+        return found
 
     def read_values(self, entry: JournalEntry) -> bytes:
         if entry.values is None:
             raise ValueError(f"journal entry {entry.seq} holds no values")
         self.flush()
-        with self.run_dir.fs.open_input_stream(
-            posixpath.join(self.run_dir.path, FOLDER, entry.values)
-        ) as src:
-            return src.read()
+        try:
+            with self.run_dir.fs.open_input_stream(
+                posixpath.join(self.run_dir.path, FOLDER, entry.values)
+            ) as src:
+                return src.read()
+        except OSError:
+            # Not in storage (yet): the copy written ahead on this machine.
+            with open(os.path.join(self._ahead_dir, entry.values), "rb") as src:
+                return src.read()
 
     # ---- writing -------------------------------------------------------------------
     def append(self, kind: EntryKind, values: bytes | None = None, **fields_: Any) -> JournalEntry:
-        """Add one entry (its values are written first) and return it."""
+        """Add one entry, written ahead (its values first), and return it."""
         self._raise_write_error()
         with self._lock:
             if self._entries is None:
@@ -181,10 +239,62 @@ class Journal:
             entry = JournalEntry(seq=seq, kind=kind, **fields_)
             if values is not None:
                 entry.values = f"{seq:08d}.pkl"
-                self._write(f"{FOLDER}/{entry.values}", values)
-            self._write(f"{FOLDER}/{seq:08d}-{kind}.json", json.dumps(entry.to_json()).encode())
+                self._write_values_ahead(entry.values, values)
+                if not self.run_dir.is_local:
+                    self._write(f"{FOLDER}/{entry.values}", values)
+            data = _entry_bytes(entry)
+            self._write_ahead(data)
+            if not self.run_dir.is_local:
+                # Object storage cannot append: each entry also goes there as a file.
+                self._write(_entry_name(entry), data)
             self._entries.append(entry)
             return entry
+
+    def _write_ahead(self, line: bytes) -> None:
+        try:
+            if self._ahead_fd is None:
+                os.makedirs(self._ahead_dir, mode=0o700, exist_ok=True)
+                name = f"ahead-{time.time_ns()}-{os.getpid()}.jsonl"
+                self._ahead_fd = os.open(
+                    os.path.join(self._ahead_dir, name),
+                    os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                    0o600,
+                )
+            # One write of one line: a kill leaves it whole or (cut short) ignored.
+            written = os.write(self._ahead_fd, line + b"\n")
+            if written != len(line) + 1:
+                raise OSError(f"wrote {written} of {len(line) + 1} bytes")
+        except OSError as exc:
+            raise SessionError(
+                f"the run journal could not be written to {self._shown_ahead_dir()} "
+                f"({one_line(exc)}); nothing was sent to the ranks: free space there (or "
+                "fix its permissions) and run it again"
+            ) from None
+
+    def _write_values_ahead(self, name: str, values: bytes) -> None:
+        try:
+            os.makedirs(self._ahead_dir, mode=0o700, exist_ok=True)
+            target = os.path.join(self._ahead_dir, name)
+            tmp = f"{target}.tmp-{time.time_ns()}"
+            with open(tmp, "wb") as out:
+                out.write(values)
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise SessionError(
+                f"the run journal could not be written to {self._shown_ahead_dir()} "
+                f"({one_line(exc)}); nothing was sent to the ranks: free space there (or "
+                "fix its permissions) and run it again"
+            ) from None
+
+    def _shown_ahead_dir(self) -> str:
+        return repr(self.run_dir.shown(FOLDER)) if self.run_dir.is_local else repr(self._ahead_dir)
+
+    def close(self) -> None:
+        """Stop writing ahead (the entries' own files keep going to storage)."""
+        with self._lock:
+            if self._ahead_fd is not None:
+                os.close(self._ahead_fd)
+                self._ahead_fd = None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every entry appended so far is in storage."""
@@ -206,18 +316,36 @@ class Journal:
             try:
                 if self._write_error is None:
                     self.run_dir.write_bytes(name, data)
+                else:
+                    self._failed.append((name, data))  # keeps the order for the retry
             except BaseException as exc:  # noqa: BLE001 - reported by the next append
+                self._failed.append((name, data))
                 self._write_error = exc
             finally:
                 self._writes.task_done()
 
     def _raise_write_error(self) -> None:
+        """Entries that did not reach storage are tried again first; if they still
+        cannot be written, one line says so (they are written ahead on this machine)."""
         error = self._write_error
-        if error is not None:
+        if error is None:
+            return
+        if self._writer is not None:
+            _join(self._writes, 10.0)
+        failed, self._failed = self._failed, []
+        try:
+            while failed:
+                name, data = failed[0]
+                self.run_dir.write_bytes(name, data)
+                failed.pop(0)
+        except Exception as exc:  # noqa: BLE001 - any storage error: said in one line
+            self._failed = failed + self._failed
             raise SessionError(
                 f"the run journal could not be written to {self.run_dir.uri!r} "
-                f"({one_line(error)}); replay after a failure would be incomplete"
-            )
+                f"({one_line(exc)}); its entries are kept on this machine "
+                f"({self._ahead_dir}) and written there once it takes them again"
+            ) from None
+        self._write_error = None
 
     # ---- replay --------------------------------------------------------------------
     def replay_plan(self, before: int | None = None) -> list[ReplayStep]:
@@ -252,6 +380,14 @@ class Journal:
 
     def cell_entry(self, seq: int) -> JournalEntry | None:
         return next((e for e in self.entries() if e.seq == seq), None)
+
+
+def _entry_name(entry: JournalEntry) -> str:
+    return f"{FOLDER}/{entry.seq:08d}-{entry.kind}.json"
+
+
+def _entry_bytes(entry: JournalEntry) -> bytes:
+    return json.dumps(entry.to_json()).encode()
 
 
 def _join(pending: queue.Queue, timeout: float) -> None:

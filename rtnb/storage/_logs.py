@@ -26,3 +26,8 @@ class RankLogs:
 
     def flush(self) -> None:
         self._log.flush()
+
+    @property
+    def failure(self) -> str | None:
+        """What the last write could not do (kept for the next flush), if anything."""
+        return self._log.failure

@@ -35,6 +35,11 @@ class MetricsLog:
     def flush(self) -> None:
         self._log.flush()
 
+    @property
+    def failure(self) -> str | None:
+        """What the last write could not do (kept for the next flush), if anything."""
+        return self._log.failure
+
 
 def _rows(line: dict[str, Any]) -> list[dict[str, Any]]:
     if "metrics" not in line:

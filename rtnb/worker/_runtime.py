@@ -158,6 +158,7 @@ class RankRuntime:
         # cell goes on; its report is published once the files are in storage.
         self._upload: threading.Thread | None = None
         self._upload_error: BaseException | None = None
+        self._storage_error: str | None = None  # set by a failed checkpoint write
         self._in_flight_step: int | None = None  # guarded by _cond
         # Cell state, guarded by _cond.
         self._cell_id: int | None = None
@@ -211,6 +212,7 @@ class RankRuntime:
             self._replay = replay
             self._value = None
             self._error = None
+            self._storage_error = None
             self._stop_requested = False
             self._stop_target = None
             self._paused_at = None
@@ -354,6 +356,7 @@ class RankRuntime:
             error=self._error if self._state is CellState.ERROR else None,
             loaded_checkpoint=self._loaded_checkpoint,
             line=self.line,
+            storage_error=self._storage_error,
         )
 
     # ---- output and reports (called from the cell thread) --------------------------
@@ -421,6 +424,11 @@ class RankRuntime:
             return step
         self._finish_upload()
         when = time.time()
+        if checkpoint is not None and self._storage_error is not None:
+            # Storage refused this rank's last files: write no more until the stop.
+            if getattr(checkpoint, "_temporary", False):
+                checkpoint.discard()
+            checkpoint = None
         if self._replay:
             # Rebuilding state after a failure: the first run already published
             # these reports and committed these checkpoints.
@@ -452,7 +460,12 @@ class RankRuntime:
                 with self._cond:
                     self._stop_at_boundary_locked()
             return self.step
-        files = self._upload_checkpoint(step, checkpoint) if checkpoint is not None else None
+        files = None
+        if checkpoint is not None:
+            try:
+                files = self._upload_checkpoint(step, checkpoint)
+            except OSError as exc:  # pyarrow's I/O errors are OSErrors too
+                self._storage_failed(step, exc)
         with self._cond:
             # The step and its checkpoint offer are published together: a poll in
             # between would let the driver commit this step without this rank's files.
@@ -476,14 +489,38 @@ class RankRuntime:
         files = None
         try:
             files = upload_directory(*target)
+        except OSError as exc:  # pyarrow's I/O errors are OSErrors too
+            self._storage_failed(step, exc)
         except BaseException as exc:  # noqa: BLE001 - raised in the cell at its next report
             self._upload_error = exc
         finally:
             with self._cond:
-                if files is not None:
+                if files is not None or self._storage_error is not None:
+                    # A step whose files storage refused still has its metrics.
                     self._publish_locked(step, when, metrics, files)
                 self._in_flight_step = None
                 self._cond.notify_all()
+
+    def _storage_failed(self, step: int, exc: BaseException) -> None:
+        """This rank's checkpoint files for ``step`` could not be written: say so in
+        the next poll and pause at the next report, so that the driver stops every
+        rank at one step (the cell goes on otherwise, as a collective needs)."""
+        from rtnb.errors import one_line
+        from rtnb.storage._checkpoints import checkpoint_id
+
+        where = (
+            self._run_dir.shown(f"checkpoints/{checkpoint_id(step, self.line)}")
+            if self._run_dir is not None
+            else self.context.storage_path
+        )
+        with self._cond:
+            if self._storage_error is None:
+                self._storage_error = (
+                    f"rank {self.context.world_rank} could not write its checkpoint files "
+                    f"to {where} ({one_line(exc)})"
+                )
+            self._stop_requested = True
+            self._cond.notify_all()
 
     def _finish_upload(self) -> None:
         """Wait for the background upload, if any; raise its error in the cell."""
