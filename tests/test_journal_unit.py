@@ -112,16 +112,33 @@ def test_delete_touches_only_a_committed_checkpoint_of_this_run(tmp_path):
     assert [c.id for c in store.list()] == ["step-000000002"]
 
 
-def test_a_journal_write_that_fails_is_raised_by_the_next_append(tmp_path):
+def test_a_journal_write_that_fails_is_one_line_and_acts_on_nothing(tmp_path):
+    run_dir = RunDirectory(str(tmp_path), "run")
+    journal = Journal(run_dir)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "journal").write_text("not a folder")  # where the journal must go
+    with pytest.raises(SessionError, match="run journal .* nothing was sent") as info:
+        journal.append(EntryKind.START, workers=2, keep=False)
+    assert "\n" not in str(info.value)
+    (tmp_path / "run" / "journal").unlink()  # the cause is gone: the next append works
+    journal.append(EntryKind.START, workers=2, keep=False)
+    journal.append(EntryKind.CELL, cell_id=1, code="x = 1")
+    assert [e.kind for e in Journal(run_dir).entries()] == [EntryKind.START, EntryKind.CELL]
+
+
+def test_the_journal_is_written_ahead_and_a_torn_last_line_is_skipped(tmp_path):
     run_dir = RunDirectory(str(tmp_path), "run")
     journal = Journal(run_dir)
     journal.append(EntryKind.START, workers=2, keep=False)
-    journal.flush()
-    blocked = tmp_path / "run" / "journal" / "00000002-cell.json"
-    blocked.mkdir()  # a directory where the entry's file must go
-    (blocked / "x").write_text("")
-    journal.append(EntryKind.CELL, cell_id=1, code="x = 1")
-    with pytest.raises(SessionError, match="the run journal could not be written"):
-        journal.flush()
-    with pytest.raises(SessionError, match="could not be written"):
-        journal.append(EntryKind.CELL, cell_id=2, code="x = 2")
+    push = journal.append(EntryKind.PUSH, values=b"pickled", names=["lr"])
+    journal.append(EntryKind.CELL, cell_id=1, code="x = lr")
+    # No flush, no close: what a process killed right now leaves.
+    (ahead,) = (tmp_path / "run" / "journal").glob("ahead-*.jsonl")
+    with open(ahead, "ab") as out:
+        out.write(b'{"seq": 4, "kind": "cell", "co')  # a kill in the middle of a write
+    again = Journal(run_dir)
+    assert [e.seq for e in again.entries()] == [1, 2, 3]
+    assert again.read_values(again.cell_entry(push.seq)) == b"pickled"
+    assert again.append(EntryKind.CELL, cell_id=2, code="y = 1").seq == 4
+    assert [e.seq for e in Journal(run_dir).entries()] == [1, 2, 3, 4]
+

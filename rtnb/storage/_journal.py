@@ -163,9 +163,15 @@ class Journal:
         from pyarrow import fs as pafs
 
         base = posixpath.join(self.run_dir.path, FOLDER)
-        infos = self.run_dir.fs.get_file_info(
-            pafs.FileSelector(base, recursive=False, allow_not_found=True)
-        )
+        try:
+            infos = self.run_dir.fs.get_file_info(
+                pafs.FileSelector(base, recursive=False, allow_not_found=True)
+            )
+        except OSError as exc:
+            raise SessionError(
+                f"the run journal in {self.run_dir.shown(FOLDER)!r} cannot be read "
+                f"({one_line(exc)}); nothing was sent to the ranks"
+            ) from None
         names = sorted(
             i.base_name
             for i in infos
