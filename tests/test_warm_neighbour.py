@@ -37,6 +37,31 @@ def _namespace_works() -> bool:
     return probe.returncode == 0
 
 
+def _needed_under_tmp() -> list[str]:
+    """What the scenario runs from that a fresh /tmp would hide: a clone under /tmp
+    (as CI may make) with its venv, or an interpreter installed there."""
+    paths = {
+        os.path.realpath(p)
+        for p in (SCENARIO.parent.parent, sys.prefix, sys.base_prefix, sys.executable)
+    }
+    under = sorted(p for p in paths if p.startswith("/tmp/"))
+    return [p for p in under if not any(p.startswith(q + "/") for q in under)]
+
+
+def _fresh_tmp_keeping(paths: list[str]) -> str:
+    """Shell steps that mount an empty /tmp in this namespace and bind ``paths`` back
+    into it (held on a private tmpfs at /mnt meanwhile)."""
+    if not paths:
+        return "mount -t tmpfs tmpfs /tmp"
+    steps = ["mount -t tmpfs tmpfs /mnt"]
+    for i, path in enumerate(paths):
+        steps += [f"mkdir /mnt/keep{i}", f'mount --bind "{path}" /mnt/keep{i}']
+    steps.append("mount -t tmpfs tmpfs /tmp")
+    for i, path in enumerate(paths):
+        steps += [f'mkdir -p "{path}"', f'mount --move /mnt/keep{i} "{path}"']
+    return " && ".join(steps)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     if not _namespace_works():
@@ -55,8 +80,9 @@ def results() -> dict:
         PYTHONPATH=str(SCENARIO.parent.parent),
     )
     script = (
-        "mount -t tmpfs tmpfs /tmp && mkdir -p /tmp/home /tmp/work && "
-        f'exec "{sys.executable}" "{SCENARIO}"'
+        _fresh_tmp_keeping(_needed_under_tmp())
+        + " && mkdir -p /tmp/home /tmp/work && "
+        + f'exec "{sys.executable}" "{SCENARIO}"'
     )
     out = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
