@@ -13,6 +13,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -80,7 +81,7 @@ class RankActor:
         self._relay: Any = None
         self._relayed = 0  # rank 0: the last token relayed
         self._sweeper: _KeySweeper | None = None  # rank 0: deletes spent relay keys
-        self._closer: Any = None  # rank 0: closes answers not in on time (see _gather)
+        self._closer: _AnswerCloser | None = None  # rank 0: see _gather
         # Ranks but 0: the listener's progress through the tokens.
         self._hearing = threading.Condition()
         self._heard_token = 0
@@ -232,7 +233,7 @@ class RankActor:
         self._relay = self._store_client(master_addr, master_port)
         if self.runtime.context.world_rank == 0:
             self._sweeper = _KeySweeper(self._store_client(master_addr, master_port))
-            self._closer = self._store_client(master_addr, master_port)
+            self._closer = _AnswerCloser(self._store_client(master_addr, master_port))
         else:
             self._listening = True
             threading.Thread(target=self._listen, name="rtnb-cell-relayed", daemon=True).start()
@@ -308,22 +309,22 @@ class RankActor:
         logs two warning lines for every wait that does, which a user-started Ray
         streams into the notebook): the answers still missing are closed from
         another connection (the same compare_set a late listener then loses to),
-        which ends the wait."""
-        store = self._relay
+        which ends the wait. One answer (a group of 2) is one blocking read, which
+        returns it as it lands: no check, wait and read, three round trips."""
+        store, closer = self._relay, self._closer
+        if len(keys) == 1:
+            closer.arm(keys, wait_s)
+            try:
+                return [store.get(keys[0])]
+            finally:
+                closer.disarm()
         if not store.check(keys):
-            closing = threading.Timer(wait_s, self._close_answers, args=(keys,))
-            closing.start()
+            closer.arm(keys, wait_s)
             try:
                 store.wait(keys)
             finally:
-                closing.cancel()
-                closing.join()  # it closes nothing after the sweeper deleted the keys
+                closer.disarm()
         return store.multi_get(keys)
-
-    def _close_answers(self, keys: list[str]) -> None:
-        with contextlib.suppress(Exception):  # the store is gone with the group
-            for key in keys:
-                self._closer.compare_set(key, b"", _NO_ANSWER)
 
     def _listen(self) -> None:
         from ray import cloudpickle
@@ -433,6 +434,58 @@ class RankActor:
 
     def ping(self) -> str:
         return str(self.runtime.state)
+
+
+class _AnswerCloser:
+    """Rank 0: closes the relay answers still missing at a deadline, from a connection
+    and a thread of its own that live as long as the group (a timer thread started
+    and joined per cell cost a trivial cell ~0.1 ms on a small machine). Arming and
+    disarming wake the thread only when it sleeps with nothing armed: cells in
+    quick succession cost it one wake-up per deadline, not two per cell."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._cond = threading.Condition()
+        self._armed: tuple[float, list[str]] | None = None
+        self._idle = False
+        self._closing = False
+        threading.Thread(target=self._run, name="rtnb-relay-closer", daemon=True).start()
+
+    def arm(self, keys: list[str], wait_s: float) -> None:
+        with self._cond:
+            self._armed = (time.monotonic() + wait_s, keys)
+            if self._idle:
+                self._cond.notify_all()
+
+    def disarm(self) -> None:
+        """Once this returns, nothing of the last arm() is closed any more: a close
+        after the sweeper deleted a key would leave that key in the store."""
+        with self._cond:
+            self._armed = None
+            self._cond.wait_for(lambda: not self._closing)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._armed is None:
+                        self._idle = True
+                        self._cond.wait()
+                        self._idle = False
+                        continue
+                    left = self._armed[0] - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                keys, self._armed, self._closing = self._armed[1], None, True
+            try:
+                with contextlib.suppress(Exception):  # the store is gone with the group
+                    for key in keys:
+                        self._store.compare_set(key, b"", _NO_ANSWER)
+            finally:
+                with self._cond:
+                    self._closing = False
+                    self._cond.notify_all()
 
 
 class _KeySweeper:
