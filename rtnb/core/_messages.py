@@ -20,12 +20,9 @@ __all__ = [
     "CheckpointOffer",
     "Portable",
     "RankUpdate",
-    "ReportRecord",
     "StopPhase",
 ]
 
-# (step, unix time, metrics) of one rtnb.report() call.
-ReportRecord = tuple[int, float, dict[str, Any]]
 # A value sent back from a rank: (pickled bytes or None when unpicklable, repr).
 Portable = tuple[bytes | None, str]
 
