@@ -1,4 +1,4 @@
-"""A full disk is a clear stop, not a wedged session: the run's storage on a small
+"""A full disk (and a bucket made read-only) is a clear stop, not a wedged session: the run's storage on a small
 tmpfs fills up while a 2-rank cell saves checkpoints. The cell stops on every rank
 at one step and ends with one line (what could not be written where, the last
 committed checkpoint, what to do); nothing half-written is listed; the metrics
@@ -7,12 +7,15 @@ checkpoints again, and a replay in a new session starts from the last commit."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import threading
 
 import pytest
 
 import rtnb
 from tests.conftest import missing
+from tests.test_s3 import CREDENTIALS, s3_storage  # noqa: F401 - the moto fixture
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -86,6 +89,76 @@ def test_a_full_disk_stops_the_cell_on_every_rank_and_the_session_goes_on(ray_cl
 
     with rtnb.Session(
         workers=2, cpus_per_worker=0.5, storage=storage, name="full", replay=True
+    ) as again:
+        assert again.run("x") == {0: 7, 1: 7}
+        assert again.latest_checkpoint_id() == after
+
+
+def _deny_writes(client, bucket: str) -> None:
+    """Make the bucket read-only, as an operator's policy or an expired write role does."""
+    client.put_bucket_policy(
+        Bucket=bucket,
+        Policy=json.dumps(
+            {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {
+                        "Effect": "Deny",
+                        "Principal": "*",
+                        "Action": ["s3:PutObject"],
+                        "Resource": f"arn:aws:s3:::{bucket}/*",
+                    }
+                ],
+            }
+        ),
+    )
+
+
+def test_a_bucket_made_read_only_mid_run_stops_cleanly(ray_cluster, s3_storage, monkeypatch):  # noqa: F811
+    storage, client = s3_storage
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    with rtnb.Session(
+        workers=2, cpus_per_worker=0.5, storage=storage, name="readonly", env=CREDENTIALS
+    ) as session:
+        two_committed = threading.Event()
+        session.checkpoints.subscribe(
+            lambda _info: len(session.list_checkpoints()) >= 2 and two_committed.set()
+        )
+        handle = session.run_background(SAVE_UNTIL_FULL, output=lambda *a: None)
+        assert two_committed.wait(120), "no two checkpoints committed in 120 s"
+        _deny_writes(client, "rtnb-test")
+        try:
+            with pytest.raises(rtnb.StorageError) as info:
+                handle.wait(120)
+            said = str(info.value)
+            assert "\n" not in said
+            assert "could not" in said and "every rank stopped at step" in said, said
+            assert "secret" not in said.lower() and CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in said
+            committed = session.list_checkpoints()
+            latest = committed[-1].id
+            assert f"the last committed checkpoint is {latest}" in said, said
+            for info_ in committed:
+                session.checkpoints.get(info_.id).verify(full=True)
+            assert session.status().state == "ready"
+        finally:
+            client.delete_bucket_policy(Bucket="rtnb-test")
+        assert session.run("1 + 1") == {0: 2, 1: 2}, "the next cell runs once writes work"
+        session.run(
+            "import rtnb\nck = rtnb.get_checkpoint()\n"
+            "rtnb.report({'loss': 0.0}, checkpoint=rtnb.Checkpoint.from_state({'after': True}))"
+        )
+        after = session.list_checkpoints()[-1].id
+        assert after != latest, "and checkpoints again"
+        session.run("x = 7")
+
+    with rtnb.Session(
+        workers=2,
+        cpus_per_worker=0.5,
+        storage=storage,
+        name="readonly",
+        env=CREDENTIALS,
+        replay=True,
     ) as again:
         assert again.run("x") == {0: 7, 1: 7}
         assert again.latest_checkpoint_id() == after
