@@ -254,3 +254,32 @@ def test_rtnb_help_lists_every_subcommand_and_every_flag():
         for option in action.option_strings:
             assert option in text or option in ("-h", "--help")
     assert "%rtnb scale WORKERS" in text and "%rtnb pull NAME" in text
+
+
+def test_the_relay_closes_a_missing_answer_at_the_shorter_of_two_waits():
+    """Rank 0 gives way (a short wait) right after a cell that waited long: the
+    listener's missing answer is closed at the short deadline, not the long one, and
+    once disarmed nothing is closed any more (a real TCPStore, in this process)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rtnb.worker._actor import _AnswerCloser
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+    closer = _AnswerCloser(
+        dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    )
+    closer.arm(["kept"], 120.0)
+    closer.disarm()
+    closer.arm(["long"], 120.0)
+    while closer._idle:  # woken by that arm; it holds the lock until it sleeps again
+        time.sleep(0.001)
+    with closer._cond:
+        pass  # now it sleeps until the long deadline
+    closer.arm(["short"], 0.05)  # replaces it, and must not wait for it
+    client.wait(["short"], timedelta(seconds=30))  # the old code waited 120 s here
+    assert client.get("short") == b"-"
+    closer.disarm()
+    assert not client.check(["kept", "long"]), "a disarmed wait closes nothing"

@@ -440,21 +440,26 @@ class _AnswerCloser:
     """Rank 0: closes the relay answers still missing at a deadline, from a connection
     and a thread of its own that live as long as the group (a timer thread started
     and joined per cell cost a trivial cell ~0.1 ms on a small machine). Arming and
-    disarming wake the thread only when it sleeps with nothing armed: cells in
-    quick succession cost it one wake-up per deadline, not two per cell."""
+    disarming wake the thread only when it sleeps with nothing armed, or until a
+    later deadline than the new one: cells in quick succession cost it one wake-up
+    per deadline, not two per cell."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
         self._cond = threading.Condition()
         self._armed: tuple[float, list[str]] | None = None
         self._idle = False
+        self._wakes_at = 0.0  # the deadline the thread sleeps until, when not idle
         self._closing = False
         threading.Thread(target=self._run, name="rtnb-relay-closer", daemon=True).start()
 
     def arm(self, keys: list[str], wait_s: float) -> None:
         with self._cond:
-            self._armed = (time.monotonic() + wait_s, keys)
-            if self._idle:
+            deadline = time.monotonic() + wait_s
+            self._armed = (deadline, keys)
+            # A shorter wait (rank 0 giving way) than the one slept on must not wait
+            # for the longer one.
+            if self._idle or deadline < self._wakes_at:
                 self._cond.notify_all()
 
     def disarm(self) -> None:
@@ -473,7 +478,8 @@ class _AnswerCloser:
                         self._cond.wait()
                         self._idle = False
                         continue
-                    left = self._armed[0] - time.monotonic()
+                    self._wakes_at = self._armed[0]
+                    left = self._wakes_at - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
