@@ -271,11 +271,7 @@ class Journal:
             if written != len(line) + 1:
                 raise OSError(f"wrote {written} of {len(line) + 1} bytes")
         except OSError as exc:
-            raise SessionError(
-                f"the run journal could not be written to {self._shown_ahead_dir()} "
-                f"({one_line(exc)}); nothing was sent to the ranks: free space there (or "
-                "fix its permissions) and run it again"
-            ) from None
+            raise self._not_written_ahead(exc) from None
 
     def _write_values_ahead(self, name: str, values: bytes) -> None:
         try:
@@ -286,11 +282,14 @@ class Journal:
                 out.write(values)
             os.replace(tmp, target)
         except OSError as exc:
-            raise SessionError(
-                f"the run journal could not be written to {self._shown_ahead_dir()} "
-                f"({one_line(exc)}); nothing was sent to the ranks: free space there (or "
-                "fix its permissions) and run it again"
-            ) from None
+            raise self._not_written_ahead(exc) from None
+
+    def _not_written_ahead(self, exc: OSError) -> SessionError:
+        return SessionError(
+            f"the run journal could not be written to {self._shown_ahead_dir()} "
+            f"({one_line(exc)}); nothing was sent to the ranks: free space there (or "
+            "fix its permissions) and run it again"
+        )
 
     def _shown_ahead_dir(self) -> str:
         return repr(self.run_dir.shown(FOLDER)) if self.run_dir.is_local else repr(self._ahead_dir)
