@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import urllib.request
+
 import pytest
 
 import rtnb
@@ -24,6 +27,14 @@ def s3_storage():
     port = free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
+    # A moto server keeps its buckets in process-global state that every server
+    # started later in this pytest process shares: start each module's bucket empty
+    # (another module's runs would show up in this one's listings otherwise).
+    urllib.request.urlopen(
+        urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST")
+    ).close()
+    # Each request is an INFO line; a failing test would print thousands of them.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     try:
         client = boto3.client(
             "s3",
