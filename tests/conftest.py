@@ -89,6 +89,9 @@ class HeadNode:
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}",
+            # Not Ray's fixed 52365: a `ray start --head` a test runs beside this
+            # cluster (test_warm_neighbour's user) needs it for its job agent.
+            f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={self.temp_dir}",
         ]
         with open(self.log, "w") as log:

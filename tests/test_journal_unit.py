@@ -141,4 +141,3 @@ def test_the_journal_is_written_ahead_and_a_torn_last_line_is_skipped(tmp_path):
     assert again.read_values(again.cell_entry(push.seq)) == b"pickled"
     assert again.append(EntryKind.CELL, cell_id=2, code="y = 1").seq == 4
     assert [e.seq for e in Journal(run_dir).entries()] == [1, 2, 3, 4]
-
