@@ -24,6 +24,7 @@ from rtnb.widgets import (
     RankLog,
     RunsDashboard,
     has_live_frontend,
+    import_figure_widget_in_background,
     runs_bundle,
     static_figure_bundle,
 )
@@ -400,6 +401,9 @@ class RtnbMagics(Magics):
             print(f"rtnb: run {session.run_name!r} rebuilt from its journal: {session.last_replay}")
         self.session = session
         display(session.status())
+        if has_live_frontend():
+            # While the user writes the next cell: the first live plot draws at once.
+            import_figure_widget_in_background()
 
     def _rtnb_status(self, rest: str):
         self._no_args("status", rest)
@@ -655,6 +659,7 @@ class RtnbMagics(Magics):
     def _run(self, code: str, args, live_view: bool = True):
         session = self._require()
         live = live_view and not args.no_live and has_live_frontend()
+        label = self._cell_label()
         try:
             if args.background:
                 handle = session.run_background(
@@ -663,12 +668,11 @@ class RtnbMagics(Magics):
                     timeout=args.timeout,
                     total_steps=args.steps,
                     once=args.once,
+                    label=label,
                 )
                 if not args.quiet:
                     if live:
-                        self.last_view = LiveMetrics(
-                            session.metrics, handle, label=self._cell_label()
-                        ).show()
+                        self.last_view = LiveMetrics(session.metrics, handle).show()
                     else:
                         self.last_view = RankLog(handle)
                         display(self.last_view)
@@ -677,7 +681,7 @@ class RtnbMagics(Magics):
             if args.quiet:
                 sink = lambda rank, stream, text: None  # noqa: E731
             elif live:
-                late = LiveOnFirstReport(session.metrics, print_sink(), self._cell_label())
+                late = LiveOnFirstReport(session.metrics, print_sink())
                 sink = late
             else:
                 sink = None
@@ -688,6 +692,7 @@ class RtnbMagics(Magics):
                 total_steps=args.steps,
                 output=sink,
                 once=args.once,
+                label=label,
             )
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
@@ -711,8 +716,12 @@ class RtnbMagics(Magics):
                         display(bundle, raw=True)
 
     def _cell_label(self) -> str | None:
-        # While a cell runs, IPython's execution_count is the number of its In [N].
-        count = getattr(self.shell, "execution_count", None)
+        """The running cell's In [N] as the notebook shows it. IPython 9 counts the
+        next cell up before this one runs (shell.execution_count is N + 1 here, and
+        N under IPython 8); the display hook's result of the running cell is N in
+        both."""
+        running = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        count = getattr(running, "execution_count", None)
         return f"[{count}]" if isinstance(count, int) else None
 
 
@@ -760,7 +769,7 @@ def _resume_in_view(session: Session, checkpoint_id: str, run: str | None):
     # A button click reaches the kernel only through a live widget frontend.
     view = LiveMetrics(session.metrics, handle)
     return (
-        f"cell {handle.cell_id} is running in the background from it (`%rtnb wait` for its value)",
+        f"{handle.name} is running in the background from it (`%rtnb wait` for its value)",
         view,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -107,9 +108,27 @@ def _notebook(root: Path, cells: list[str]) -> str:
     return "live.ipynb"
 
 
+def _listen_for_comm_noise(page, noise: list[str]) -> None:
+    """Collect the ids of comms the kernel was sent messages for after closing them:
+    ipykernel logs "No such comm: <id>" to the cell-less stderr JupyterLab's log
+    console shows. Only the kernel's own comms count (ipywidgets names them with a
+    bare hex uuid): the page's widget manager also probes a control comm with a
+    dashed id as the notebook opens, before any cell imported ipywidgets, which is
+    JupyterLab's own and happens without rtnb too."""
+
+    def frame(payload) -> None:
+        data = payload if isinstance(payload, bytes) else payload.encode()
+        for comm in re.findall(rb"No such comm: ([0-9a-f]{32})\b", data):
+            if comm.decode() not in noise:
+                noise.append(comm.decode())
+
+    page.on("websocket", lambda ws: ws.on("framereceived", frame))
+
+
 @contextlib.contextmanager
-def _opened(url: str, name: str, tmp_path: Path):
-    """The notebook open in headless Chromium with its first cell (`%rtnb start`) run."""
+def _opened(url: str, name: str, tmp_path: Path, noise: list[str] | None = None):
+    """The notebook open in headless Chromium with its first cell (`%rtnb start`) run;
+    ``noise`` collects the kernel's "No such comm" lines over the whole visit."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -127,6 +146,8 @@ def _opened(url: str, name: str, tmp_path: Path):
         )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            if noise is not None:
+                _listen_for_comm_noise(page, noise)
             page.goto(f"{url}/lab/tree/{name}?token={TOKEN}")
             page.wait_for_selector(
                 ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000
@@ -200,6 +221,73 @@ def _seen_growing(page, deadline_s: float, cell: int | None = None) -> list[list
     return samples
 
 
+def _luminance(color: str) -> float:
+    """WCAG relative luminance of a CSS colour ("#rrggbb", "rgb(r, g, b)")."""
+    color = color.strip()
+    if color.startswith("#"):
+        digits = color[1:]
+        if len(digits) in (3, 4):  # #rgb(a) stands for #rrggbb(aa)
+            digits = "".join(d * 2 for d in digits)
+        channels = [int(digits[i : i + 2], 16) for i in (0, 2, 4)]
+    else:
+        channels = [int(float(c)) for c in color[color.index("(") + 1 : -1].split(",")[:3]]
+
+    def linear(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in channels)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def _contrast(a: str, b: str) -> float:
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def _colours(page) -> dict:
+    """What the page paints: its background, every plot line's colour and every plot
+    button's face and text (the lasting figures' own controls)."""
+    return page.evaluate(
+        "() => { const probe = document.createElement('div');"
+        " probe.style.background = 'var(--jp-layout-color0)'; document.body.appendChild(probe);"
+        " const bg = getComputedStyle(probe).backgroundColor; probe.remove();"
+        " const lines = [...document.querySelectorAll('.js-plotly-plot .scatterlayer path.js-line')]"
+        "  .map(p => p.style.stroke || p.getAttribute('stroke')).filter(Boolean);"
+        " const buttons = [...document.querySelectorAll('.updatemenu-button')].map(b => ({"
+        "  face: b.querySelector('rect').style.fill || b.querySelector('rect').getAttribute('fill'),"
+        "  text: b.querySelector('text').style.fill || b.querySelector('text').getAttribute('fill')}));"
+        " return {background: bg, lines, buttons}; }"
+    )
+
+
+def _assert_readable(colours: dict, theme: str) -> None:
+    background = colours["background"]
+    assert colours["lines"] and colours["buttons"], colours
+    for line in set(colours["lines"]):
+        ratio = _contrast(line, background)
+        assert ratio >= 3.0, f"{theme}: a plot line {line} on {background} is {ratio:.2f}:1"
+    for button in colours["buttons"]:
+        ratio = _contrast(button["text"], button["face"])
+        assert ratio >= 4.5, f"{theme}: button text {button} is {ratio:.2f}:1"
+
+
+def _lag_sample(page, cell: int) -> dict:
+    """The live view of notebook cell ``cell`` at one instant: its header, and the last
+    step each rank's trace draws."""
+    return page.evaluate(
+        "i => { const c = document.querySelectorAll('.jp-Cell')[i];"
+        " const head = c && c.querySelector('.widget-html-content');"
+        " const el = c && c.querySelector('.js-plotly-plot');"
+        " const last = {};"
+        " for (const t of (el && el.data) || []) {"
+        "  if (t.name && t.name.startsWith('rank ')) {"
+        "   const xs = Array.from(t.x || []); last[t.name] = xs.length ? xs[xs.length - 1] : null; } }"
+        " return {header: head ? head.textContent : '', last}; }",
+        cell,
+    )
+
+
 def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
     """In the dark theme: the live plot grows, fills the output width and has no white
     box; reloaded while a background cell runs, the tab shows the plot live again."""
@@ -224,6 +312,11 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         page.keyboard.press("Shift+Enter")  # the reporting cell
         page.wait_for_selector(".js-plotly-plot", timeout=120_000)
         samples = _seen_growing(page, 150)
+        # While it runs: how far behind the header's step each rank's trace is.
+        lags = []
+        for _ in range(10):
+            lags.append(_lag_sample(page, 1))
+            time.sleep(0.5)
         page.screenshot(path=str(tmp_path / "live_plot_dark.png"), full_page=True)
         look = page.evaluate(
             "() => { const el = document.querySelector('.js-plotly-plot');"
@@ -238,6 +331,10 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         header = page.locator(".widget-html-content").first.inner_text()
         (tmp_path / "seen").write_text("stop")
         _wait_idle(page)  # the foreground cell ended; the background one starts next
+        page.wait_for_selector(".updatemenu-button", state="attached", timeout=30_000)
+        dark_colours = _colours(page)  # the lasting figure, its lines and buttons
+        # Known once the cell ended (a running cell's prompt reads [*]).
+        prompt = page.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text()
         page.keyboard.press("Shift+Enter")
         in_cell_2 = (
             "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
@@ -250,7 +347,10 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         page.keyboard.press("Control+s")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            saved = json.loads((root / name).read_text())["cells"][2].get("outputs", [])
+            try:  # JupyterLab may be writing the file right now
+                saved = json.loads((root / name).read_text())["cells"][2].get("outputs", [])
+            except ValueError:
+                saved = []
             if any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in saved):
                 break
             time.sleep(0.3)
@@ -279,9 +379,38 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
     assert any(a < b for a, b in zip(growing, growing[1:]))
     assert "step" in header
     assert (tmp_path / "live_plot_dark.png").stat().st_size > 10_000
+    _assert_readable(dark_colours, "dark")
+    _assert_plot_keeps_up(lags, prompt)
+
+
+def _assert_plot_keeps_up(lags: list[dict], prompt: str) -> None:
+    """Every rank is drawn in every sample, the header names the cell as its In [N]
+    prompt does, and the plot is about a second behind the header's step or less."""
+    import re
+
+    behind, rates = [], []
+    for sample in lags:
+        assert set(sample["last"]) == {"rank 0", "rank 1"}, f"a rank is not drawn: {sample}"
+        number = re.search(r"\[(\d+)\]", prompt).group(1)
+        assert sample["header"].startswith(f"[{number}]"), (prompt, sample["header"])
+        step = re.search(r"step (\d+)", sample["header"])
+        rate = re.search(r"([\d.]+) steps/s", sample["header"])
+        if step is None or rate is None or None in sample["last"].values():
+            continue
+        behind.append(int(step.group(1)) - min(sample["last"].values()))
+        rates.append(float(rate.group(1)))
+    assert len(behind) >= 5, f"too few samples with a step: {lags}"
+    typical = sorted(behind)[len(behind) // 2]
+    assert typical <= 1.5 * max(rates) + 5, (
+        f"the plot lags the header by {behind} steps ({rates} steps/s)"
+    )
 
 
 def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_path):
+    """Train (loss best at step 4), a syntax error, the checkpoint browser (the star on
+    step 4 by the loss's name), Resume from step 2, the runs dashboard open while the
+    run is live (the resumed run with its main line), stop. Over the whole visit the
+    kernel never hears from a comm it closed, and the light theme reads well."""
     url, root = lab
     runs = tmp_path / "runs"
     name = _notebook(
@@ -293,21 +422,37 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
             "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
             "print(f'training from i={i}')\n"
             "while i < 8:\n"
-            "    rtnb.report({'i': i}, checkpoint=rtnb.Checkpoint.from_state({'i': i}) if dist.get_rank() == 0 else None)\n"
+            "    rtnb.report({'i': i, 'loss': abs(i - 4) + 0.5}, checkpoint=rtnb.Checkpoint.from_state({'i': i}) if dist.get_rank() == 0 else None)\n"
             "    i += 1\n"
             "    time.sleep(0.05)",
+            "%%rtrain\nx = (",
             "%rtnb checkpoints",
-            "%rtnb wait\n%rtnb stop",
             f"%rtnb runs {runs} --metric i",
+            "%rtnb wait\n%rtnb stop",
         ],
     )
     _finished_run(runs, "other", [10.0 - s for s in range(6)])
-    with _opened(url, name, tmp_path) as page:
+    noise: list[str] = []
+    with _opened(url, name, tmp_path, noise) as page:
         page.keyboard.press("Shift+Enter")  # train i = 0..7, a checkpoint per step
         _wait_idle(page)
+        page.wait_for_selector(".updatemenu-button", state="attached", timeout=30_000)
+        light_colours = _colours(page)
+        train_prompt = page.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text()
+        page.keyboard.press("Shift+Enter")  # a syntax error
+        _wait_idle(page)
+        error_cell = page.locator(".jp-Cell").nth(2)
+        error_text = error_cell.locator(".jp-OutputArea-output").inner_text()
+        error_prompt = error_cell.locator(".jp-InputPrompt").inner_text()
         page.keyboard.press("Shift+Enter")  # the checkpoint browser
         browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
         browser_widget.wait_for(timeout=30_000)
+        rows_text = [
+            o.inner_text() for o in browser_widget.locator(".rtnb-ckpt-rows select option").all()
+        ]
+        rule_text = browser_widget.locator(
+            ".widget-html-content:has-text('best')"
+        ).first.inner_text()
         resume = browser_widget.locator("button:has-text('Resume')")
         assert resume.is_disabled(), "nothing selected, nothing to resume"
         # Click the timeline's marker of step 2 (it holds i=2: steps count from 0).
@@ -329,7 +474,24 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         page.wait_for_selector("text=training from i=3", timeout=60_000)
         message = browser_widget.locator(".widget-html-content:has-text('Resume:')").inner_text()
         page.screenshot(path=str(tmp_path / "resumed.png"), full_page=True)
-        page.locator(".jp-Cell").nth(3).click()
+        # The runs dashboard while the run is live (it re-reads live runs every 3 s):
+        # select both runs, see both curves and the resumed run's main line.
+        page.locator(".jp-Cell").nth(4).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Shift+Enter")
+        rows = page.locator(".rtnb-runs-rows select")
+        rows.wait_for(timeout=60_000)
+        rows.select_option(index=[0, 1])
+        dashboard_plot = (
+            "() => { const d = document.querySelector('.rtnb-runs-rows').closest('.widget-vbox');"
+            " const p = d.querySelector('.js-plotly-plot');"
+            " return p && p.data ? p.data.map(t => t.name).sort() : []; }"
+        )
+        page.wait_for_function(f"() => ({dashboard_plot})().length === 3", timeout=30_000)
+        time.sleep(7)  # two of the dashboard's refreshes of the live run
+        overlaid = page.evaluate(dashboard_plot)
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        page.locator(".jp-Cell").nth(5).click()
         page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")  # wait for the resumed cell, stop the group
         page.wait_for_selector(".jp-OutputArea-output:has-text('stopped')", timeout=90_000)
@@ -340,23 +502,14 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
             " return plots.length ? plots[plots.length - 1].data.map("
             "  t => ({name: t.name, x0: t.x ? Array.from(t.x)[0] : null})) : []; }"
         )
-        # The runs dashboard: select both finished runs, see both curves.
-        page.keyboard.press("Shift+Enter")
-        rows = page.locator(".rtnb-runs-rows select")
-        rows.wait_for(timeout=60_000)
-        rows.select_option(index=[0, 1])
-        page.wait_for_function(
-            "() => { const d = document.querySelector('.rtnb-runs-rows').closest('.widget-vbox');"
-            " const p = d.querySelector('.js-plotly-plot');"
-            " return !!(p && p.data && p.data.length === 2); }",
-            timeout=30_000,
-        )
-        overlaid = page.evaluate(
-            "() => { const d = document.querySelector('.rtnb-runs-rows').closest('.widget-vbox');"
-            " return d.querySelector('.js-plotly-plot').data.map(t => t.name).sort(); }"
-        )
-        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        time.sleep(2)  # what the page still sends once the views ended
     assert "step-000000002" in message and "running in the background" in message
+    assert f"cell {train_prompt.strip(': ')}" in message, (train_prompt, message)
+    number = error_prompt.strip("[]: ")
+    assert f"In[{number}]" in error_text and "SyntaxError" in error_text, (error_prompt, error_text)
+    best = [r for r in rows_text if "best" in r.split()[-3:]]
+    assert len(best) == 1 and "step-000000004" in best[0], rows_text
+    assert "best: lowest loss (by its name" in rule_text, rule_text
     frame = rtnb.Result.from_path(str(runs / "clicked")).metrics_dataframe
     values = frame[frame["rank"] == 0]["i"].tolist()
     assert values == [*range(8), *range(3, 8)], "trained 0..7, then resumed at 3 up to 7"
@@ -364,7 +517,9 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
     assert names.get("earlier line") == 0 and names.get("rank 0") == 3, traces
     committed = sorted(p.name for p in (runs / "clicked" / "checkpoints").iterdir() if p.is_dir())
     assert "step-000000007" in committed and "step-000000007-b1" in committed, committed
-    assert overlaid == ["clicked", "other"], overlaid
+    assert overlaid == ["clicked", "clicked (earlier line)", "other"], overlaid
+    assert noise == [], f"the kernel got messages for comms it had closed: {noise}"
+    _assert_readable(light_colours, "light")
 
 
 def _finished_run(runs: Path, name: str, values: list[float]) -> None:

@@ -230,3 +230,66 @@ def test_a_rank_using_the_public_face_loads_no_driver_or_batch_code():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"a rank process loaded {out.stdout.strip()}"
+
+
+# The modules that hold Ray actors: the worker group (the rank protocol) and the warm
+# Ray's own pool. Everything else in the driver calls ranks through WorkerGroup.
+_ACTOR_HOLDERS = {"rtnb/driver/_group.py", "rtnb/driver/_warm.py", "rtnb/driver/_warmhost.py"}
+
+
+def test_only_the_worker_group_modules_call_a_rank():
+    callers = []
+    for path in sorted((REPO / "rtnb").rglob("*.py")):
+        relative = str(path.relative_to(REPO))
+        if relative in _ACTOR_HOLDERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "remote":
+                callers.append(f"{relative}:{node.lineno}")
+    assert callers == [], f".remote outside the worker-group modules: {callers}"
+
+
+_LAYOUT_NAMES = ("checkpoints", "metrics", "logs", "journal", "tensorboard", "notebooks")
+
+
+def _path_literals(tree: ast.AST) -> list[int]:
+    """Lines where a run's file is named by a literal: "run.json", a layout folder
+    as a path argument, or a string/f-string part starting with "checkpoints/" etc."""
+    found = []
+    for node in ast.walk(tree):
+        texts: list[str] = []
+        if isinstance(node, ast.Call):
+            texts = [
+                a.value
+                for a in node.args
+                if isinstance(a, ast.Constant) and isinstance(a.value, str)
+            ]
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            called = called or (node.func.id if isinstance(node.func, ast.Name) else "")
+            folder_arg = called in ("join", "exists", "shown", "RankAppendLog") and any(
+                t in _LAYOUT_NAMES for t in texts
+            )
+            if folder_arg:
+                found.append(node.lineno)
+        if isinstance(node, ast.JoinedStr):
+            texts = [v.value for v in node.values if isinstance(v, ast.Constant)][:1]
+        if any(
+            t == "run.json" or t.startswith(tuple(f"{n}/" for n in _LAYOUT_NAMES)) for t in texts
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def test_every_path_of_a_run_comes_from_the_run_layout():
+    offenders = []
+    for path in sorted((REPO / "rtnb").rglob("*.py")):
+        relative = str(path.relative_to(REPO))
+        if relative == "rtnb/storage/_layout.py":
+            continue
+        offenders += [f"{relative}:{line}" for line in _path_literals(ast.parse(path.read_text()))]
+    assert offenders == [], f"run paths spelled outside rtnb/storage/_layout.py: {offenders}"
+    # The rule sees what it is for.
+    planted = (
+        'run_dir.exists("run.json")\nposixpath.join(base, "checkpoints")\nf"checkpoints/{cid}"'
+    )
+    assert len(_path_literals(ast.parse(planted))) == 3

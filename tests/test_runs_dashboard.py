@@ -118,3 +118,36 @@ def test_a_two_rank_record_read_back_has_one_earlier_line_per_resume():
     assert len(store.earlier) == 1
     assert store.earlier_series("x", 0)[2] == [1.5] * 6, "the earlier line is the mean of both"
     assert store.mean_series("x")[0] == [2, 3]
+
+
+def test_the_dashboard_draws_a_resumed_run_with_the_main_line_it_came_from():
+    from rtnb.widgets._runs import runs_figure
+
+    # 200 steps on the main line, then resumed from step 99: a branch 100..199.
+    rows = [
+        {"rank": 0, "step": i, "timestamp": float(i), "loss": 2.0 * 0.98**i} for i in range(200)
+    ]
+    rows += [{"rank": 0, "step": i, "timestamp": 300.0 + i, "loss": 0.5} for i in range(100, 200)]
+    fig = runs_figure({"resumed": MetricsStore.from_rows(rows)}, ["resumed"], "loss")
+    main, branch = fig.data
+    assert list(main.x) == list(range(200)) and main.line.dash == "dot", "the main line, dotted"
+    assert list(branch.x) == list(range(100, 200)) and branch.name == "resumed"
+    assert main.line.color == branch.line.color and main.legendgroup == branch.legendgroup
+    assert fig.layout.showlegend is True and fig.layout.title.text == "loss", "one run: a legend"
+    assert fig.layout.yaxis.title.text == "loss" and fig.layout.autosize is True
+
+
+def test_one_runs_first_loss_does_not_flatten_the_others_unless_asked():
+    from rtnb.widgets._runs import runs_figure
+
+    def store(first: float) -> MetricsStore:
+        values = [first] + [1.0 / s for s in range(1, 100)]
+        return MetricsStore.from_rows(
+            [{"rank": 0, "step": i, "timestamp": float(i), "loss": v} for i, v in enumerate(values)]
+        )
+
+    stores = {"wild": store(1000.0), "calm": store(1.2)}
+    clipped = runs_figure(stores, ["wild", "calm"], "loss", outliers=True)
+    assert clipped.layout.yaxis.range[1] < 5.0, "the 1000 at step 0 is left out"
+    full = runs_figure(stores, ["wild", "calm"], "loss", outliers=False)
+    assert full.layout.yaxis.range is None

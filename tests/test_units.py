@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rtnb.core._config import SessionConfig, parse_ranks
-from rtnb.core._messages import CellState, RankUpdate
+from rtnb.core._messages import CellRequest, CellState, RankUpdate
 from rtnb.core._reports import ReportBatch
 from rtnb.core._values import PerRank, RemoteRepr, from_portable
 from rtnb.driver._state import GroupState, StateMachine
@@ -112,9 +112,11 @@ def runtime():
     sys.stdout, sys.stderr = saved
 
 
-def _run(rt: RankRuntime, code: str, cell_id: int = 1, timeout: float = 10.0) -> RankUpdate:
+def _run(
+    rt: RankRuntime, code: str, cell_id: int = 1, timeout: float = 10.0, label: str | None = None
+) -> RankUpdate:
     """Run a cell to its end; one RankUpdate with every poll's output and reports."""
-    rt.start_cell(cell_id, code)
+    rt.start_cell(CellRequest(cell_id, code, label=label))
     deadline = time.monotonic() + timeout
     output, reports = [], []
     while time.monotonic() < deadline:
@@ -142,10 +144,17 @@ def test_runtime_traceback_shows_user_code_only(runtime):
     assert "_runtime.py" not in tb
 
 
+def test_a_notebook_cells_traceback_names_it_as_jupyter_does(runtime):
+    update = _run(runtime, "x = 1\nraise KeyError('k')", cell_id=3, label="[8]")
+    assert 'File "<rtrain In[8]>", line 2' in update.error[1], update.error[1]
+
+
 def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
     runtime.start_cell(
-        1,
-        "import time\nfrom rtnb.worker._runtime import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)",
+        CellRequest(
+            1,
+            "import time\nfrom rtnb.worker._runtime import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)",
+        )
     )
     time.sleep(0.1)
     runtime.request_stop()
@@ -163,7 +172,7 @@ def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
 
 
 def test_interrupt_breaks_a_pure_python_loop(runtime):
-    runtime.start_cell(1, "n = 0\nwhile True:\n    n += 1")
+    runtime.start_cell(CellRequest(1, "n = 0\nwhile True:\n    n += 1"))
     time.sleep(0.2)
     assert runtime.interrupt()
     update = runtime.wait(5.0, 0.0)
@@ -175,14 +184,15 @@ def test_a_cell_run_by_the_relay_listener_in_its_own_thread_can_be_interrupted(r
     code = "n = 0\nwhile True:\n    n += 1"
 
     def listener():  # what a listening rank does with a relayed cell
-        if runtime.start_cell(1, code, token=7, in_caller=True):
-            runtime.execute(1, code)
+        request = CellRequest(1, code, token=7)
+        if runtime.start_cell(request, in_caller=True):
+            runtime.execute(request)
 
     thread = threading.Thread(target=listener)
     thread.start()
     while runtime.namespace.get("n", 0) == 0:
         time.sleep(0.01)
-    assert not runtime.start_cell(1, code, token=7), "a direct call does not start it again"
+    assert not runtime.start_cell(CellRequest(1, code, token=7)), "a direct call: not again"
     assert runtime.interrupt()
     thread.join(5)
     assert not thread.is_alive(), "the interrupt reached the thread running the cell"
@@ -195,16 +205,18 @@ def test_the_relays_first_wait_gives_way_at_a_cells_first_report_or_line(runtime
     # a cell that reports or prints is handed to the long-poll at once rather than
     # at its end, so the first points of a live plot are not held back.
     runtime.start_cell(
-        1,
-        "import time\nfrom rtnb.worker._runtime import current_runtime as c\n"
-        f"{first}\nfor _ in range(500):\n    time.sleep(0.01)",
+        CellRequest(
+            1,
+            "import time\nfrom rtnb.worker._runtime import current_runtime as c\n"
+            f"{first}\nfor _ in range(500):\n    time.sleep(0.01)",
+        )
     )
     assert runtime.final_update(60.0) is None
     assert runtime.state is CellState.RUNNING, "it gave way before the cell's 5 s ended"
     assert runtime.interrupt()
     while runtime.wait(5.0, 0.0).state is CellState.RUNNING:
         pass
-    runtime.start_cell(2, "x = 1")
+    runtime.start_cell(CellRequest(2, "x = 1"))
     assert runtime.final_update(60.0).state is CellState.DONE, "a quiet cell is answered"
 
 

@@ -6,6 +6,7 @@ from rtnb.widgets._checkpoints import CheckpointBrowser
 from rtnb.widgets._frontend import has_live_frontend
 from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport, format_header
 from rtnb.widgets._logs import RankLog
+from rtnb.widgets._plot import import_figure_widget_in_background
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
 
@@ -18,6 +19,7 @@ __all__ = [
     "RunsDashboard",
     "format_header",
     "has_live_frontend",
+    "import_figure_widget_in_background",
     "runs_bundle",
     "static_figure_bundle",
 ]

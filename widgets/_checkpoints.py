@@ -7,8 +7,10 @@ import html
 import time
 
 import ipywidgets as w
+from rtnb.widgets._live import close_later
 from rtnb.widgets._plot import see_through
 
+from rtnb.core._score import NO_BEST, score_rule
 from rtnb.core._text import align_rows
 
 __all__ = ["CheckpointBrowser"]
@@ -16,10 +18,10 @@ __all__ = ["CheckpointBrowser"]
 # Marker colours of the timeline (and the words the status column uses for them).
 _COLORS = {
     "committed": "#1f77b4",
-    "best": "#e6a700",
+    "best": "#b8860b",
     "latest": "#2ca02c",
     "selected": "#d62728",
-    "writing": "#999999",
+    "writing": "#8c8c8c",
 }
 _ROWS_CSS = (
     "<style>.rtnb-ckpt-rows select{font-family:var(--jp-code-font-family,monospace);"
@@ -39,7 +41,9 @@ class CheckpointBrowser(w.VBox):
 
     ``list_checkpoints()`` returns :class:`rtnb.CheckpointInfo` rows; ``latest()``
     the id a recovery would restart from (default: the one committed last);
-    ``score``/``mode`` pick the best; ``resume(id)``, ``load(id)``, ``delete(id)``
+    ``score``/``mode`` pick the best (without ``score``, only a metric named like a
+    loss or an accuracy makes one, and the browser says which rule it used: see
+    :mod:`rtnb.core._score`); ``resume(id)``, ``load(id)``, ``delete(id)``
     are the actions, each returning a message or a ``(message, widget)`` pair whose
     widget (e.g. the resumed cell's live view) is shown under the buttons. It
     refreshes when ``subscribe`` reports a commit.
@@ -77,6 +81,7 @@ class CheckpointBrowser(w.VBox):
             layout=w.Layout(width="220px"),
         )
         self._head = w.HTML()
+        self.rule_line = w.HTML()
         self._rows = w.Select(options=[], value=None, rows=8, layout=w.Layout(width="100%"))
         self._rows.add_class("rtnb-ckpt-rows")
         self._buttons = {name: w.Button(description=name, disabled=True) for name in self._actions}
@@ -100,6 +105,7 @@ class CheckpointBrowser(w.VBox):
                 self._title,
                 self.timeline,
                 w.HBox([self._metric, self._sort, self._descending]),
+                self.rule_line,
                 self._head,
                 self._rows,
                 w.HBox(list(self._buttons.values())),
@@ -184,8 +190,15 @@ class CheckpointBrowser(w.VBox):
         self._latest = self._latest_of() if self._latest_of is not None else None
         if self._latest is None and committed:
             self._latest = max(committed, key=lambda c: (c.time, c.step)).id
-        score = self._score if self._score in metrics else (metrics[0] if metrics else None)
-        self._best = _best(committed, score, self._mode)
+        rule = score_rule(self._score, self._mode, metrics)
+        best = rule.best(committed, lambda c: c.metrics) if rule is not None else None
+        self._best = best.id if best is not None else None
+        self.rule_line.value = (
+            f'<span style="font-size:12px">{html.escape(rule.describe() if rule else NO_BEST)}'
+            "</span>"
+        )
+        # The timeline starts on the metric that decides "best", else the first reported.
+        first_plotted = rule.metric if rule is not None and rule.metric in metrics else None
         self._refreshing = True
         try:
             options = [("step", "step")] + [(m, m) for m in sorted(metrics)]
@@ -198,7 +211,7 @@ class CheckpointBrowser(w.VBox):
                 current = self._metric.value
                 self._metric.options = plot_options
                 values = [v for _l, v in plot_options]
-                self._metric.value = current if current in values else (score or values[0])
+                self._metric.value = current if current in values else (first_plotted or values[0])
             self._render_rows(rows, sorted(metrics))
         finally:
             self._refreshing = False
@@ -324,7 +337,7 @@ class CheckpointBrowser(w.VBox):
             trace.on_click(self._on_marker)
         old, self.timeline = self.timeline, figure
         self.children = tuple(figure if child is old else child for child in self.children)
-        old.close()
+        close_later(old)
 
     # ---- actions -----------------------------------------------------------------------
     def _act(self, name: str) -> None:
@@ -345,7 +358,7 @@ class CheckpointBrowser(w.VBox):
             if isinstance(outcome, tuple):
                 outcome, view = outcome
                 for old in self.activity.children:
-                    old.close()
+                    close_later(old)
                 self.activity.children = (view,)
             self.message.value = html.escape(
                 f"{name}: {cid}" + (f" — {outcome}" if isinstance(outcome, str) else "")
@@ -374,14 +387,6 @@ def _line_of(c) -> int:
 
 def _line_name(c) -> str:
     return "main" if not _line_of(c) else f"branch {_line_of(c)}"
-
-
-def _best(committed, score: str | None, mode: str) -> str | None:
-    scored = [c for c in committed if score and isinstance(c.metrics.get(score), (int, float))]
-    if not scored:
-        return None
-    pick = min if mode == "min" else max
-    return pick(scored, key=lambda c: c.metrics[score]).id
 
 
 def _y(c, metric: str | None):

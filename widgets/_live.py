@@ -18,11 +18,14 @@ from rtnb.widgets._plot import (
     trace_keys,
 )
 
-__all__ = ["LiveMetrics", "LiveOnFirstReport", "close_tree", "format_header"]
+__all__ = ["LiveMetrics", "LiveOnFirstReport", "close_later", "close_tree", "format_header"]
 
 _MAX_LOG_LINES = 2000
 _SHOWN_LOG_LINES = 200
 _MAX_LINE_CHARS = 2000
+# The plot is redrawn at least this often while reports arrive, whatever a redraw
+# costs: what a user reads off it must be about the step the header shows.
+_MAX_LAG_S = 1.0
 
 
 def _fmt_s(seconds: float) -> str:
@@ -46,8 +49,9 @@ def format_header(
     resumed_from: str | None = None,
 ) -> str:
     """One line: the cell (``label``, e.g. Jupyter's ``[5]``, else rtnb's cell
-    number), state, restarts, this cell's step of its total (and the run's step when
-    that differs), ETA, steps/s, elapsed, stragglers among ``running_ranks``."""
+    number), state, restarts, the last step reported (numbered as the loop numbers
+    it), this cell's steps done of ``--steps``, ETA, steps/s, elapsed, stragglers
+    among ``running_ranks``."""
     parts = [f"<b>{html.escape(state)}</b>"]
     if label is not None:
         parts.insert(0, html.escape(label))
@@ -58,12 +62,13 @@ def format_header(
     if restarts:
         origin = f" from {html.escape(restarted_from)}" if restarted_from else " from scratch"
         parts.append(f'<span style="color:#d35400">↻ restarted {restarts}×, last{origin}</span>')
-    step = f"step {progress.step}"
+    # One convention: "step" is the step as the loop, the plot's x axis and the
+    # checkpoint ids number it (the last one reported); "N/T done" counts this
+    # cell's reports against --steps.
+    if progress.steps:
+        parts.append(f"step {getattr(progress, 'run_step', progress.step)}")
     if progress.total_steps:
-        step += f"/{progress.total_steps}"
-    if getattr(progress, "run_step", progress.step) != progress.step:
-        step += f" (run step {progress.run_step})"
-    parts.append(step)
+        parts.append(f"{progress.step}/{progress.total_steps} done")
     if progress.eta_s is not None and state == "running":
         parts.append(f"ETA {_fmt_s(progress.eta_s)}")
     parts.append(f"{progress.rate:.1f} steps/s")
@@ -80,10 +85,51 @@ def format_header(
 
 
 def close_tree(widget) -> None:
-    """Close ``widget`` and every widget under it (children first)."""
+    """Close ``widget`` and every widget under it (children first); a plotly figure
+    among them is retired instead (see :func:`_retire`)."""
     for child in getattr(widget, "children", ()) or ():
         close_tree(child)
-    w.Widget.close(widget)
+    if _is_figure(widget):
+        _retire(widget)
+    else:
+        w.Widget.close(widget)
+
+
+def _is_figure(widget) -> bool:
+    return any(cls.__name__ == "BaseFigureWidget" for cls in type(widget).__mro__)
+
+
+# Plotly's view of a figure answers every render and update with the trace and
+# layout values plotly.js computed, and it renders again whenever JupyterLab shows
+# its output again, so its answers can reach the kernel seconds after the figure
+# left the page: closed, the kernel would log "No such comm" into JupyterLab's log
+# console for each. A figure taken off the page is kept open among the last
+# _RETIRED_KEPT ones instead, and only the oldest are closed.
+_RETIRED_KEPT = 64
+_retired: list = []
+_retired_lock = threading.Lock()
+
+
+def _retire(figure) -> None:
+    with _retired_lock:
+        _retired.append(figure)
+        oldest = _retired[:-_RETIRED_KEPT] if len(_retired) > _RETIRED_KEPT else []
+        del _retired[: len(oldest)]
+    for stale in oldest:
+        w.Widget.close(stale)
+
+
+# How long a widget taken off the page stays open: plotly's view answers each update
+# of a figure with the layout it computed, and that answer must find the comm still
+# open (else the kernel logs "No such comm" into JupyterLab's log console).
+_CLOSE_AFTER_S = 5.0
+
+
+def close_later(widget, after_s: float = _CLOSE_AFTER_S) -> None:
+    """Close ``widget`` (and everything under it) once the page is done with it."""
+    timer = threading.Timer(after_s, close_tree, args=(widget,))
+    timer.daemon = True
+    timer.start()
 
 
 class LiveMetrics(w.VBox):
@@ -106,7 +152,8 @@ class LiveMetrics(w.VBox):
     ) -> None:
         self.store = store
         self.handle = handle
-        self.label = label  # the cell's name in the header, e.g. Jupyter's "[5]"
+        # The cell's name in the header: Jupyter's "[5]", as its handle knows it.
+        self.label = label or getattr(handle, "label", None)
         self.max_points = max_points
         self._period = 1.0 / max_hz
         self._header = w.HTML(value="starting…")
@@ -170,14 +217,22 @@ class LiveMetrics(w.VBox):
         self._keys: list = []
         self._y_type = "linear"
         self._drawn_generation = -1
+        # Ranks the user took off the plot (few ranks), or picked to add to the band
+        # (many): kept here, not read back from the list, whose options change under
+        # it and whose frontend may echo a selection back late.
+        self._hidden: set[int] = set()
+        self._picked: set[int] = set()
+        self._setting_ranks = False
         self._dirty_controls = True
         self._logs_dirty = False
         self.redraws = 0
+        self.builds = 0  # figures built (the first draw, a new metric or rank count)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._closed = False
-        for control in (self._x_axis, self._smoothing, self._log_y, self._outliers, self._ranks):
+        for control in (self._x_axis, self._smoothing, self._log_y, self._outliers):
             control.observe(self._on_control, names="value")
+        self._ranks.observe(self._on_ranks, names="value")
         self._log_filter.observe(self._on_log_filter, names="value")
         if handle is not None:
             handle.add_sink(self._on_output, replay=replay_output)
@@ -189,6 +244,16 @@ class LiveMetrics(w.VBox):
     def _on_control(self, _change) -> None:
         self._dirty_controls = True
         self._redraw_after_end()
+
+    def _on_ranks(self, change) -> None:
+        if self._setting_ranks:
+            return  # the view renewed the list itself
+        chosen, shown = set(change["new"]), set(self._ranks.options)
+        if len(shown) >= BAND_FROM_RANKS:
+            self._picked = chosen
+        else:
+            self._hidden = shown - chosen
+        self._on_control(change)
 
     def _redraw_after_end(self) -> None:
         # The cell has ended and the redraw thread with it; a user who now ticks
@@ -229,11 +294,16 @@ class LiveMetrics(w.VBox):
             started = time.monotonic()
             try:
                 if started >= next_plot:
+                    built = self.builds
                     self.redraw()
-                    # The plot at most max_hz, and taking at most ~10% of the kernel's
-                    # CPU however many traces and points there are (a redraw of a big
-                    # figure can cost tens of milliseconds in plotly) ...
-                    next_plot = started + max(self._period, 10 * (time.monotonic() - started))
+                    cost = time.monotonic() - started
+                    # The plot at most max_hz, taking ~10% of the kernel's CPU however
+                    # many traces and points there are (a redraw of a big figure can
+                    # cost tens of milliseconds in plotly), but never more than
+                    # _MAX_LAG_S behind the header. Building the figure (its first draw,
+                    # a new metric) is a one-off, not what the next redraws cost.
+                    wait = self._period if self.builds != built else max(self._period, 10 * cost)
+                    next_plot = started + min(wait, _MAX_LAG_S)
                 else:
                     # ... while the header (state, step, restarts) follows at max_hz.
                     with self._lock:
@@ -294,7 +364,10 @@ class LiveMetrics(w.VBox):
             self._display.update(bundle, raw=True)
             if logs and self._logs_display is not None:
                 self._logs_display.update({"text/plain": logs}, raw=True)
-        self.close()
+        # Off the page now; closed once the page has answered its last update.
+        self._closed = True
+        self._stopped.set()
+        close_later(self)
 
     def close(self) -> None:
         self._closed = True
@@ -337,22 +410,29 @@ class LiveMetrics(w.VBox):
         if self._logs_dirty:
             self._logs_dirty = False
             self._render_logs()
-        ranks = store.ranks()
-        if list(self._ranks.options) != ranks:
-            # Few ranks: new ranks are shown. Many: the band view picks outliers
-            # itself and the selection adds the ranks the user wants to see.
-            new = set(ranks) - set(self._ranks.options)
-            selected = set(self._ranks.value) | (new if len(ranks) < BAND_FROM_RANKS else set())
-            if len(ranks) >= BAND_FROM_RANKS and len(self._ranks.options) < BAND_FROM_RANKS:
-                selected = set()
-            self._ranks.options = ranks
-            self._ranks.value = tuple(r for r in ranks if r in selected)
-            self._log_filter.options = [("all ranks", -1)] + [(f"rank {r}", r) for r in ranks]
+        # Every rank of the running cell from the first draw, reported yet or not.
+        expected = list(getattr(self.handle, "ranks", None) or ())
+        ranks = sorted(set(store.ranks()) | set(expected))
+        banded = len(ranks) >= BAND_FROM_RANKS
+        # Few ranks: every rank is drawn but those the user took off. Many: the band
+        # view picks outliers itself and the list adds the ranks the user picked.
+        drawn = sorted(self._picked) if banded else [r for r in ranks if r not in self._hidden]
+        if list(self._ranks.options) != ranks or tuple(self._ranks.value) != tuple(drawn):
+            self._setting_ranks = True
+            try:
+                if list(self._ranks.options) != ranks:
+                    self._ranks.options = ranks
+                    self._log_filter.options = [("all ranks", -1)] + [
+                        (f"rank {r}", r) for r in ranks
+                    ]
+                self._ranks.value = tuple(drawn)
+            finally:
+                self._setting_ranks = False
         if store.generation == self._drawn_generation and not self._dirty_controls:
             return
         self._drawn_generation = store.generation
         self._dirty_controls = False
-        keys = trace_keys(store, sorted(self._ranks.value))
+        keys = trace_keys(store, drawn, expected)
         if not keys:
             return
         if keys != self._keys or self.figure is None:
@@ -369,7 +449,8 @@ class LiveMetrics(w.VBox):
             )
             old, self._plot_box.children = self._plot_box.children, (self.figure,)
             for figure in old:
-                figure.close()
+                close_later(figure)
+            self.builds += 1
         else:
             with self.figure.batch_update():
                 for trace, key in zip(self.figure.data, keys):

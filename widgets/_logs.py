@@ -60,6 +60,6 @@ class RankLog(w.VBox):
         h = self._handle
         steps = ", ".join(f"{r}: {h.steps.get(r, 0)}" for r in h.ranks)
         self._header.value = (
-            f"<b>rtnb cell {h.cell_id}</b> (background) — {html.escape(self._state)}, "
+            f"<b>rtnb {html.escape(h.name)}</b> (background) — {html.escape(self._state)}, "
             f"{h.elapsed_s:.1f} s; steps per rank {{{html.escape(steps)}}}"
         )

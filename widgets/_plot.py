@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from html import escape as html_escape
 
 import plotly.graph_objects as go
@@ -9,9 +11,11 @@ from plotly.subplots import make_subplots
 
 __all__ = [
     "BAND_FROM_RANKS",
+    "MEAN_COLOR",
     "RANK_COLORS",
     "build_figure",
     "hover",
+    "import_figure_widget_in_background",
     "robust_range",
     "see_through",
     "smooth",
@@ -24,26 +28,35 @@ __all__ = [
 BAND_FROM_RANKS = 9
 _BAND = ("low", "high")
 
+# Every line colour keeps 3:1 against both JupyterLab themes' backgrounds (white,
+# #111111; WCAG AA for graphics): plotly's orange, pink, olive and cyan, darkened.
 RANK_COLORS = [
     "#1f77b4",
-    "#ff7f0e",
+    "#d9690b",
     "#2ca02c",
     "#d62728",
     "#9467bd",
     "#8c564b",
-    "#e377c2",
+    "#c4509c",
     "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
+    "#8a8a1e",
+    "#13909c",
 ]
+MEAN_COLOR = "#888888"  # 3.5:1 on white, 5.3:1 on #111111 (was #444444: 1.9:1 on dark)
+EARLIER_COLOR = "#8c8c8c"
 
 
-def trace_keys(store, ranks: list[int] | None = None) -> list[tuple[str, int | str]]:
+def trace_keys(
+    store, ranks: list[int] | None = None, expected: list[int] | None = None
+) -> list[tuple[str, int | str]]:
     """(metric, rank, "mean", "low" or "high") for every trace, in figure order.
 
     Up to ``BAND_FROM_RANKS - 1`` ranks: ``ranks`` (default all) and the mean. From
-    there on: the band, the mean, the store's outlier ranks and ``ranks``."""
-    every = store.ranks()
+    there on: the band, the mean, the store's outlier ranks and ``ranks``.
+    ``expected``: ranks that count as reporting before their first report arrives
+    (a running cell's), so the figure has their traces from its first draw and is
+    not rebuilt as each rank's first report lands."""
+    every = sorted(set(store.ranks()) | set(expected or ()))
     banded = len(every) >= BAND_FROM_RANKS
     keys: list[tuple[str, int | str]] = []
     earlier = getattr(store, "earlier", [])
@@ -63,26 +76,42 @@ def trace_keys(store, ranks: list[int] | None = None) -> list[tuple[str, int | s
     return keys
 
 
-def robust_range(traces, early: float = 0.1) -> list[float] | None:
-    """A y range for ``traces`` (each a sequence of y values, in step order) that
-    leaves out their first steps: a loss's first values would flatten the rest of
-    the curve (TensorBoard's "ignore outliers", on by default). The range of each
-    trace after its first ``early`` share of points, padded; None when that is
-    (nearly) the full range anyway or too few points remain."""
+def robust_range(traces, k: float = 20.0, early: float = 0.25) -> list[float] | None:
+    """A y range for ``traces`` (each a sequence of y values, in step order) without
+    their outliers, or None (autorange) when leaving them out changes nothing.
+
+    An outlier is a jump, not a steep start: a smooth decay (``1/step``, an
+    exponential) keeps its first steps in view, however steep. Left out are the
+    points before a jump in a trace's first ``early`` share that is ``k`` times the
+    trace's median change and ``k`` times the change after it (a first loss of 100
+    before 2.3, 2.2, ...), and spikes: a point ``k`` median changes away from both
+    neighbours on the same side."""
     import numpy as np
 
-    rest, every = [], []
+    kept, every = [], []
     for ys in traces:
-        data = np.asarray(ys, dtype=float).ravel()
+        data = np.asarray([np.nan if v is None else v for v in ys], dtype=float).ravel()
         data = data[np.isfinite(data)]
         every.append(data)
-        rest.append(data[max(1, int(len(data) * early)) :])
-    rest_all, every_all = np.concatenate(rest or [[]]), np.concatenate(every or [[]])
+        keep = np.ones(data.size, dtype=bool)
+        if data.size >= 5:
+            change = np.abs(np.diff(data))
+            usual = float(np.median(change))
+            jumps = (change[:-1] > k * usual) & (change[:-1] > k * change[1:])
+            jumps = np.nonzero(jumps[: max(1, int(data.size * early))])[0]
+            if jumps.size:
+                keep[: jumps[-1] + 1] = False
+            left, right = data[1:-1] - data[:-2], data[1:-1] - data[2:]
+            spikes = (np.sign(left) == np.sign(right)) & (
+                np.minimum(np.abs(left), np.abs(right)) > k * usual
+            )
+            keep[1:-1] &= ~spikes
+        kept.append(data[keep])
+    rest_all, every_all = np.concatenate(kept or [[]]), np.concatenate(every or [[]])
     if rest_all.size < 5:
         return None
     lo, hi = float(rest_all.min()), float(rest_all.max())
-    full_lo, full_hi = float(every_all.min()), float(every_all.max())
-    if hi - lo >= 0.8 * (full_hi - full_lo):
+    if lo <= float(every_all.min()) and hi >= float(every_all.max()):
         return None
     pad = 0.05 * (hi - lo) if hi > lo else max(abs(hi) * 0.05, 1e-12)
     return [lo - pad, hi + pad]
@@ -190,14 +219,14 @@ def build_figure(
                     legendgroup="earlier",
                     showlegend=row == 1 and rank == "earlier-0",
                     opacity=0.45,
-                    line={"color": "#999999", "width": 1.5, "dash": "dot"},
+                    line={"color": EARLIER_COLOR, "width": 1.5, "dash": "dot"},
                     hovertemplate=hover("earlier line", x_axis, name),
                 ),
                 row=row,
                 col=1,
             )
             continue
-        color = "#444444" if rank == "mean" else RANK_COLORS[int(rank) % len(RANK_COLORS)]
+        color = MEAN_COLOR if rank == "mean" else RANK_COLORS[int(rank) % len(RANK_COLORS)]
         fig.add_trace(
             go.Scatter(
                 x=xs,
@@ -229,7 +258,22 @@ def build_figure(
     fig.update_xaxes(
         title_text="step" if x_axis == "step" else "seconds", row=max(1, len(metrics)), col=1
     )
+    for row, name in enumerate(metrics, start=1):
+        fig.update_yaxes(title_text=name, row=row, col=1)
     # A FigureWidget made from the finished figure carries every trace in its synced
     # state; traces added to a live FigureWidget only travel as messages, so a tab
     # reloaded later would restore an empty plot that no update can fill.
     return go.FigureWidget(fig) if widget else fig
+
+
+def import_figure_widget_in_background() -> None:
+    """Import plotly's FigureWidget in a daemon thread. The first one a kernel makes
+    imports its machinery (nbformat, jsonschema, anywidget: ~1.5 s of a free core
+    here, several seconds on a busy one), which a live view's first draw would
+    otherwise pay while the cell's first steps go by without a plot."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):
+            from plotly.graph_objects import FigureWidget  # noqa: F401
+
+    threading.Thread(target=load, name="rtnb-plotly-import", daemon=True).start()

@@ -16,8 +16,8 @@ import threading
 
 import ipywidgets as w
 import plotly.graph_objects as go
-from rtnb.widgets._live import close_tree
-from rtnb.widgets._plot import RANK_COLORS, hover, see_through, smooth
+from rtnb.widgets._live import close_later, close_tree
+from rtnb.widgets._plot import RANK_COLORS, hover, robust_range, see_through, smooth
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
 
@@ -41,16 +41,41 @@ def runs_figure(
     log_y: bool = False,
     band: bool = False,
     widget: bool = False,
+    outliers: bool = False,
 ):
     """The selected runs' ``metric`` overlaid: one mean curve per run (colour per
-    run), with its min-max band over the ranks when ``band``."""
+    run), with its min-max band over the ranks when ``band``; a resumed run's
+    earlier lines (the main line it branched from) dotted under it in its colour.
+    ``outliers``: the y range leaves out outliers (:func:`robust_range`), so one
+    run's first loss does not flatten the others."""
     fig = go.Figure()
+    curves = []
     for i, name in enumerate(names):
         store = stores.get(name)
         if store is None or metric not in store.metric_names():
             continue
         xs, ys, low, high = run_curve(store, metric, x_axis)
         color = RANK_COLORS[i % len(RANK_COLORS)]
+        for index, segment in enumerate(getattr(store, "earlier", [])):
+            if metric not in segment:
+                continue
+            steps, times, values = store.earlier_series(metric, index)
+            origin = store.started_at or (times[0] if times else 0.0)
+            fig.add_trace(
+                go.Scatter(
+                    x=steps if x_axis == "step" else [t - origin for t in times],
+                    y=smooth(values, weight),
+                    mode="lines",
+                    name=f"{name} (earlier line)",
+                    legendgroup=name,
+                    showlegend=False,
+                    opacity=0.6,
+                    line={"color": color, "width": 1.5, "dash": "dot"},
+                    hovertemplate=hover(html.escape(f"{name}, earlier line"), x_axis, metric),
+                )
+            )
+            curves.append(values)
+        curves.append(ys)
         if band and low is not None and len(low) == len(xs):
             # the lower edge, then the upper one filled down to it
             for edge, fill in ((low, {}), (high, {"fill": "tonexty", "opacity": 0.2})):
@@ -77,8 +102,19 @@ def runs_figure(
                 hovertemplate=hover(html.escape(name), x_axis, metric),
             )
         )
-    see_through(fig, height=340, margin={"l": 55, "r": 20, "t": 10, "b": 40})
+    see_through(
+        fig,
+        height=360,
+        autosize=True,  # the output's full width, not plotly's 700 px
+        margin={"l": 55, "r": 20, "t": 36, "b": 40},
+        title={"text": metric, "x": 0.01, "font": {"size": 13}},
+        # A legend with a single run too: the curve says whose it is.
+        showlegend=True,
+    )
     fig.update_layout(legend={"orientation": "h", "y": -0.2})
+    span = robust_range(curves) if outliers and not log_y else None
+    if span is not None:
+        fig.update_yaxes(range=span, autorange=False)
     fig.update_xaxes(
         title_text="step" if x_axis == "step" else "seconds", gridcolor="rgba(128,128,128,0.25)"
     )
@@ -87,6 +123,18 @@ def runs_figure(
     )
     # built whole, then wrapped: a widget keeps its traces in its synced state
     return go.FigureWidget(fig) if widget else fig
+
+
+def _same_shape(shown, drawn) -> bool:
+    """The same traces (by name, kind and fill) on the same axes types."""
+
+    # Only what runs_figure sets: the page fills in plotly.js's defaults of the rest
+    # (fill "none", showlegend), which would make every refresh a new figure.
+    def shape(fig):
+        traces = [(t.name, t.legendgroup, t.fill == "tonexty") for t in fig.data]
+        return traces, fig.layout.xaxis.title.text, fig.layout.yaxis.type == "log"
+
+    return shape(shown) == shape(drawn)
 
 
 class RunsDashboard(w.VBox):
@@ -132,16 +180,25 @@ class RunsDashboard(w.VBox):
         self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="EMA")
         self.log_y = w.Checkbox(value=False, description="log y", indent=False)
         self.band = w.Checkbox(value=False, description="min–max band", indent=False)
+        self.outliers = w.Checkbox(value=True, description="ignore outliers", indent=False)
         self.open_button = w.Button(
             description="checkpoints",
             disabled=True,
             tooltip="open the first selected run's checkpoints",
+            layout=w.Layout(width="auto"),  # the run's whole name on it
         )
         self.plot = w.Box(layout=w.Layout(width="100%", display="block"))
         self.detail = w.Box(layout=w.Layout(flex_flow="column", width="100%"))
         self.message = w.HTML()
         self.figure = None
-        for control in (self.x_axis, self.smoothing, self.log_y, self.band, self.table):
+        for control in (
+            self.x_axis,
+            self.smoothing,
+            self.log_y,
+            self.band,
+            self.outliers,
+            self.table,
+        ):
             control.observe(lambda _c: self._draw(), names="value")
         self.metric.observe(lambda _c: self._on_metric(), names="value")
         self.sort.observe(lambda _c: self._render_table(), names="value")
@@ -154,7 +211,17 @@ class RunsDashboard(w.VBox):
                 w.HBox([self.metric, self.sort, self.descending]),
                 self.head,
                 self.table,
-                w.HBox([self.x_axis, self.smoothing, self.log_y, self.band, self.open_button]),
+                w.HBox(
+                    [
+                        self.x_axis,
+                        self.smoothing,
+                        self.log_y,
+                        self.band,
+                        self.outliers,
+                        self.open_button,
+                    ],
+                    layout=w.Layout(flex_flow="row wrap"),
+                ),
                 self.plot,
                 self.message,
                 self.detail,
@@ -253,7 +320,7 @@ class RunsDashboard(w.VBox):
     def _draw(self) -> None:
         if self._busy or not self.metric.value:
             return
-        figure = runs_figure(
+        drawn = runs_figure(
             self._stores,
             list(self.table.value),
             self.metric.value,
@@ -261,12 +328,22 @@ class RunsDashboard(w.VBox):
             weight=self.smoothing.value,
             log_y=self.log_y.value,
             band=self.band.value,
-            widget=True,
+            outliers=self.outliers.value,
         )
-        old, self.figure = self.figure, figure
-        self.plot.children = (figure,)
+        if self.figure is not None and _same_shape(self.figure, drawn):
+            # A refresh of the same curves: new points into the figure on the page.
+            # Replacing the widget every few seconds made the page's plotly view of
+            # the closed one answer into a comm the kernel no longer had ("No such
+            # comm" in JupyterLab's log console), and redrew the whole plot.
+            with self.figure.batch_update():
+                for shown, fresh in zip(self.figure.data, drawn.data):
+                    shown.x, shown.y = fresh.x, fresh.y
+                self.figure.layout.yaxis.update(drawn.layout.yaxis.to_plotly_json())
+            return
+        old, self.figure = self.figure, go.FigureWidget(drawn)
+        self.plot.children = (self.figure,)
         if old is not None:
-            old.close()
+            close_later(old)
 
     def _show_checkpoints(self) -> None:
         if self._open_checkpoints is None or not self.table.value:
@@ -278,7 +355,7 @@ class RunsDashboard(w.VBox):
             self.message.value = f'<span style="color:#c0392b">{html.escape(str(exc))}</span>'
             return
         for old in self.detail.children:
-            old.close()
+            close_later(old)
         self.detail.children = (view,)
 
 

@@ -15,9 +15,20 @@ from rtnb.widgets._live import format_header
 from rtnb.widgets._plot import build_figure, robust_range, smooth, trace_keys
 from rtnb.widgets._svg import figure_svg
 
-__all__ = ["ProgressLines", "static_figure", "static_figure_bundle"]
+__all__ = [
+    "ACTIVE_BUTTON_COLOR",
+    "BUTTON_COLOR",
+    "BUTTON_TEXT_COLOR",
+    "ProgressLines",
+    "static_figure",
+    "static_figure_bundle",
+]
 
 _MAX_LINES = 10
+BUTTON_COLOR = "#e6e6e6"
+# plotly.js draws the active button #F4FAFF itself (updatemenus have no setting)
+ACTIVE_BUTTON_COLOR = "#f4faff"
+BUTTON_TEXT_COLOR = "#1a1a1a"
 
 
 class ProgressLines:
@@ -59,7 +70,12 @@ class ProgressLines:
             r"<[^>]+>",
             "",
             format_header(
-                progress, "running", handle.cell_id, handle.recoveries, handle.restarted_from
+                progress,
+                "running",
+                handle.cell_id,
+                handle.recoveries,
+                handle.restarted_from,
+                label=getattr(handle, "label", None),
             ),
         )
         last = self.store.last
@@ -131,8 +147,17 @@ def _add_views(fig, keys) -> None:
         ]
         for weight in _EMA_WEIGHTS
     }
+    # Opaque buttons with dark text: readable on both themes (a transparent button
+    # took the theme's background while plotly drew the active one white with the
+    # figure's grey text, 2:1 in the dark theme). 14:1 and 17:1 for the text.
+    looks = {
+        "bgcolor": BUTTON_COLOR,
+        "bordercolor": "#8c8c8c",
+        "font": {"color": BUTTON_TEXT_COLOR},
+    }
     menus = [
         {
+            **looks,
             "type": "buttons",
             "direction": "right",
             "showactive": True,
@@ -152,6 +177,7 @@ def _add_views(fig, keys) -> None:
             ],
         },
         {
+            **looks,
             "type": "buttons",
             "direction": "right",
             "showactive": True,

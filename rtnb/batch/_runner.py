@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rtnb.core._redact import is_secret_name, redact_uri
 from rtnb.errors import CellError, ConfigError, one_line
+from rtnb.storage._layout import notebook
 from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
 
 __all__ = [
@@ -131,7 +132,7 @@ def _keep_in_run_dirs(output: Path, runs_file: str) -> list[str]:
             where = json.loads(line)
             storage = ours if ours and redact_uri(ours) == where["storage"] else where["storage"]
             kept.append(
-                RunDirectory(storage, where["run"]).write_bytes(f"notebooks/{output.name}", data)
+                RunDirectory(storage, where["run"]).write_bytes(notebook(output.name), data)
             )
     return kept
 

@@ -187,12 +187,13 @@ def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     from rtnb.core._config import check_name
     from rtnb.errors import ConfigError
     from rtnb.storage._checkpoints import CheckpointStore, checkpoints_table
+    from rtnb.storage._layout import RUN_RECORD
     from rtnb.storage._rundir import RunDirectory
 
     check_name(run, "RUN")
 
     run_dir = RunDirectory(storage, run)
-    if not run_dir.exists("run.json"):
+    if not run_dir.exists(RUN_RECORD):
         shown = redact_uri(storage)
         raise ConfigError(f"no run {run!r} in {shown} (see `rtnb runs {shown}`)")
     rows = CheckpointStore(run_dir).list(include_incomplete)

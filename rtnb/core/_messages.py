@@ -1,6 +1,7 @@
 """The typed messages between a rank and the driver (see docs/architecture.md).
 
-A rank answers every long-poll with one :class:`RankUpdate`: what it printed,
+The driver starts a cell with one :class:`CellRequest` (the same on every rank; a
+relaying rank 0 forwards it as it is). A rank answers every long-poll with one :class:`RankUpdate`: what it printed,
 reported and checkpointed since the last poll, where its cell stands, and, once
 the cell ended, its value or error. Reports travel as one
 :class:`~rtnb.core._reports.ReportBatch` of columns per poll: at 10 kHz per rank
@@ -16,6 +17,7 @@ from typing import Any
 from rtnb.core._reports import ReportBatch
 
 __all__ = [
+    "CellRequest",
     "CellState",
     "CheckpointOffer",
     "Portable",
@@ -55,6 +57,36 @@ class StopPhase(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class CellRequest:
+    """A cell to start on a rank.
+
+    ``checkpoint`` is what ``get_checkpoint()`` returns during it; a ``replay``
+    rebuilds state after a failure (its reports are not published, its checkpoints
+    not saved: they were, the first time); a dispatch ``token`` starts it at most
+    once per rank however many ways it arrives (the relay, a direct call); ``label``
+    is the notebook's name for the cell (Jupyter's ``[4]``), which tracebacks use."""
+
+    cell_id: int
+    code: str
+    checkpoint: Any = None
+    replay: bool = False
+    token: int | None = None
+    label: str | None = None
+
+    @property
+    def filename(self) -> str:
+        """The name a traceback gives the cell's code: ``In[4]`` as Jupyter's own
+        tracebacks say ("Cell In[4], line 3"), else rtnb's cell number."""
+        if self.label:
+            return f"<rtrain In{self.label}>" if self.label.startswith("[") else f"<{self.label}>"
+        return cell_filename(self.cell_id)
+
+
+def cell_filename(cell_id: int) -> str:
+    return f"<rtrain-cell-{cell_id}>"
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ def to_number(value: Any) -> float | None:
 
 def mean_over_ranks(per_rank: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
     """Each metric's mean over the ranks that reported it; a metric with a
-    non-numeric value on any rank has no mean."""
-    names = sorted({k for metrics in per_rank.values() for k in metrics})
+    non-numeric value on any rank has no mean. The metrics keep the order they were
+    reported in (the first is what a plot or a "best" without --score starts from)."""
+    names = list(dict.fromkeys(k for metrics in per_rank.values() for k in metrics))
     out: dict[str, float] = {}
     for name in names:
         values = [to_number(m[name]) for m in per_rank.values() if name in m]

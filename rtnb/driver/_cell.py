@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rtnb.core._messages import CellState, RankUpdate, StopPhase
+from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._output import OutputSink
 from rtnb.errors import (
@@ -44,7 +44,7 @@ from rtnb.errors import (
     WorkerGroupError,
     one_line,
 )
-from rtnb.worker._actor import POLL_WAIT_S, poll_timing
+from rtnb.worker._actor import POLL_WAIT_S
 
 if TYPE_CHECKING:
     from rtnb.driver._session import Session
@@ -93,9 +93,13 @@ class CellHandle:
         *,
         replay: bool = False,
         journal_seq: int | None = None,
+        label: str | None = None,
     ) -> None:
         self.session = session
         self.cell_id = cell_id
+        # The notebook's name for the cell (Jupyter's "[4]"): what the header, the
+        # errors and the tracebacks call it; rtnb's own cell number otherwise.
+        self.label = label
         self.code = code
         self.ranks = ranks
         self.timeout_s = timeout_s
@@ -126,7 +130,7 @@ class CellHandle:
         # Rank 0's relay call while it is out (groups of RELAY_FROM_RANKS and more).
         self._relay_ref: Any = None
         self._checkpoint: Any = None  # the checkpoint this cell's dispatch carries
-        self._token: int | None = None
+        self._request: CellRequest | None = None  # what the last dispatch sent
         self._last: dict[int, RankUpdate] = {}
         self._finished: dict[int, RankUpdate] = {}
         self._dead: dict[int, str] = {}
@@ -172,14 +176,14 @@ class CellHandle:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise WaitTimeout(
-                    f"cell {self.cell_id} is still running after {timeout:g} s; wait again, "
+                    f"{self.name} is still running after {timeout:g} s; wait again, "
                     "or stop it (`handle.stop()`, or interrupt the kernel)"
                 )
             if self.session.state.value in ("stopped", "failed", "new"):
                 gone_since = gone_since or now
                 if now - gone_since > self.session.config.stop_grace_s + 1.0:
                     raise SessionError(
-                        f"cell {self.cell_id} lost its worker group (the group is "
+                        f"{self.name} lost its worker group (the group is "
                         f"{self.session.state}); nothing is left to wait for"
                     )
         if threading.current_thread() is not self._finishing_thread:
@@ -217,6 +221,12 @@ class CellHandle:
             elif self._stop_phase is StopPhase.RAISE:
                 self._enter_phase(StopPhase.RESTART)
 
+    @property
+    def name(self) -> str:
+        """What messages call this cell: ``cell [4]`` (the notebook's execution
+        count) when it came from a notebook cell, else ``cell 3`` (rtnb's number)."""
+        return f"cell {self.label or self.cell_id}"
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"<rtnb cell {self.cell_id} on ranks {self.ranks}: {state}, {self.elapsed_s:.1f} s>"
@@ -247,33 +257,23 @@ class CellHandle:
         self._checkpoint = self.session._checkpoint_for(self)
         # In a relaying group every cell goes through rank 0, one on a single rank
         # too: each listening rank runs all its cells in its listening thread.
-        relayed = group.relay_tokens is not None
-        self._token = next(group.relay_tokens) if relayed else None
-        if relayed:
+        self._request = CellRequest(
+            self.cell_id, self.code, self._checkpoint, self.replay, group.next_token(), self.label
+        )
+        if group.relays:
             # One call to rank 0 starts the cell everywhere and brings back the
             # answers of ranks that finished at once; the others are asked directly.
-            self._relay_ref = group.actors[0].relay.remote(
-                self._token,
-                self.cell_id,
-                self.code,
-                self._checkpoint,
-                self.replay,
-                self.ranks,
-                _RELAY_WAIT_S,
-            )
+            self._relay_ref = group.relay(self._request, self.ranks, _RELAY_WAIT_S)
             return
         for rank in self.ranks:
-            self._run_on(group.actors, rank)
+            self._run_on(group, rank)
 
-    def _run_on(self, actors, rank: int) -> None:
+    def _run_on(self, group, rank: int) -> None:
         """Start this cell on ``rank`` (unless the relay did, under the same token) and
         keep its first long-poll in flight."""
-        ref = actors[rank].run.remote(
-            self.cell_id, self.code, self._checkpoint, self.replay, self._token
-        )
-        self._pending[ref] = rank
+        self._pending[group.run(rank, self._request)] = rank
 
-    def _take_relayed(self, answers, actors) -> None:
+    def _take_relayed(self, answers, group) -> None:
         """Rank 0's relay came back: finish the ranks that answered with their last
         update; ask the rest directly (the same token: none starts the cell twice)."""
         self._relay_ref = None
@@ -287,7 +287,7 @@ class CellHandle:
                 self._apply(update)
                 self._finished[rank] = update
             else:
-                self._run_on(actors, rank)
+                self._run_on(group, rank)
 
     def _loop(self) -> None:
         while True:
@@ -346,19 +346,18 @@ class CellHandle:
     def _drive(self) -> None:
         import ray
 
-        actors = self.session._require_group().actors
-        timing = poll_timing(len(actors))
+        group = self.session._require_group()
         while len(self._finished) + len(self._dead) < len(self.ranks):
             if self.session.ray_lost:
                 raise _RayLost()
-            self._ensure_polled(actors)
+            self._ensure_polled(group)
             refs = list(self._pending)
             if self._relay_ref is not None:
                 refs.append(self._relay_ref)
             ready, updates = _wait_and_get(ray, refs)
             for ref, update in zip(ready, updates):
                 if ref is self._relay_ref:
-                    self._take_relayed(update, actors)
+                    self._take_relayed(update, group)
                     continue
                 rank = self._pending.pop(ref)
                 if isinstance(update, BaseException):
@@ -366,14 +365,14 @@ class CellHandle:
                     continue
                 self._apply(update)
                 if update.state is CellState.RUNNING:
-                    self._pending[actors[rank].poll.remote(*timing)] = rank
+                    self._pending[group.poll(rank)] = rank
                 else:
                     self._finished[rank] = update
             if self._dead:
                 raise _Restart()
             self._commit()
             self._check_timeout()
-            self._advance_stop(actors)
+            self._advance_stop(group)
 
     def _commit(self) -> None:
         if self.replay or self._commit_error is not None:
@@ -408,7 +407,7 @@ class CellHandle:
             else "no checkpoint of this run was committed"
         )
         return StorageError(
-            f"cell {self.cell_id} stopped: {self._storage_failure}; {stopped}, the worker "
+            f"{self.name} stopped: {self._storage_failure}; {stopped}, the worker "
             f"group and its variables are intact and {kept}. Free space there (or fix "
             "its permissions) and run the next cell, or `%rtnb start --storage ELSEWHERE "
             f"--name {self.session.run_name} --replay`",
@@ -419,11 +418,11 @@ class CellHandle:
     def _death_summary(self) -> str:
         ranks = sorted(self._dead)
         if ranks == [-1]:
-            return f"a rank died while the group was rebuilt during cell {self.cell_id} ({self._dead[-1]})"
+            return f"a rank died while the group was rebuilt during {self.name} ({self._dead[-1]})"
         ranks = [r for r in ranks if r >= 0]
         return (
             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} died during "
-            f"cell {self.cell_id} ({self._dead[ranks[0]]})"
+            f"{self.name} ({self._dead[ranks[0]]})"
         )
 
     def _recover(self) -> None:
@@ -444,7 +443,7 @@ class CellHandle:
         self._restart_noted = False
         self._note(
             f"[rtnb] {what}; worker group rebuilt ({outcome.attempt}), {outcome.replay}; "
-            f"cell {self.cell_id} restarted\n"
+            f"{self.name} restarted\n"
         )
         self._pending.clear()
         self._relay_ref = None
@@ -476,7 +475,7 @@ class CellHandle:
         loaded = {r: self.loaded.get(r) for r in self.ranks}
         ids = sorted({c for c in loaded.values() if c})
         if not ids:
-            self._note(f"[rtnb] cell {self.cell_id} restarted without loading a checkpoint\n")
+            self._note(f"[rtnb] {self.name} restarted without loading a checkpoint\n")
             return
         self.restarted_from = ids[-1] if len(ids) == 1 else ", ".join(ids)
         which = (
@@ -484,11 +483,9 @@ class CellHandle:
             if all(loaded.values())
             else "ranks " + ", ".join(str(r) for r, c in loaded.items() if c)
         )
-        self._note(
-            f"[rtnb] cell {self.cell_id} restarted from {self.restarted_from} ({which} loaded it)\n"
-        )
+        self._note(f"[rtnb] {self.name} restarted from {self.restarted_from} ({which} loaded it)\n")
 
-    def _ensure_polled(self, actors) -> None:
+    def _ensure_polled(self, group) -> None:
         # A Ctrl-C can land between taking an update and re-polling; make sure every
         # unfinished rank always has a call in flight (the relay counts for all).
         if self._relay_ref is not None:
@@ -496,7 +493,7 @@ class CellHandle:
         polled = set(self._pending.values())
         for rank in self.ranks:
             if rank not in polled and rank not in self._finished and rank not in self._dead:
-                self._pending[actors[rank].poll.remote(*poll_timing(len(actors)))] = rank
+                self._pending[group.poll(rank)] = rank
 
     @property
     def resumed_from(self) -> str | None:
@@ -575,7 +572,7 @@ class CellHandle:
     def _unfinished(self) -> list[int]:
         return [r for r in self.ranks if r not in self._finished and r not in self._dead]
 
-    def _advance_stop(self, actors) -> None:
+    def _advance_stop(self, group) -> None:
         phase = self._stop_phase
         if phase is StopPhase.NONE:
             return
@@ -584,7 +581,7 @@ class CellHandle:
         waited = time.monotonic() - self._phase_started
         if phase is StopPhase.REQUESTED:
             for rank in unfinished:
-                actors[rank].request_stop.remote()
+                group.request_stop(rank)
             self._enter_phase(StopPhase.COOPERATIVE)
         elif phase is StopPhase.COOPERATIVE:
             paused = {
@@ -602,14 +599,14 @@ class CellHandle:
             if target is not None and self._stop_target is None:
                 self._stop_target = target
                 for rank in unfinished:
-                    actors[rank].set_stop_target.remote(target)
+                    group.set_stop_target(rank, target)
             if waited > grace:
                 self._enter_phase(StopPhase.RESTART if self._final else StopPhase.RAISE)
         elif phase is StopPhase.RAISE:
             if not self._interrupt_sent:
                 self._interrupt_sent = True
                 for rank in unfinished:
-                    actors[rank].interrupt.remote()
+                    group.interrupt(rank)
             if waited > grace:
                 self._enter_phase(StopPhase.RESTART)
         if self._stop_phase is StopPhase.RESTART:
@@ -639,7 +636,7 @@ class CellHandle:
             )
             self._finish(
                 error=CellInterrupted(
-                    f"cell {self.cell_id} {self._stop_reason}: every rank stopped{at} ({how}); "
+                    f"{self.name} {self._stop_reason}: every rank stopped{at} ({how}); "
                     "the worker group and its variables are intact",
                     kept=True,
                     step=max(u.step for u in finished.values()),
@@ -657,13 +654,13 @@ class CellHandle:
         """The group is going away under this cell (stop, restart, scale)."""
         self._finish(
             error=CellInterrupted(
-                f"cell {self.cell_id} {self._stop_reason}; the ranks' variables go with the group",
+                f"{self.name} {self._stop_reason}; the ranks' variables go with the group",
                 kept=False,
             )
         )
 
     def _finish_ray_lost(self) -> None:
-        self._finish(error=ClusterError(f"cell {self.cell_id} ended: {self.session.ray_lost}"))
+        self._finish(error=ClusterError(f"{self.name} ended: {self.session.ray_lost}"))
 
     def _finish_with_restart(self) -> None:
         session = self.session
@@ -678,7 +675,7 @@ class CellHandle:
         else:
             stuck = self._unfinished()
             what = (
-                f"cell {self.cell_id} {self._stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
+                f"{self.name} {self._stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
                 f"{', '.join(map(str, stuck))} did not stop within {2 * session.config.stop_grace_s:g} s "
                 "(blocked in a collective or in native code)"
             )

@@ -22,6 +22,7 @@ import threading
 from rtnb.errors import CheckpointError
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore, parse_checkpoint_id
+from rtnb.storage._layout import RunRecord
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -41,22 +42,25 @@ class CheckpointCoordinator:
         self._offered: dict[int, str] = {}
 
     # ---- position ----------------------------------------------------------------------
-    def restore(self, record: dict) -> None:
-        """Take the position a run.json recorded (a run carried on by a new session);
-        without one, the latest checkpoint's."""
+    def restore(self, record: RunRecord | None) -> None:
+        """Take the position a run record kept (a run carried on by a new session);
+        without one (or one written before lines were recorded), the latest
+        checkpoint's."""
         with self._lock:
-            self.branched_from = {int(k): v for k, v in (record.get("branches") or {}).items()}
-            if "line" in record:
-                self.line, self.step = int(record["line"]), int(record.get("last_step", -1))
+            branches = record.branches if record is not None else {}
+            self.branched_from = {int(k): v for k, v in branches.items()}
+            if record is not None and record.line is not None:
+                self.line, self.step = record.line, record.last_step
             else:
                 info = self.store.latest()
-                self.step = max(int(record.get("last_step", -1)), info.step if info else -1)
+                last = record.last_step if record is not None else -1
+                self.step = max(last, info.step if info else -1)
                 self.line = info.line if info else 0
             self._latest_known = False
             self._protect_locked()
 
     def record(self) -> dict:
-        """What run.json keeps of the position."""
+        """What the run record keeps of the position (RunRecord's fields)."""
         return {
             "line": self.line,
             "last_step": self.step,

@@ -1,7 +1,9 @@
 """A placement group plus one :class:`RankActor` per rank, with torch.distributed set up.
 
 The group owns its Ray resources: :meth:`WorkerGroup.shutdown` always frees the
-actors and the placement group, even when ranks are hung in a collective.
+actors and the placement group, even when ranks are hung in a collective. It also
+owns the rank protocol: every call the driver makes to a rank is one of its methods
+(each returns the call's Ray reference), so no other module holds an actor.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rtnb.core._config import SessionConfig
+from rtnb.core._messages import CellRequest
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._ray_output import watch_ranks
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
-from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor
+from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
 
 __all__ = ["RankInfo", "WorkerGroup", "check_capacity", "check_storage_locality"]
 
@@ -208,6 +211,45 @@ class WorkerGroup:
     @property
     def node_count(self) -> int:
         return len({r.node_id for r in self.ranks})
+
+    # ---- the rank protocol -------------------------------------------------------------
+    @property
+    def relays(self) -> bool:
+        """Cells go through rank 0's relay (groups of RELAY_FROM_RANKS ranks and more)."""
+        return self.relay_tokens is not None
+
+    def next_token(self) -> int | None:
+        """The next cell's dispatch token (None in a group that does not relay)."""
+        return next(self.relay_tokens) if self.relay_tokens is not None else None
+
+    def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any:
+        """Rank 0 starts ``request`` on ``ranks`` and gathers their quick answers."""
+        return self.actors[0].relay.remote(request, ranks, wait_s)
+
+    def run(self, rank: int, request: CellRequest) -> Any:
+        """Start ``request`` on ``rank`` (once per token) and long-poll it once."""
+        return self.actors[rank].run.remote(request)
+
+    def poll(self, rank: int) -> Any:
+        return self.actors[rank].poll.remote(*poll_timing(len(self.actors)))
+
+    def request_stop(self, rank: int) -> Any:
+        return self.actors[rank].request_stop.remote()
+
+    def set_stop_target(self, rank: int, step: int) -> Any:
+        return self.actors[rank].set_stop_target.remote(step)
+
+    def interrupt(self, rank: int) -> Any:
+        return self.actors[rank].interrupt.remote()
+
+    def set_step(self, step: int, line: int) -> list[Any]:
+        return [a.set_step.remote(step, line) for a in self.actors]
+
+    def pull(self, ranks: list[int], name: str) -> list[Any]:
+        return [self.actors[r].pull.remote(name) for r in ranks]
+
+    def push(self, ranks: list[int], values: Any) -> list[Any]:
+        return [self.actors[r].push.remote(values) for r in ranks]
 
     # ---- stop --------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:

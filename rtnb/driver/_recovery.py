@@ -90,13 +90,13 @@ class Replayer:
         for step in self.journal.replay_plan(before):
             entry = step.entry
             if step.skipped:
-                report.skipped.append(f"cell {entry.cell_id} ({step.skipped})")
+                report.skipped.append(f"{_cell_name(entry)} ({step.skipped})")
                 continue
             world = session._require_group().world_size
             ranks = [r for r in (entry.ranks or range(world)) if r < world]
             if not ranks:
                 report.skipped.append(
-                    f"cell {entry.cell_id} (its ranks {entry.ranks} are not in a group of {world})"
+                    f"{_cell_name(entry)} (its ranks {entry.ranks} are not in a group of {world})"
                 )
                 continue
             if entry.values is not None:
@@ -104,14 +104,20 @@ class Replayer:
             if entry.kind is EntryKind.PUSH:
                 report.pushes += 1
                 continue
-            handle = CellHandle(session, entry.cell_id or 0, entry.code or "", ranks, replay=True)
+            handle = CellHandle(
+                session, entry.cell_id or 0, entry.code or "", ranks, replay=True, label=entry.label
+            )
             handle.drive_replay()
             failed = {r: u for r, u in handle._finished.items() if u.error is not None}
             if failed:
                 rank, update = min(failed.items())
                 raise WorkerGroupError(
-                    f"replaying cell {entry.cell_id} failed on rank {rank}: {update.error[0]}"
+                    f"replaying {_cell_name(entry)} failed on rank {rank}: {update.error[0]}"
                 )
             report.cells += 1
         report.duration_s = time.monotonic() - started
         return report
+
+
+def _cell_name(entry) -> str:
+    return f"cell {entry.label or entry.cell_id}"

@@ -27,7 +27,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rtnb.core._config import SessionConfig, check_name, parse_ranks
+from rtnb.core._messages import CellRequest
 from rtnb.core._redact import redact_uri
+from rtnb.core._score import score_rule
 from rtnb.core._text import mean_over_ranks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver import _warm
@@ -56,6 +58,13 @@ from rtnb.metrics._tensorboard import TensorBoardExporter
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import CellOutcome, EntryKind, Journal
+from rtnb.storage._layout import (
+    RUN_RECORD,
+    RunRecord,
+    read_run_record,
+    tensorboard_dir,
+    write_run_record,
+)
 from rtnb.storage._logs import RankLogs
 from rtnb.storage._metricslog import MetricsLog
 from rtnb.storage._result import Result
@@ -119,6 +128,7 @@ class Session:
         self._last_background: CellHandle | None = None
         self._last_error: BaseException | None = None
         self._last_training_code: str | None = None
+        self._last_training_label: str | None = None  # that cell's name in the notebook
         self._started_at: float | None = None  # run.json's "started"
         self._lost: str | None = None  # set once the Ray under this session is gone
         self._lock = threading.RLock()
@@ -259,6 +269,7 @@ class Session:
             trained = [e for e in entries if e.seq in ends]
             if trained:
                 self._last_training_code = trained[-1].code
+                self._last_training_label = trained[-1].label
 
     def _replay_onto_new_group(self, why: str) -> ReplayReport:
         """Rebuild the ranks' state on a new group from the journal (fails the
@@ -294,7 +305,7 @@ class Session:
         if self._group is not None:
             line, step = self.commits.line, self.commits.step
             try:
-                ray.get([a.set_step.remote(step, line) for a in self._group.actors], timeout=60)
+                ray.get(self._group.set_step(step, line), timeout=60)
             except ray.exceptions.RayError:
                 pass  # a rank already died: the next cell's poll reports it
 
@@ -308,7 +319,7 @@ class Session:
                 raise ConfigError(
                     "--tensorboard writes event files next to the run: it needs a local --storage"
                 )
-            self.metrics.exporter = TensorBoardExporter(f"{self.run_dir.path}/tensorboard")
+            self.metrics.exporter = TensorBoardExporter(tensorboard_dir(self.run_dir.path))
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _commit_checkpoints(self, handle: CellHandle) -> None:
@@ -327,7 +338,7 @@ class Session:
         if run is None or run == self.run_name:
             return self.checkpoints
         other = RunDirectory(self.config.storage_path, check_name(run, "--run"))
-        if not other.exists("run.json"):
+        if not other.exists(RUN_RECORD):
             raise CheckpointError(
                 f"no run {run!r} in {redact_uri(self.config.storage_path)} (see `%rtnb runs`)"
             )
@@ -362,12 +373,12 @@ class Session:
         if self.state in (GroupState.NEW, GroupState.STOPPED, GroupState.FAILED):
             self.start()
         self.load(checkpoint_id, run=run)
-        code = self._last_training_code
+        code, label = self._last_training_code, self._last_training_label
         if code is None:
             return None
         if background:
-            return self.run_background(code)
-        return self.run(code)
+            return self.run_background(code, label=label)
+        return self.run(code, label=label)
 
     def result(self) -> Result:
         """The run so far as an :class:`rtnb.Result` (metrics, dataframe, path)."""
@@ -386,6 +397,7 @@ class Session:
             ],
             error=self._last_error,
             run_name=self.run_name,
+            score_rule=score_rule(self.config.score, self.config.mode, self.metrics.metric_names()),
         )
 
     def _carry_on_run_record(self) -> None:
@@ -394,27 +406,27 @@ class Session:
         if self._started_at is not None:
             return
         try:
-            earlier = self.run_dir.read_json("run.json") if self.run_dir.exists("run.json") else {}
-        except (OSError, ValueError):
-            earlier = {}
-        self._started_at = float(earlier.get("started") or time.time())
+            earlier = read_run_record(self.run_dir)
+        except (OSError, ValueError, TypeError):
+            earlier = None
+        self._started_at = (earlier.started if earlier is not None else 0.0) or time.time()
         self.commits.restore(earlier)
 
     def _write_run_json(self) -> None:
         group = self._group
         ranks = [vars(r) for r in group.ranks] if group is not None else []
         self._carry_on_run_record()
-        self.run_dir.write_json(
-            "run.json",
-            {
-                "run_name": self.run_name,
-                "started": self._started_at,
-                "status": str(self.state),
-                "config": self.config.to_dict(),
-                "ranks": ranks,
+        write_run_record(
+            self.run_dir,
+            RunRecord(
+                run_name=self.run_name,
+                started=self._started_at or time.time(),
+                status=str(self.state),
+                config=self.config.to_dict(),
+                ranks=ranks,
+                updated=time.time(),
                 **self.commits.record(),
-                "updated": time.time(),
-            },
+            ),
         )
 
     def _new_group(self, progress: StartProgress | None = None) -> WorkerGroup:
@@ -620,12 +632,13 @@ class Session:
         config: Any = None,
         total_steps: int | None = None,
         once: bool = False,
+        label: str | None = None,
     ) -> CellHandle:
         with self._lock:
             group = self._require_group()
             if self._active is not None and not self._active.done():
                 raise SessionError(
-                    f"cell {self._active.cell_id} is still running"
+                    f"{self._active.name} is still running"
                     + (" in the background" if self._active.background else "")
                     + ": wait for it (`%rtnb wait`) or stop it (`handle.stop()`) first"
                 )
@@ -638,7 +651,7 @@ class Session:
                     f"Session.run takes code (str) or a function, got {type(code).__name__}"
                 )
             cell_id = next(self._cell_ids)
-            check_syntax(code, cell_id)
+            check_syntax(code, CellRequest(cell_id, code, label=label).filename)
             if timeout is not None and timeout <= 0:
                 raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
             if total_steps is not None and total_steps < 1:
@@ -648,6 +661,7 @@ class Session:
                 EntryKind.CELL,
                 values=values,
                 cell_id=cell_id,
+                label=label,
                 code=code,
                 ranks=None if ranks is None else rank_list,
                 once=once,
@@ -656,11 +670,18 @@ class Session:
             if values is not None:
                 self._send_values(values, rank_list)
             handle = CellHandle(
-                self, cell_id, code, rank_list, timeout, background, journal_seq=entry.seq
+                self,
+                cell_id,
+                code,
+                rank_list,
+                timeout,
+                background,
+                journal_seq=entry.seq,
+                label=label,
             )
             self.metrics.begin(rank_list, total_steps)
             self._active = handle
-            self.state_machine.to(GroupState.RUNNING, f"cell {cell_id}")
+            self.state_machine.to(GroupState.RUNNING, handle.name)
             return handle
 
     def run(
@@ -673,6 +694,7 @@ class Session:
         output: OutputSink | None = None,
         total_steps: int | None = None,
         once: bool = False,
+        label: str | None = None,
     ) -> PerRank:
         """Run ``code`` (or ``fn()``/``fn(config)``) on the ranks and wait for it.
 
@@ -681,6 +703,8 @@ class Session:
         rank. Ctrl-C stops the cell on every rank (see :class:`CellHandle`). A
         function is recorded in the journal by value, so a replay after a failure
         (or in a new kernel) runs it again. ``once``: never replay this cell.
+        ``label``: the notebook's name for the cell (Jupyter's ``[4]``), which its
+        messages and tracebacks then use instead of rtnb's cell number.
         """
         handle = self._begin(
             code,
@@ -690,6 +714,7 @@ class Session:
             config=config,
             total_steps=total_steps,
             once=once,
+            label=label,
         )
         handle.add_sink(output or print_sink())
         return handle.run_here()
@@ -703,12 +728,19 @@ class Session:
         total_steps: int | None = None,
         output: OutputSink | None = None,
         once: bool = False,
+        label: str | None = None,
     ) -> CellHandle:
         """A foreground cell's handle before it runs, so views can subscribe to it
         first; run it with :meth:`CellHandle.run_here`. Output is printed unless
         ``output`` says otherwise."""
         handle = self._begin(
-            code, ranks, timeout, background=False, total_steps=total_steps, once=once
+            code,
+            ranks,
+            timeout,
+            background=False,
+            total_steps=total_steps,
+            once=once,
+            label=label,
         )
         handle.add_sink(output or print_sink())
         return handle
@@ -723,6 +755,7 @@ class Session:
         output: OutputSink | None = None,
         total_steps: int | None = None,
         once: bool = False,
+        label: str | None = None,
     ) -> CellHandle:
         """Start ``code`` on the ranks and return its :class:`CellHandle` at once."""
         handle = self._begin(
@@ -733,6 +766,7 @@ class Session:
             config=config,
             total_steps=total_steps,
             once=once,
+            label=label,
         )
         if output is not None:
             handle.add_sink(output)
@@ -765,6 +799,7 @@ class Session:
             self._last_error = handle.error
             if handle.reported:
                 self._last_training_code = handle.code
+                self._last_training_label = handle.label
                 # `%rtnb runs` shows steps and duration: keep them current.
                 with contextlib.suppress(Exception):
                     self._write_run_json()
@@ -788,7 +823,7 @@ class Session:
             except Exception:  # noqa: BLE001 - storage gone: the cell's own outcome stands
                 pass
             if self.state is GroupState.RUNNING and self._active is handle:
-                self.state_machine.to(GroupState.READY, f"cell {handle.cell_id} ended")
+                self.state_machine.to(GroupState.READY, f"{handle.name} ended")
 
     # ---- variables ---------------------------------------------------------------------
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
@@ -798,7 +833,7 @@ class Session:
             raise ConfigError(f"{name!r} is not a Python variable name")
         rank_list = _ranks(ranks, self._require_group(wait_s=_WAIT_FOR_GROUP_S).world_size)
         answers = self._call_ranks(
-            lambda group: [group.actors[r].pull.remote(name) for r in rank_list],
+            lambda group: group.pull(rank_list, name),
             f"pulling {name!r}",
             timeout_s=120,
         )
@@ -834,7 +869,7 @@ class Session:
 
         ref = ray.put(data)
         self._call_ranks(
-            lambda group: [group.actors[r].push.remote(ref) for r in ranks],
+            lambda group: group.push(ranks, ref),
             "sending values to the ranks",
             timeout_s=300,
         )
@@ -911,7 +946,7 @@ class Session:
         if self._lost is not None:
             cell = self._lost
         elif active is not None:
-            cell = f"cell {active.cell_id}{' (background)' if active.background else ''} running for {active.elapsed_s:.1f} s"
+            cell = f"{active.name}{' (background)' if active.background else ''} running for {active.elapsed_s:.1f} s"
         return GroupStatus(
             state=self._state_text(),
             run_name=self.run_name,
@@ -959,12 +994,12 @@ def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:
     return parse_ranks(",".join(str(int(r)) for r in ranks), world_size)
 
 
-def check_syntax(code: str, cell_id: int = 0) -> None:
+def check_syntax(code: str, filename: str = "<rtrain-cell-0>") -> None:
     """Raise CellError for a SyntaxError before anything is sent to the ranks."""
     import traceback
 
     try:
-        compile(code, f"<rtrain-cell-{cell_id}>", "exec")
+        compile(code, filename, "exec")
     except SyntaxError as exc:
         text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
         raise CellError(

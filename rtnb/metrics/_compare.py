@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from rtnb.core._score import score_rule
 from rtnb.core._text import align_rows, format_duration
 
 __all__ = ["format_rows", "run_curve", "runs_rows"]
@@ -32,12 +33,14 @@ def run_curve(store, metric: str, x_axis: str = "step"):
     return xs, list(values), low, high
 
 
-def _last_best(store, metric: str, mode: str) -> tuple[float | None, float | None]:
+def _last_best(store, metric: str, mode: str | None) -> tuple[float | None, float | None]:
+    """The metric's last value and its best (None without a ``mode``)."""
     _xs, values, _lo, _hi = run_curve(store, metric) if store is not None else ([], [], 0, 0)
     finite = [v for v in values if v == v and abs(v) != float("inf")]
     if not finite:
         return None, None
-    return finite[-1], (min if mode == "min" else max)(finite)
+    best = None if mode is None else (min if mode == "min" else max)(finite)
+    return finite[-1], best
 
 
 def _config_text(config: dict) -> str:
@@ -54,8 +57,16 @@ def runs_rows(runs, stores: dict, metric: str | None) -> list[dict]:
     rows = []
     for run in runs:
         store = stores.get(run.name)
-        mode = run.config.get("mode", "min") if run.config.get("score") == metric else "min"
-        last, best = _last_best(store, metric, mode) if metric else (None, None)
+        # The run's --score decides its own metric; another metric has a best only
+        # when its name says which way is better (the same rule as the browser's).
+        rule = score_rule(
+            run.config.get("score") if run.config.get("score") == metric else None,
+            run.config.get("mode", "min"),
+            [metric] if metric else [],
+        )
+        last, best = (
+            _last_best(store, metric, rule.mode if rule else None) if metric else (None, None)
+        )
         rows.append(
             {
                 "run": run.name,

@@ -19,6 +19,7 @@ from rtnb.core._messages import CheckpointOffer
 from rtnb.core._text import format_table, mean_over_ranks, to_number
 from rtnb.errors import CheckpointError, one_line
 from rtnb.storage._checkpoint import MANIFEST, Checkpoint
+from rtnb.storage._layout import CHECKPOINTS, checkpoint_dir, checkpoint_file, checkpoint_index
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = [
@@ -29,7 +30,6 @@ __all__ = [
     "parse_checkpoint_id",
 ]
 
-INDEX = "index.json"
 _INDEX_EVERY_S = 1.0
 
 
@@ -92,7 +92,7 @@ class CheckpointStore:
     ) -> None:
         self.run_dir = run_dir
         self.keep, self.score, self.mode = keep, score, mode
-        self.base = posixpath.join(run_dir.path, "checkpoints")
+        self.base = posixpath.join(run_dir.path, CHECKPOINTS)
         self._pending: dict[str, dict] = {}
         self._manifests: dict[str, CheckpointInfo] = {}
         self._index_dirty = False
@@ -139,7 +139,7 @@ class CheckpointStore:
                         self._pending.clear()
                         raise OSError(
                             f"checkpoint {cid} could not be committed to "
-                            f"{self.run_dir.shown(f'checkpoints/{cid}')} ({one_line(exc)})"
+                            f"{self.run_dir.shown(checkpoint_dir(cid))} ({one_line(exc)})"
                         ) from None
         return committed
 
@@ -156,7 +156,7 @@ class CheckpointStore:
             ranks=sorted(entry["ranks"]),
             files=files,
         )
-        manifest = posixpath.join("checkpoints", cid, MANIFEST)
+        manifest = checkpoint_file(cid, MANIFEST)
         if cid in self._manifests or self.run_dir.exists(manifest):
             # Never rewrite a committed checkpoint: its files were verified as they are.
             raise CheckpointError(
@@ -172,7 +172,7 @@ class CheckpointStore:
                 self.write_index()
         except Exception as exc:  # noqa: BLE001 - storage errors of any kind
             raise CheckpointError(
-                f"checkpoint {cid} is committed, but updating checkpoints/{INDEX} or "
+                f"checkpoint {cid} is committed, but updating {checkpoint_index()} or "
                 f"applying --keep failed: {one_line(exc)}"
             ) from None
         for callback in list(self._subscribers):
@@ -217,7 +217,7 @@ class CheckpointStore:
         info = self._manifests.get(cid)
         if info is None:
             try:
-                record = self.run_dir.read_json(posixpath.join("checkpoints", cid, MANIFEST))
+                record = self.run_dir.read_json(checkpoint_file(cid, MANIFEST))
                 info = self._manifests[cid] = CheckpointInfo(**record)
             except (FileNotFoundError, OSError, ValueError, TypeError):
                 return None
@@ -254,7 +254,7 @@ class CheckpointStore:
                 "(step-000000012); see `%rtnb checkpoints`"
             )
         try:
-            record = self.run_dir.read_json(posixpath.join("checkpoints", cid, MANIFEST))
+            record = self.run_dir.read_json(checkpoint_file(cid, MANIFEST))
         except (FileNotFoundError, OSError, ValueError):
             known = ", ".join(c.id for c in self.list()) or "none"
             raise CheckpointError(
@@ -284,7 +284,7 @@ class CheckpointStore:
         self._index_dirty = False
         self._index_at = time.monotonic()
         self.run_dir.write_json(
-            posixpath.join("checkpoints", INDEX),
+            checkpoint_index(),
             {"checkpoints": [asdict(c) for c in self.list()], "updated": time.time()},
         )
 

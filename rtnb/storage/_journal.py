@@ -44,11 +44,12 @@ from typing import Any
 
 from rtnb.core._paths import rtnb_home
 from rtnb.errors import SessionError, one_line
+from rtnb.storage._layout import JOURNAL
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["CellOutcome", "EntryKind", "Journal", "JournalEntry", "ReplayStep"]
 
-FOLDER = "journal"
+FOLDER = JOURNAL
 SPOOL = "journal-spool"
 
 
@@ -79,7 +80,8 @@ class JournalEntry:
     seq: int
     kind: EntryKind
     time: float = field(default_factory=time.time)
-    cell_id: int | None = None  # the cell number the user saw
+    cell_id: int | None = None  # rtnb's cell number
+    label: str | None = None  # the notebook's name for the cell ("[4]"), when it had one
     code: str | None = None
     ranks: list[int] | None = None  # None: every rank of the group
     once: bool = False  # %%rtrain --once: never replayed

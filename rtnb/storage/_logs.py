@@ -8,6 +8,7 @@ on a local path, numbered chunks under ``rank-N/`` on object storage.
 from __future__ import annotations
 
 from rtnb.storage._appendlog import RankAppendLog
+from rtnb.storage._layout import LOGS
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["RankLogs"]
@@ -15,7 +16,7 @@ __all__ = ["RankLogs"]
 
 class RankLogs:
     def __init__(self, run_dir: RunDirectory) -> None:
-        self._log = RankAppendLog(run_dir, "logs", ".log")
+        self._log = RankAppendLog(run_dir, LOGS, ".log")
 
     def where(self, rank: int) -> str:
         """Where rank ``rank``'s output is kept (for "the rest is in ..." notes)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from rtnb.core._reports import ReportBatch, unpack_column
 from rtnb.storage._appendlog import RankAppendLog
+from rtnb.storage._layout import METRICS
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["MetricsLog", "read_metrics"]
@@ -26,7 +27,7 @@ __all__ = ["MetricsLog", "read_metrics"]
 
 class MetricsLog:
     def __init__(self, run_dir: RunDirectory) -> None:
-        self._log = RankAppendLog(run_dir, "metrics", ".jsonl")
+        self._log = RankAppendLog(run_dir, METRICS, ".jsonl")
         self.dir = self._log.dir
 
     def add(self, rank: int, batch: ReportBatch) -> None:
@@ -59,7 +60,7 @@ def read_metrics(run_dir: RunDirectory) -> list[dict]:
     """Every report in the run directory, rank by rank, in the order reported."""
     from pyarrow import fs as pafs
 
-    base = posixpath.join(run_dir.path, "metrics")
+    base = posixpath.join(run_dir.path, METRICS)
     infos = run_dir.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     files = sorted(
         i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".jsonl")

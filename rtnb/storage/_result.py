@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtnb.core._redact import redact_uri
+from rtnb.core._score import ScoreRule, ScoreSource
 from rtnb.core._text import format_duration, format_table, mean_over_ranks
 from rtnb.errors import ConfigError
+from rtnb.storage._layout import RUN_RECORD, checkpoint_index, read_run_record
 from rtnb.storage._metricslog import read_metrics
 from rtnb.storage._rundir import RunDirectory
 
@@ -19,7 +21,9 @@ __all__ = ["Result", "RunSummary", "list_runs", "read_run_metrics"]
 class Result:
     """``metrics``: the mean over ranks of each metric's last value (flat, as in Ray
     Train); ``metrics_per_rank``: each rank's last report; ``metrics_dataframe``:
-    every report of every rank, read from the run directory."""
+    every report of every rank, read from the run directory. ``best_checkpoints``:
+    (checkpoint, metrics) of every committed checkpoint, oldest first (as Ray Train
+    lists the ones it kept); :meth:`get_best_checkpoint` picks from them."""
 
     path: str
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -28,6 +32,9 @@ class Result:
     best_checkpoints: list = field(default_factory=list)
     error: BaseException | None = None
     run_name: str = ""
+    # What "best" means for this run (--score, or a metric named like a loss or an
+    # accuracy); None: no best unless get_best_checkpoint is told a metric.
+    score_rule: ScoreRule | None = None
     # Where to read the run back: ``path`` with its credentials, never shown.
     _location: str | None = field(default=None, repr=False, compare=False)
 
@@ -42,13 +49,29 @@ class Result:
         first = [c for c in ("rank", "step", "timestamp") if c in frame.columns]
         return frame[first + [c for c in frame.columns if c not in first]]
 
+    def get_best_checkpoint(self, metric: str | None = None, mode: str | None = None):
+        """The checkpoint with the lowest (``mode="min"``) or highest (``"max"``)
+        ``metric``, as in Ray Train; without arguments, by the run's own rule (see
+        :mod:`rtnb.core._score`). None when no checkpoint has the metric.
+
+        In [1]: session.result().get_best_checkpoint("loss", "min")
+        """
+        if metric is None:
+            rule = self.score_rule
+        elif mode not in ("min", "max"):
+            raise ConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        else:
+            rule = ScoreRule(metric, mode, ScoreSource.GIVEN)
+        best = rule.best(self.best_checkpoints, lambda pair: pair[1]) if rule else None
+        return None if best is None else best[0]
+
     @classmethod
     def from_path(cls, path: str) -> Result:
         """Reload a run's result from its run directory (local path or URI)."""
         run_dir = _run_dir(path)
-        if not run_dir.exists("run.json"):
-            raise ConfigError(f"{path!r} is not an rtnb run directory (no run.json)")
-        record = run_dir.read_json("run.json")
+        record = read_run_record(run_dir)
+        if record is None:
+            raise ConfigError(f"{path!r} is not an rtnb run directory (no {RUN_RECORD})")
         last: dict[int, dict] = {}
         for row in read_metrics(run_dir):
             last[int(row["rank"])] = row
@@ -60,7 +83,7 @@ class Result:
             path=path,
             metrics=mean_over_ranks(per_rank),
             metrics_per_rank=per_rank,
-            run_name=record.get("run_name", ""),
+            run_name=record.run_name,
         )
 
     def __repr__(self) -> str:
@@ -166,25 +189,24 @@ def list_runs(storage: str) -> RunTable:
         if info.type != pafs.FileType.Directory:
             continue
         run_dir = RunDirectory(storage, info.base_name)
-        if not run_dir.exists("run.json"):
+        record = read_run_record(run_dir)
+        if record is None:
             continue
-        record = run_dir.read_json("run.json")
-        index_path = posixpath.join("checkpoints", "index.json")
+        index_path = checkpoint_index()
         try:
             index = run_dir.read_json(index_path) if run_dir.exists(index_path) else {}
         except (OSError, ValueError):
             index = {}
         runs.append(
             RunSummary(
-                name=record.get("run_name", info.base_name),
-                status=record.get("status", "?"),
-                workers=int(record.get("config", {}).get("workers", 0)),
-                updated=float(record.get("updated", 0)),
+                name=record.run_name or info.base_name,
+                status=record.status,
+                workers=record.workers,
+                updated=record.updated,
                 path=run_dir.uri,
-                started=float(record.get("started", 0) or 0),
-                # Before lines were recorded, steps counted from 1.
-                last_step=int(record.get("last_step", -1)) - ("line" not in record),
-                config=dict(record.get("config") or {}),
+                started=record.started,
+                last_step=record.steps_taken_to,
+                config=record.config,
                 checkpoints=sum(
                     1 for c in index.get("checkpoints", []) if c.get("status") == "committed"
                 ),
@@ -201,7 +223,7 @@ def read_run_metrics(storage: str, run: str) -> list[dict]:
 
     check_name(run, "run")
     run_dir = RunDirectory(storage, run)
-    if not run_dir.exists("run.json"):
+    if not run_dir.exists(RUN_RECORD):
         raise ConfigError(
             f"no run {run!r} in {redact_uri(storage)!r}: `%rtnb runs {redact_uri(storage)}` "
             "lists the runs there"

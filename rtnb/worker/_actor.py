@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from rtnb.core._messages import RankUpdate
+from rtnb.core._messages import CellRequest, RankUpdate
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
@@ -251,16 +251,9 @@ class RankActor:
         )
 
     def relay(
-        self,
-        token: int,
-        cell_id: int,
-        code: str,
-        checkpoint: Any,
-        replay: bool,
-        ranks: list[int],
-        wait_s: float,
+        self, request: CellRequest, ranks: list[int], wait_s: float
     ) -> dict[int, bytes | RankUpdate | None]:
-        """Rank 0: start a cell on ``ranks`` with one write to the group's store (every
+        """Rank 0: start a cell (``request``, whose token orders the relay) on ``ranks`` with one write to the group's store (every
         listening rank wakes at once) and gather the ranks' answers from it: one Ray
         call for the whole group instead of one per rank. A rank's answer is its final
         update (pickled, as the rank sent it) when the cell ended with nothing else
@@ -273,7 +266,8 @@ class RankActor:
         nothing that would stay in the store."""
         from ray import cloudpickle
 
-        store = self._relay
+        store, token = self._relay, request.token
+        assert token is not None, "a relayed cell has a dispatch token"
         # A token the driver took without this call reaching the store (a relay
         # that failed before writing its cell) is marked as skipped: the listeners
         # read the tokens in order and would otherwise wait for it for ever.
@@ -282,11 +276,11 @@ class RankActor:
         self._relayed = max(self._relayed, token)
         store.set(
             _CELL_KEY.format(token),
-            cloudpickle.dumps((token, cell_id, code, checkpoint, replay, ranks)),
+            cloudpickle.dumps((request, ranks)),
         )
         answers: dict[int, bytes | RankUpdate | None] = {}
         if 0 in ranks:
-            started = self.runtime.start_cell(cell_id, code, checkpoint, replay, token)
+            started = self.runtime.start_cell(request)
             answers[0] = self.runtime.final_update(POLL_WAIT_S) if started else None
             if answers[0] is None:
                 # Rank 0 has output or reports to deliver, or a long cell: the
@@ -352,19 +346,18 @@ class RankActor:
                 self._listening = False
                 self._hearing.notify_all()
 
-    def _run_relayed(self, store, rank, token, cell_id, code, checkpoint, replay, ranks) -> None:
+    def _run_relayed(self, store, rank: int, request: CellRequest, ranks: list[int]) -> None:
         if rank not in ranks:
             return
+        token = request.token
         try:
-            started = self.runtime.start_cell(
-                cell_id, code, checkpoint, replay, token, in_caller=True
-            )
+            started = self.runtime.start_cell(request, in_caller=True)
         except Exception:  # noqa: BLE001 - the driver's direct call reports it
             started = False
         self._heard(token)  # a direct run() for this token can go on: it is started
         answer = None
         if started:
-            self.runtime.execute(cell_id, code)
+            self.runtime.execute(request)
             answer = self.runtime.final_update(0.0)
         with contextlib.suppress(Exception):
             # compare_set: rank 0 may have closed this answer (it stopped waiting).
@@ -390,19 +383,12 @@ class RankActor:
             )
 
     # ---- cells -------------------------------------------------------------------------
-    def run(
-        self,
-        cell_id: int,
-        code: str,
-        checkpoint: Any = None,
-        replay: bool = False,
-        token: int | None = None,
-    ) -> RankUpdate:
-        """Start a cell (unless the relay already did, under ``token``) and long-poll
-        once, so a short cell costs one round trip."""
-        if token is not None and self._listening:
-            self._await_listener(token)
-        self.runtime.start_cell(cell_id, code, checkpoint, replay, token)
+    def run(self, request: CellRequest) -> RankUpdate:
+        """Start a cell (unless the relay already did, under the request's token) and
+        long-poll once, so a short cell costs one round trip."""
+        if request.token is not None and self._listening:
+            self._await_listener(request.token)
+        self.runtime.start_cell(request)
         return self.runtime.wait(POLL_WAIT_S, BATCH_S)
 
     def poll(self, wait_s: float = POLL_WAIT_S, batch_s: float = BATCH_S) -> RankUpdate:

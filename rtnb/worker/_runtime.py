@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtnb.core._context import set_current_rank
-from rtnb.core._messages import CellState, CheckpointOffer, RankUpdate
+from rtnb.core._messages import CellRequest, CellState, CheckpointOffer, RankUpdate
 from rtnb.core._reports import ReportColumns
 from rtnb.core._values import to_portable
 from rtnb.worker._capture import flush_std, install_capture
@@ -33,7 +33,6 @@ __all__ = [
     "CellStopped",
     "RankContext",
     "RankRuntime",
-    "cell_filename",
     "current_runtime",
     "split_last_expression",
 ]
@@ -109,10 +108,6 @@ def current_runtime() -> RankRuntime | None:
     return _CURRENT
 
 
-def cell_filename(cell_id: int) -> str:
-    return f"<rtrain-cell-{cell_id}>"
-
-
 def split_last_expression(code: str, filename: str):
     """Compile ``code`` into (body, last_expression_or_None), as IPython does."""
     tree = ast.parse(code, filename=filename, mode="exec")
@@ -173,7 +168,7 @@ class RankRuntime:
         self._stop_target: int | None = None
         self._paused_at: int | None = None
         self._pause_reported = False
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue[CellRequest] = queue.Queue()
         self._thread = threading.Thread(target=self._cell_loop, name="rtnb-cell", daemon=True)
         self._thread.start()
         # The thread running the current cell (an interrupt is raised in it).
@@ -182,34 +177,26 @@ class RankRuntime:
         _CURRENT = self
 
     # ---- cells -------------------------------------------------------------------
-    def start_cell(
-        self,
-        cell_id: int,
-        code: str,
-        checkpoint: Any = None,
-        replay: bool = False,
-        token: int | None = None,
-        in_caller: bool = False,
-    ) -> bool:
-        """Run ``code`` in the cell thread; ``get_checkpoint()`` returns ``checkpoint``
-        during it. A ``replay`` rebuilds state after a failure: its reports are not
-        published and its checkpoints not saved (they were, the first time).
-        With a dispatch ``token``, a cell already started under it is not started
-        again (False). ``in_caller``: the calling thread runs it next, with
-        :meth:`execute` (the relay's listener, which runs every cell of its rank)."""
+    def start_cell(self, request: CellRequest, in_caller: bool = False) -> bool:
+        """Run ``request``'s code in the cell thread (see :class:`CellRequest` for
+        its checkpoint, replay and token). A request whose token is not newer than
+        the last one started is not started again (False). ``in_caller``: the
+        calling thread runs it next, with :meth:`execute` (the relay's listener,
+        which runs every cell of its rank)."""
         with self._cond:
+            token = request.token
             if token is not None:
                 if token <= self._token:
                     return False
                 self._token = token
             if self._state is CellState.RUNNING:
                 raise RuntimeError(f"rank {self.context.world_rank} is still running a cell")
-            self._cell_id = cell_id
+            self._cell_id = request.cell_id
             self._state = CellState.RUNNING
-            self.checkpoint = checkpoint
+            self.checkpoint = request.checkpoint
             self.checkpoint_calls = 0
             self._loaded_checkpoint = None
-            self._replay = replay
+            self._replay = request.replay
             self._value = None
             self._error = None
             self._storage_error = None
@@ -218,16 +205,16 @@ class RankRuntime:
             self._paused_at = None
             self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
         if not in_caller:
-            self._jobs.put((cell_id, code))
+            self._jobs.put(request)
         return True
 
     def _cell_loop(self) -> None:
         while True:
-            self.execute(*self._jobs.get())
+            self.execute(self._jobs.get())
 
-    def execute(self, cell_id: int, code: str) -> None:
+    def execute(self, request: CellRequest) -> None:
         """Run a started cell to its end in this thread and publish how it ended."""
-        filename = cell_filename(cell_id)
+        code, filename = request.code, request.filename
         self._cache_source(filename, code)
         state, value, error = CellState.DONE, None, None
         if self._capture_output:
@@ -507,9 +494,10 @@ class RankRuntime:
         rank at one step (the cell goes on otherwise, as a collective needs)."""
         from rtnb.errors import one_line
         from rtnb.storage._checkpoints import checkpoint_id
+        from rtnb.storage._layout import checkpoint_dir
 
         where = (
-            self._run_dir.shown(f"checkpoints/{checkpoint_id(step, self.line)}")
+            self._run_dir.shown(checkpoint_dir(checkpoint_id(step, self.line)))
             if self._run_dir is not None
             else self.context.storage_path
         )
@@ -542,6 +530,7 @@ class RankRuntime:
         from rtnb.errors import CheckpointError
         from rtnb.storage._checkpoint import MANIFEST, Checkpoint
         from rtnb.storage._checkpoints import checkpoint_id
+        from rtnb.storage._layout import checkpoint_dir, checkpoint_file
         from rtnb.storage._rundir import RunDirectory
 
         if not isinstance(checkpoint, Checkpoint):
@@ -550,11 +539,11 @@ class RankRuntime:
         if self._run_dir is None:
             self._run_dir = RunDirectory(self.context.storage_path, self.context.run_name)
         cid = checkpoint_id(step, self.line)
-        if self._run_dir.exists(f"checkpoints/{cid}/{MANIFEST}"):
+        if self._run_dir.exists(checkpoint_file(cid, MANIFEST)):
             raise CheckpointError(
                 f"checkpoint {cid} is already committed; report the new checkpoint with a later step"
             )
-        return checkpoint, self._run_dir.fs, f"{self._run_dir.path}/checkpoints/{cid}"
+        return checkpoint, self._run_dir.fs, f"{self._run_dir.path}/{checkpoint_dir(cid)}"
 
     def _stop_at_boundary_locked(self) -> None:
         # Pause here and let the driver pick the step every rank stops at, so that

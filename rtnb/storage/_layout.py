@@ -1,0 +1,126 @@
+"""Where everything of a run lives in its run directory, and its run record.
+
+Every path of a run comes from here (as Ray Train's ``StorageContext``): the driver,
+the ranks, the batch runner and the readers of finished runs all name files through
+these functions, relative to the run directory ``{storage}/{run}/``::
+
+    run.json                    the run record (RunRecord)
+    checkpoints/{id}/           a checkpoint's files; _manifest.json written last
+    checkpoints/index.json      a summary of the checkpoints for people and tools
+    metrics/rank-{r}/           each rank's reports (append-log chunks)
+    logs/rank-{r}/              each rank's printed lines
+    journal/                    the run journal (write-ahead; replay reads it)
+    tensorboard/                TensorBoard event files (--tensorboard)
+    notebooks/                  the output notebooks of `rtnb run` / `rtnb submit`
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "CHECKPOINTS",
+    "JOURNAL",
+    "LOGS",
+    "METRICS",
+    "RUN_RECORD",
+    "RunRecord",
+    "checkpoint_dir",
+    "checkpoint_file",
+    "checkpoint_index",
+    "notebook",
+    "read_run_record",
+    "tensorboard_dir",
+    "write_run_record",
+]
+
+RUN_RECORD = "run.json"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics"
+LOGS = "logs"
+JOURNAL = "journal"
+TENSORBOARD = "tensorboard"
+NOTEBOOKS = "notebooks"
+_INDEX = "index.json"
+# 1: the first versioned record (earlier ones had no version field and are read the
+# same way; those without "line" counted steps from 1).
+RUN_RECORD_VERSION = 1
+
+
+def checkpoint_dir(checkpoint_id: str) -> str:
+    return posixpath.join(CHECKPOINTS, checkpoint_id)
+
+
+def checkpoint_file(checkpoint_id: str, name: str) -> str:
+    return posixpath.join(CHECKPOINTS, checkpoint_id, name)
+
+
+def checkpoint_index() -> str:
+    return posixpath.join(CHECKPOINTS, _INDEX)
+
+
+def notebook(name: str) -> str:
+    return posixpath.join(NOTEBOOKS, name)
+
+
+def tensorboard_dir(run_path: str) -> str:
+    """The TensorBoard folder under a run directory's filesystem path."""
+    return posixpath.join(run_path, TENSORBOARD)
+
+
+@dataclass
+class RunRecord:
+    """``run.json``: what a run directory says of its run. Written by the session that
+    holds the run (at its start, each state change and each training cell's end);
+    read by ``list_runs``, ``Result.from_path``, the CLI and a session carrying the
+    run on. ``line``/``last_step``/``branches`` are where training was (see
+    ``CheckpointCoordinator``); ``line`` is None in records written before lines
+    were recorded."""
+
+    run_name: str = ""
+    status: str = "?"
+    config: dict[str, Any] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    started: float = 0.0
+    updated: float = 0.0
+    line: int | None = None
+    last_step: int = -1
+    branches: dict[str, Any] = field(default_factory=dict)
+    version: int = RUN_RECORD_VERSION
+
+    @property
+    def workers(self) -> int:
+        return int(self.config.get("workers", 0) or 0)
+
+    @property
+    def steps_taken_to(self) -> int:
+        """The last step, counted from 0 (records without lines counted from 1)."""
+        return self.last_step - (self.line is None)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> RunRecord:
+        known = {f.name for f in fields(cls)}
+        record = cls(**{k: v for k, v in payload.items() if k in known})
+        record.started = float(record.started or 0.0)
+        record.updated = float(record.updated or 0.0)
+        record.last_step = int(record.last_step if record.last_step is not None else -1)
+        record.line = None if record.line is None else int(record.line)
+        record.config = dict(record.config or {})
+        record.branches = dict(record.branches or {})
+        return record
+
+
+def read_run_record(run_dir) -> RunRecord | None:
+    """The run record of ``run_dir`` (a RunDirectory), or None when it has none."""
+    if not run_dir.exists(RUN_RECORD):
+        return None
+    return RunRecord.from_json(run_dir.read_json(RUN_RECORD))
+
+
+def write_run_record(run_dir, record: RunRecord) -> None:
+    run_dir.write_json(RUN_RECORD, record.to_json())
