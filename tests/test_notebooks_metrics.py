@@ -60,9 +60,9 @@ def test_batch_output_has_progress_lines_and_a_static_figure_of_the_reports(ray_
     assert rank1["y"][-1] == pytest.approx(1.0 / 300 + 1)
     assert rank1["y"][0] == pytest.approx(2.0)
     text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-    lines = [line for line in text.splitlines() if line.startswith("rtnb: cell")]
+    lines = [line for line in text.splitlines() if line.startswith("rtnb: [")]
     assert 1 <= len(lines) <= 10, text
-    assert "step" in lines[-1] and "/300" in lines[-1]
+    assert "step 299" in lines[-1] and "300/300 done" in lines[-1], lines[-1]
     printed = "".join(o.get("text", "") for o in nb.cells[2].outputs)
     assert printed.startswith("600 ") and "'lr': 0.1" in printed
 

@@ -18,7 +18,7 @@ from rtnb.widgets._plot import (
     trace_keys,
 )
 
-__all__ = ["LiveMetrics", "LiveOnFirstReport", "close_later", "close_tree", "format_header"]
+__all__ = ["LiveMetrics", "LiveOnFirstReport", "close_tree", "format_header"]
 
 _MAX_LOG_LINES = 2000
 _SHOWN_LOG_LINES = 200
@@ -85,51 +85,10 @@ def format_header(
 
 
 def close_tree(widget) -> None:
-    """Close ``widget`` and every widget under it (children first); a plotly figure
-    among them is retired instead (see :func:`_retire`)."""
+    """Close ``widget`` and every widget under it (children first)."""
     for child in getattr(widget, "children", ()) or ():
         close_tree(child)
-    if _is_figure(widget):
-        _retire(widget)
-    else:
-        w.Widget.close(widget)
-
-
-def _is_figure(widget) -> bool:
-    return any(cls.__name__ == "BaseFigureWidget" for cls in type(widget).__mro__)
-
-
-# Plotly's view of a figure answers every render and update with the trace and
-# layout values plotly.js computed, and it renders again whenever JupyterLab shows
-# its output again, so its answers can reach the kernel seconds after the figure
-# left the page: closed, the kernel would log "No such comm" into JupyterLab's log
-# console for each. A figure taken off the page is kept open among the last
-# _RETIRED_KEPT ones instead, and only the oldest are closed.
-_RETIRED_KEPT = 64
-_retired: list = []
-_retired_lock = threading.Lock()
-
-
-def _retire(figure) -> None:
-    with _retired_lock:
-        _retired.append(figure)
-        oldest = _retired[:-_RETIRED_KEPT] if len(_retired) > _RETIRED_KEPT else []
-        del _retired[: len(oldest)]
-    for stale in oldest:
-        w.Widget.close(stale)
-
-
-# How long a widget taken off the page stays open: plotly's view answers each update
-# of a figure with the layout it computed, and that answer must find the comm still
-# open (else the kernel logs "No such comm" into JupyterLab's log console).
-_CLOSE_AFTER_S = 5.0
-
-
-def close_later(widget, after_s: float = _CLOSE_AFTER_S) -> None:
-    """Close ``widget`` (and everything under it) once the page is done with it."""
-    timer = threading.Timer(after_s, close_tree, args=(widget,))
-    timer.daemon = True
-    timer.start()
+    w.Widget.close(widget)
 
 
 class LiveMetrics(w.VBox):
@@ -331,11 +290,17 @@ class LiveMetrics(w.VBox):
         self._log_partial.clear()
         self._logs_dirty = True
         self._stopped.set()
-        self.redraw()
+        if self._display is not None:
+            # Replaced by the lasting figure at once: a last redraw of the widget
+            # would only delay that (the cell's value waits for it).
+            with self._lock:
+                self._draw_header()
+        else:
+            self.redraw()
         try:
             self._leave_lasting_output()
-        except Exception:  # noqa: BLE001 - the live view stays: worse, but not lost
-            pass
+        except Exception as exc:  # noqa: BLE001 - the live view stays: worse, but not lost
+            self._header.value += f" (the lasting figure failed: {html.escape(str(exc))})"
 
     def _leave_lasting_output(self) -> None:
         """Replace the widget (whose state a saved notebook does not keep: reopened, it
@@ -364,10 +329,7 @@ class LiveMetrics(w.VBox):
             self._display.update(bundle, raw=True)
             if logs and self._logs_display is not None:
                 self._logs_display.update({"text/plain": logs}, raw=True)
-        # Off the page now; closed once the page has answered its last update.
-        self._closed = True
-        self._stopped.set()
-        close_later(self)
+        self.close()
 
     def close(self) -> None:
         self._closed = True
@@ -449,7 +411,7 @@ class LiveMetrics(w.VBox):
             )
             old, self._plot_box.children = self._plot_box.children, (self.figure,)
             for figure in old:
-                close_later(figure)
+                figure.close()
             self.builds += 1
         else:
             with self.figure.batch_update():

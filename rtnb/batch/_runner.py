@@ -340,10 +340,10 @@ def run_notebook(
             )
         except PapermillExecutionError as exc:
             ok, code = False, 1
-            message = f"cell {exc.exec_count} failed: {exc.ename}: {exc.evalue}"
+            message = f"cell [{exc.exec_count}] failed: {exc.ename}: {exc.evalue}"
             if terminator.signal is None and timeout_s and exc.ename in _INTERRUPTED:
                 message = (
-                    f"cell {exc.exec_count} ran past --timeout {timeout_s:g} s and was stopped"
+                    f"cell [{exc.exec_count}] ran past --timeout {timeout_s:g} s and was stopped"
                 )
         except CellError as exc:
             ok, code, message = False, 1, str(exc)
