@@ -290,13 +290,7 @@ class LiveMetrics(w.VBox):
         self._log_partial.clear()
         self._logs_dirty = True
         self._stopped.set()
-        if self._display is not None:
-            # Replaced by the lasting figure at once: a last redraw of the widget
-            # would only delay that (the cell's value waits for it).
-            with self._lock:
-                self._draw_header()
-        else:
-            self.redraw()
+        self.redraw()
         try:
             self._leave_lasting_output()
         except Exception as exc:  # noqa: BLE001 - the live view stays: worse, but not lost
