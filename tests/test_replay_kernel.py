@@ -64,7 +64,8 @@ def test_a_new_kernel_replays_the_journal_of_a_killed_one(ray_cluster, tmp_path)
         _ok(second.execute("%load_ext rtnb"))
         run = _ok(second.execute(start + " --replay"))
         assert "rebuilt from its journal" in run.text, run.text
-        assert "(not replayed: cell 2 (marked --once))" in run.text, run.text
+        # named by its In [N] in the first kernel (the `%%rtrain --once` cell, the 6th run)
+        assert "(not replayed: cell [6] (marked --once))" in run.text, run.text
         assert "3 cells and 1 push replayed in" in run.text, run.text
         run = _ok(second.execute("%rtrain (lr, history, 'expensive' in globals())"))
         assert "[rank 0] (0.125, [0.0], False)" in _out(run)
