@@ -79,17 +79,27 @@ def test_a_full_disk_stops_the_cell_on_every_rank_and_the_session_goes_on(ray_cl
         for rank in (0, 1):
             steps = sorted(frame[frame["rank"] == rank]["step"])
             assert steps == list(range(stopped_at + 1)), (rank, steps, stopped_at)
-        session.run(
-            "import rtnb\nck = rtnb.get_checkpoint()\n"
-            "rtnb.report({'loss': 0.0}, checkpoint=rtnb.Checkpoint.from_state({'after': True}))"
-        )
-        assert session.list_checkpoints()[-1].id != latest, "and checkpoints again"
-        after = session.list_checkpoints()[-1].id
-        session.run("x = 7")
+        after = _checkpoints_again(session, latest)
 
-    with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=storage, name="full", replay=True
-    ) as again:
+    _replay_starts_from(after, storage=storage, name="full")
+
+
+def _checkpoints_again(session, latest: str) -> str:
+    """Once the cause is gone the session checkpoints again (a new id after
+    ``latest``) and sets a variable for the replay to bring back; the new id."""
+    session.run(
+        "import rtnb\nck = rtnb.get_checkpoint()\n"
+        "rtnb.report({'loss': 0.0}, checkpoint=rtnb.Checkpoint.from_state({'after': True}))"
+    )
+    after = session.list_checkpoints()[-1].id
+    assert after != latest, "and checkpoints again"
+    session.run("x = 7")
+    return after
+
+
+def _replay_starts_from(after: str, **options) -> None:
+    """A new session of the run with --replay has the variable and ``after``."""
+    with rtnb.Session(workers=2, cpus_per_worker=0.5, replay=True, **options) as again:
         assert again.run("x") == {0: 7, 1: 7}
         assert again.latest_checkpoint_id() == after
 
@@ -144,21 +154,6 @@ def test_a_bucket_made_read_only_mid_run_stops_cleanly(ray_cluster, s3_storage, 
         finally:
             client.delete_bucket_policy(Bucket="rtnb-test")
         assert session.run("1 + 1") == {0: 2, 1: 2}, "the next cell runs once writes work"
-        session.run(
-            "import rtnb\nck = rtnb.get_checkpoint()\n"
-            "rtnb.report({'loss': 0.0}, checkpoint=rtnb.Checkpoint.from_state({'after': True}))"
-        )
-        after = session.list_checkpoints()[-1].id
-        assert after != latest, "and checkpoints again"
-        session.run("x = 7")
+        after = _checkpoints_again(session, latest)
 
-    with rtnb.Session(
-        workers=2,
-        cpus_per_worker=0.5,
-        storage=storage,
-        name="readonly",
-        env=CREDENTIALS,
-        replay=True,
-    ) as again:
-        assert again.run("x") == {0: 7, 1: 7}
-        assert again.latest_checkpoint_id() == after
+    _replay_starts_from(after, storage=storage, name="readonly", env=CREDENTIALS)

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -307,17 +308,11 @@ class RankActor:
         returns it as it lands: no check, wait and read, three round trips."""
         store, closer = self._relay, self._closer
         if len(keys) == 1:
-            closer.arm(keys, wait_s)
-            try:
+            with closer.armed(keys, wait_s):
                 return [store.get(keys[0])]
-            finally:
-                closer.disarm()
         if not store.check(keys):
-            closer.arm(keys, wait_s)
-            try:
+            with closer.armed(keys, wait_s):
                 store.wait(keys)
-            finally:
-                closer.disarm()
         return store.multi_get(keys)
 
     def _listen(self) -> None:
@@ -454,6 +449,15 @@ class _AnswerCloser:
         with self._cond:
             self._armed = None
             self._cond.wait_for(lambda: not self._closing)
+
+    @contextlib.contextmanager
+    def armed(self, keys: list[str], wait_s: float) -> Iterator[None]:
+        """``keys`` are closed if still missing after ``wait_s``, until the block ends."""
+        self.arm(keys, wait_s)
+        try:
+            yield
+        finally:
+            self.disarm()
 
     def _run(self) -> None:
         while True:
