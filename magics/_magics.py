@@ -35,7 +35,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
 from rtnb.errors import ConfigError
 from rtnb.metrics._store import MetricsStore
-from rtnb.storage._checkpoints import checkpoints_table
+from rtnb.storage._checkpoints import CheckpointStore, checkpoints_table
 from rtnb.storage._result import list_runs, read_run_metrics
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
@@ -70,23 +70,47 @@ def _cell_options(func):
     return func
 
 
+_DEFAULTS = SessionConfig()  # the one place start's defaults come from
+
+
 @magic_arguments()
-@argument("--workers", type=int, default=2, help="number of ranks (default 2)")
+@argument(
+    "--workers",
+    type=int,
+    default=_DEFAULTS.workers,
+    help=f"number of ranks (default {_DEFAULTS.workers})",
+)
 @argument("--gpu", action="store_true", help="one GPU per rank; nccl backend")
-@argument("--cpus-per-worker", type=float, default=1.0, help="CPUs reserved per rank (default 1)")
-@argument("--strategy", default="PACK", help="placement: " + "|".join(STRATEGIES))
+@argument(
+    "--cpus-per-worker",
+    type=float,
+    default=_DEFAULTS.cpus_per_worker,
+    help=f"CPUs reserved per rank (default {_DEFAULTS.cpus_per_worker:g})",
+)
+@argument("--strategy", default=_DEFAULTS.strategy, help="placement: " + "|".join(STRATEGIES))
 @argument(
     "--address",
-    default=None,
+    default=_DEFAULTS.address,
     help="auto, HOST:PORT or ray://HOST:PORT (default: embedded local Ray)",
 )
-@argument("--storage", default=None, help="where run directories go (default ./rtnb_runs)")
-@argument("--name", default=None, help="run name (default run-DATE-TIME)")
-@argument("--backend", default=None, help="|".join(BACKENDS) + " (default gloo, nccl with --gpu)")
-@argument("--max-failures", type=int, default=0, help="group restarts allowed after a rank dies")
-@argument("--keep", type=int, default=None, help="checkpoints to keep")
-@argument("--score", default=None, help="metric that ranks checkpoints")
-@argument("--mode", default="min", help="min|max for --score")
+@argument(
+    "--storage", default=_DEFAULTS.storage, help="where run directories go (default ./rtnb_runs)"
+)
+@argument("--name", default=_DEFAULTS.name, help="run name (default run-DATE-TIME)")
+@argument(
+    "--backend",
+    default=_DEFAULTS.backend,
+    help="|".join(BACKENDS) + " (default gloo, nccl with --gpu)",
+)
+@argument(
+    "--max-failures",
+    type=int,
+    default=_DEFAULTS.max_failures,
+    help="group restarts allowed after a rank dies",
+)
+@argument("--keep", type=int, default=_DEFAULTS.keep, help="checkpoints to keep")
+@argument("--score", default=_DEFAULTS.score, help="metric that ranks checkpoints")
+@argument("--mode", default=_DEFAULTS.mode, help="min|max for --score")
 @argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
 @argument(
     "--allow-local-storage",
@@ -94,7 +118,11 @@ def _cell_options(func):
     help="a local --storage path is shared by all nodes",
 )
 @argument(
-    "--stop-grace", type=float, default=3.0, help="seconds an interrupted cell gets per stop phase"
+    "--stop-grace",
+    dest="stop_grace_s",
+    type=float,
+    default=_DEFAULTS.stop_grace_s,
+    help="seconds an interrupted cell gets per stop phase",
 )
 @argument(
     "--replay",
@@ -103,7 +131,7 @@ def _cell_options(func):
 )
 @argument(
     "--listen",
-    default=None,
+    default=_DEFAULTS.listen,
     help="address an embedded Ray listens on (default 127.0.0.1, loopback only)",
 )
 def _start_args(line):
@@ -357,34 +385,13 @@ class RtnbMagics(Magics):
 
     def _rtnb_start(self, rest: str):
         args = parse_argstring(_start_args, rest)
-        if self.session is not None and self.session.state.value in (
-            "ready",
-            "running",
-            "starting",
-        ):
+        if self.session is not None and self.session.started:
             raise UsageError(
                 f"a worker group is already running (run {self.session.run_name!r}); "
                 "use `%rtnb restart` for a fresh one, or `%rtnb stop` first"
             )
-        session = Session(
-            workers=args.workers,
-            gpu=args.gpu,
-            cpus_per_worker=args.cpus_per_worker,
-            strategy=args.strategy,
-            address=args.address,
-            storage=args.storage,
-            name=args.name,
-            backend=args.backend,
-            max_failures=args.max_failures,
-            keep=args.keep,
-            score=args.score,
-            mode=args.mode,
-            stop_grace_s=args.stop_grace,
-            tensorboard=args.tensorboard,
-            allow_local_storage=args.allow_local_storage,
-            replay=args.replay,
-            listen=args.listen,
-        )
+        options = vars(args)  # every option but --replay is a SessionConfig field
+        session = Session(replay=options.pop("replay"), **options)
         shown = display({"text/plain": "rtnb: starting…"}, raw=True, display_id=True)
 
         def progress(line: str) -> None:
@@ -463,16 +470,15 @@ class RtnbMagics(Magics):
 
     def _rtnb_resume(self, rest: str):
         args = parse_argstring(_resume_args, rest)
-        session = self._require()
-        code = session._last_training_code
-        checkpoint = session.load(args.checkpoint, run=args.run)
-        if code is None:
+        plan = self._require().prepare_resume(args.checkpoint, run=args.run)
+        if plan.code is None:
             print(
-                f"rtnb: loaded {checkpoint.id}; the next training cell starts from it (rtnb.get_checkpoint())"
+                f"rtnb: loaded {plan.checkpoint.id}; the next training cell starts from it "
+                "(rtnb.get_checkpoint())"
             )
             return None
-        print(f"rtnb: resuming the last training cell from {checkpoint.id}")
-        return self._run(code, parse_argstring(self.rtrain_cell, ""))
+        print(f"rtnb: resuming the last training cell from {plan.checkpoint.id}")
+        return self._run(plan.code, parse_argstring(self.rtrain_cell, ""))
 
     def _rtnb_load(self, rest: str):
         args = parse_argstring(_resume_args, rest)
@@ -505,18 +511,14 @@ class RtnbMagics(Magics):
     def _rtnb_runs(self, rest: str):
         args = parse_argstring(_runs_args, rest)
         session = self.session
-        storage = args.storage or (
-            session.config.storage_path if session else SessionConfig().storage_path
-        )
+        storage = self._storage_of(args.storage)
         try:
             table = list_runs(storage)
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
 
         def load(name: str) -> MetricsStore:
-            if session is not None and name == session.run_name and args.storage is None:
-                return session.metrics  # this session's run: what the kernel holds is newest
-            return MetricsStore.from_rows(read_run_metrics(storage, name))
+            return self._metrics_of(name, args.storage)
 
         title = f"runs in {redact_uri(storage)}"
         if not table.runs:
@@ -550,14 +552,11 @@ class RtnbMagics(Magics):
     def _browser_for(session, storage: str, name: str) -> CheckpointBrowser:
         """The checkpoint browser of run ``name``; Resume/Load act through this
         kernel's session when it uses the same storage."""
-        from rtnb.storage._checkpoints import CheckpointStore
-        from rtnb.storage._rundir import RunDirectory
-
         ours = session is not None and session.config.storage_path == storage
         if ours:
             store = session.checkpoint_store(None if name == session.run_name else name)
         else:
-            store = CheckpointStore(RunDirectory(storage, name))
+            store = CheckpointStore.of_run(storage, name)
         other = None if ours and name == session.run_name else name
         return CheckpointBrowser(
             lambda: store.list(include_incomplete=True),
@@ -572,29 +571,22 @@ class RtnbMagics(Magics):
             delete=store.delete,
             subscribe=store.subscribe,
             latest=session.latest_checkpoint_id if ours and other is None else None,
-            score=session.config.score if ours and other is None else None,
-            mode=session.config.mode if ours and other is None else "min",
+            score=store.score,
+            mode=store.mode,
             title=f"checkpoints of run {name!r}",
         )
 
     def _rtnb_plot(self, rest: str):
         args = parse_argstring(_plot_args, rest)
-        session = self.session
-        storage = args.storage or (
-            session.config.storage_path if session else SessionConfig().storage_path
-        )
-        run = args.run or (session.run_name if session else None)
+        run = args.run or (self.session.run_name if self.session else None)
         if run is None:
             raise UsageError(
                 "%rtnb plot needs a run name (`%rtnb runs` lists them), e.g. %rtnb plot mnist"
             )
-        if session is not None and run == session.run_name and args.storage is None:
-            store = session.metrics  # this session's run: what the kernel holds is newest
-        else:
-            try:
-                store = MetricsStore.from_rows(read_run_metrics(storage, run))
-            except ConfigError as exc:
-                raise UsageError(str(exc)) from None
+        try:
+            store = self._metrics_of(run, args.storage)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
         missing = [m for m in args.metric or () if m not in store.metric_names()]
         if missing:
             raise UsageError(
@@ -607,6 +599,20 @@ class RtnbMagics(Magics):
             return None
         display(bundle, raw=True)
         return None
+
+    def _storage_of(self, storage: str | None) -> str:
+        """``--storage``, else this session's, else the default."""
+        if storage is not None:
+            return storage
+        return (self.session.config if self.session else _DEFAULTS).storage_path
+
+    def _metrics_of(self, run: str, storage: str | None) -> MetricsStore:
+        """A run's metrics: this session's own from the kernel (the newest), any
+        other's from its record."""
+        session = self.session
+        if session is not None and run == session.run_name and storage is None:
+            return session.metrics
+        return MetricsStore.from_rows(read_run_metrics(self._storage_of(storage), run))
 
     @staticmethod
     def _no_args(sub: str, rest: str) -> None:

@@ -37,6 +37,11 @@ _EXPORTS: dict[str, str] = {
     # driver side (the notebook)
     "Session": "rtnb.driver._session",
     "CellHandle": "rtnb.driver._cell",
+    "Failure": "rtnb.driver._policy",
+    "FailurePolicy": "rtnb.driver._policy",
+    "Raise": "rtnb.driver._policy",
+    "Retry": "rtnb.driver._policy",
+    "Shrink": "rtnb.driver._policy",
     "GroupState": "rtnb.driver._state",
     "StateChange": "rtnb.driver._state",
     "GroupStatus": "rtnb.driver._status",
@@ -85,20 +90,25 @@ __all__ = [
     "CheckpointInfo",
     "ClusterError",
     "ConfigError",
+    "Failure",
+    "FailurePolicy",
     "GroupState",
     "GroupStatus",
     "MetricsStore",
     "PerRank",
     "Progress",
+    "Raise",
     "RankContext",
     "Report",
     "Result",
+    "Retry",
     "RtnbError",
     "Session",
     "SessionConfig",
     "SessionError",
-    "StorageError",
+    "Shrink",
     "StateChange",
+    "StorageError",
     "WaitTimeout",
     "WarmRayStatus",
     "WorkerGroupError",
@@ -147,6 +157,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.core._config import SessionConfig
     from rtnb.core._values import PerRank
     from rtnb.driver._cell import CellHandle
+    from rtnb.driver._policy import Failure, FailurePolicy, Raise, Retry, Shrink
     from rtnb.driver._session import Session
     from rtnb.driver._state import GroupState, StateChange
     from rtnb.driver._status import GroupStatus

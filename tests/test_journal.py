@@ -40,7 +40,7 @@ def _kill_rank_when(session, rank: int, ready, timeout: float = 60.0) -> threadi
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not ready():
             time.sleep(0.02)
-        os.kill(session._group.ranks[rank].pid, signal.SIGKILL)
+        os.kill(session.group.ranks[rank].pid, signal.SIGKILL)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -239,7 +239,7 @@ def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_restarting(ray
         session.run("import time\nanswer = 42")
         handle = session.run_background("time.sleep(3)\n1")
         time.sleep(0.3)
-        os.kill(session._group.ranks[0].pid, signal.SIGKILL)
+        os.kill(session.group.ranks[0].pid, signal.SIGKILL)
         seen = []
         deadline = time.monotonic() + 30
         while not handle.done() and time.monotonic() < deadline:

@@ -58,7 +58,7 @@ def test_a_lost_node_is_recovered_from_the_latest_checkpoint(second_node, tmp_pa
         max_failures=1,
         stop_grace_s=1.0,
     ) as session:
-        nodes = {r.node_id for r in session._group.ranks}
+        nodes = {r.node_id for r in session.group.ranks}
         assert len(nodes) == 2, "SPREAD put one rank on each node"
         notes: list[str] = []
         handle = session.run_background(
@@ -74,4 +74,4 @@ def test_a_lost_node_is_recovered_from_the_latest_checkpoint(second_node, tmp_pa
         assert any("worker group rebuilt" in n for n in notes), notes
         assert committed_before <= {c.id for c in session.checkpoints.list()}
         assert handle.restarted_from is not None
-        assert len({r.node_id for r in session._group.ranks}) == 1, "rebuilt on the node left"
+        assert len({r.node_id for r in session.group.ranks}) == 1, "rebuilt on the node left"

@@ -41,7 +41,7 @@ def _killer(session, kills: int, done: threading.Event, committed_seen: list, ga
         if done.is_set():
             return
         committed_seen.extend(c.id for c in session.checkpoints.list())
-        group = session._group
+        group = session.group
         if group is None or not group.ranks or session.state.value != "running":
             continue
         try:
@@ -89,6 +89,45 @@ def test_five_kills_recover_without_losing_a_checkpoint_and_the_sixth_fails_clea
             )
         assert "\n" not in str(info.value)
         assert session.run("1") == {0: 1, 1: 1}
+
+
+class _GoOnSmaller(rtnb.FailurePolicy):
+    """README's elastic policy: after a death, one rank fewer rather than wait."""
+
+    def decide(self, failure: rtnb.Failure):
+        if (
+            failure.dead
+            and not failure.stopping
+            and failure.world_size > 1
+            and self.failures < self.max_failures
+        ):
+            self.failures += 1
+            return rtnb.Shrink(self.describe(), workers=failure.world_size - 1)
+        return super().decide(failure)
+
+
+def test_a_policy_that_shrinks_runs_the_cell_again_on_fewer_ranks(ray_cluster, tmp_path):
+    with rtnb.Session(
+        workers=2,
+        storage=str(tmp_path),
+        name="shrink",
+        stop_grace_s=1.0,
+        failure_policy=_GoOnSmaller(1),
+    ) as session:
+        session.run("import os, signal, time, torch.distributed as dist\nx = 41")
+        value = session.run(
+            "if dist.get_world_size() == 2 and dist.get_rank() == 1:\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(0.5)\n"
+            "(dist.get_world_size(), x + 1)"
+        )
+        # The replay gave the one rank left the state the cell needs (x).
+        assert value == {0: (1, 42)}
+        assert session.failures == 1
+        assert isinstance(session.last_recovery.decision, rtnb.Shrink)
+        assert session.config.workers == 1 and session.group.world_size == 1
+        assert session.status().world_size == 1
+        assert session.pull("x") == [41]
 
 
 BIG_SAVE = (
@@ -164,7 +203,7 @@ def test_the_live_widget_shows_the_restart(ray_cluster, tmp_path):
         deadline = time.monotonic() + 60
         while not session.checkpoints.list() and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(session._group.ranks[1].pid, signal.SIGKILL)
+        os.kill(session.group.ranks[1].pid, signal.SIGKILL)
         assert handle.wait(120) == {0: 80, 1: 80}
         view.redraw()
         assert any("<b>restarting</b>" in h for h in headers), "shown while the group is rebuilt"

@@ -28,7 +28,7 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
         workers=world, cpus_per_worker=0.2, storage=str(tmp_path), max_failures=2, stop_grace_s=1.0
     ) as session:
         assert world >= RELAY_FROM_RANKS
-        assert session._group.relay_tokens is not None, "this size goes through the relay"
+        assert session.group.relay_tokens is not None, "this size goes through the relay"
         assert session.run(RANK + "rank") == {r: r for r in everyone}
         lines: list[tuple[int, str]] = []
         session.run(
@@ -57,7 +57,7 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
         monkeypatch.setattr(CellHandle, "_run_on", spied)
         assert session.run("runs += 1\n6", ranks=[2]) == {2: 6}
         assert session.run("runs", ranks=[1, 2]) == {1: 10, 2: 11}, "only rank 2 ran it"
-        next(session._group.relay_tokens)
+        next(session.group.relay_tokens)
         relayed_cells = 0
         for i in range(3):
             asked_directly.clear()
@@ -92,7 +92,7 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
         # relay call fails, each rank is asked directly) and recovers.
         os.kill(session.status().ranks[0].pid, signal.SIGKILL)
         assert session.run(RANK + "rank * 2") == {r: 2 * r for r in everyone}
-        assert session._group.relay_tokens is not None, "the rebuilt group relays too"
+        assert session.group.relay_tokens is not None, "the rebuilt group relays too"
         # A rank other than 0 dies: rank 0 stops waiting for its answer, the driver
         # asks it directly, finds it dead and recovers.
         os.kill(session.status().ranks[5].pid, signal.SIGKILL)

@@ -186,15 +186,14 @@ def test_a_rank_process_holds_no_driver_code(group):
     assert value == {0: [], 1: []}
 
 
-def test_the_driver_takes_a_finished_poll_without_waiting_for_the_others(
-    ray_cluster, tmp_path, monkeypatch
-):
+def test_the_driver_takes_a_finished_poll_without_waiting_for_the_others(ray_cluster, tmp_path):
     """Two ranks whose batches fell out of step each waited for the other's poll up
     to a tick (live reports every ~300 ms instead of 100 ms): a finished poll is
     taken as soon as it is ready, the others stay in flight."""
     import ray
 
-    from rtnb.driver import _cell
+    from rtnb.core._config import SessionConfig
+    from rtnb.driver._group import WorkerGroup
 
     release = tmp_path / "release"
 
@@ -214,10 +213,10 @@ def test_the_driver_takes_a_finished_poll_without_waiting_for_the_others(
     slow, fast = held.remote(str(release)), finished.remote()
     ray.get(fast)
     # A tick far longer than the test may take: only a wait for all would use it.
-    monkeypatch.setattr(_cell, "_TICK_S", 120.0)
+    group = WorkerGroup(SessionConfig(), "unstarted", str(tmp_path))
     try:
         started = time.monotonic()
-        ready, values = _cell._wait_and_get(ray, [slow, fast])
+        ready, values = group.take_ready([slow, fast], 120.0)
         waited = time.monotonic() - started
     finally:
         release.touch()

@@ -17,6 +17,7 @@ from typing import Any
 from rtnb.core._reports import ReportBatch
 
 __all__ = [
+    "RankPlace",
     "CellRequest",
     "CellState",
     "CheckpointOffer",
@@ -57,6 +58,17 @@ class StopPhase(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank's process runs, as it says itself (``describe()``)."""
+
+    pid: int
+    hostname: str
+    node_ip: str
+    node_id: str
+    gpu_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,12 @@ timeout, ``handle.stop()``) follows DESIGN.md section 3 through the phases of
 
 A *final* stop (the group itself is going away: stop, restart, scale) skips
 phase 2 and 3: after the cooperative grace the cell ends and the caller removes
-the group, exactly once. A rank that dies hands the cell to recovery
-(``_recovery.py``), which the session's failure policy allows or refuses.
+the group, exactly once. A rank that dies (or a stop that does not end) is a
+:class:`~rtnb.driver._policy.Failure` the cell hands to its context: the recovery
+flow decides and rebuilds, and the cell follows the outcome (runs again on the new
+group, or ends with its error); it never rebuilds the group itself.
+
+A handle gets a :class:`CellContext` — the few calls it makes — never the session.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
 from rtnb.core._values import PerRank, from_portable
+from rtnb.driver._group import RankGroup
 from rtnb.driver._output import OutputSink
+from rtnb.driver._policy import Failure, RankDied, RecoveryOutcome
+from rtnb.driver._state import GroupState
 from rtnb.errors import (
     CellError,
     CellInterrupted,
@@ -44,12 +51,13 @@ from rtnb.errors import (
     WorkerGroupError,
     one_line,
 )
+from rtnb.metrics._store import MetricsStore
+from rtnb.storage._checkpoint import Checkpoint
+from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._logs import RankLogs
 from rtnb.worker._actor import POLL_WAIT_S
 
-if TYPE_CHECKING:
-    from rtnb.driver._session import Session
-
-__all__ = ["CellHandle"]
+__all__ = ["CellContext", "CellHandle"]
 
 # How often the driver loop wakes to check stop deadlines and Ctrl-C.
 _TICK_S = 0.1
@@ -73,6 +81,40 @@ class _RayLost(Exception):
     """Internal: the Ray under the group is gone; nothing to rebuild on."""
 
 
+class CellContext(Protocol):
+    """What a cell needs of the session's other flows (the cell flow gives it)."""
+
+    run_name: str
+    metrics: MetricsStore
+    checkpoints: CheckpointStore
+
+    @property
+    def stop_grace_s(self) -> float: ...
+
+    @property
+    def logs(self) -> RankLogs | None: ...
+
+    @property
+    def state(self) -> GroupState: ...
+
+    @property
+    def ray_lost(self) -> str | None: ...
+
+    def check_ray_lost(self, settle_s: float = 0.0) -> str | None: ...
+
+    def require_group(self, wait_s: float = 0.0) -> RankGroup: ...
+
+    def checkpoint_for(self, replay: bool) -> Checkpoint | None: ...
+
+    def commit(self, handle: CellHandle) -> None: ...
+
+    def latest_checkpoint_id(self) -> str | None: ...
+
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome: ...
+
+    def cell_ended(self, handle: CellHandle) -> None: ...
+
+
 class CellHandle:
     """A cell running (or finished) on the ranks of a session.
 
@@ -84,7 +126,7 @@ class CellHandle:
 
     def __init__(
         self,
-        session: Session,
+        context: CellContext,
         cell_id: int,
         code: str,
         ranks: list[int],
@@ -95,7 +137,7 @@ class CellHandle:
         journal_seq: int | None = None,
         label: str | None = None,
     ) -> None:
-        self.session = session
+        self._context = context
         self.cell_id = cell_id
         # The notebook's name for the cell (Jupyter's "[4]"): what the header, the
         # errors and the tracebacks call it; rtnb's own cell number otherwise.
@@ -179,12 +221,13 @@ class CellHandle:
                     f"{self.name} is still running after {timeout:g} s; wait again, "
                     "or stop it (`handle.stop()`, or interrupt the kernel)"
                 )
-            if self.session.state.value in ("stopped", "failed", "new"):
+            state = self._context.state
+            if state in (GroupState.STOPPED, GroupState.FAILED, GroupState.NEW):
                 gone_since = gone_since or now
-                if now - gone_since > self.session.config.stop_grace_s + 1.0:
+                if now - gone_since > self._context.stop_grace_s + 1.0:
                     raise SessionError(
                         f"{self.name} lost its worker group (the group is "
-                        f"{self.session.state}); nothing is left to wait for"
+                        f"{state}); nothing is left to wait for"
                     )
         if threading.current_thread() is not self._finishing_thread:
             # What the cell's views do at its end (a live view leaves its lasting
@@ -196,6 +239,12 @@ class CellHandle:
         return self._value
 
     result = wait
+
+    def wait_left(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the cell to end; True when every rank left it
+        by itself (dead or stuck ranks never do)."""
+        self._done.wait(timeout)
+        return self.done() and len(self._finished) == len(self.ranks)
 
     @property
     def error(self) -> BaseException | None:
@@ -247,14 +296,19 @@ class CellHandle:
         thread = threading.Thread(target=self._loop, name=f"rtnb-cell-{self.cell_id}", daemon=True)
         thread.start()
 
-    def drive_replay(self) -> None:
-        """Run a replayed cell to its end in this thread; a rank death raises _Restart."""
+    def drive_replay(self) -> dict[int, tuple]:
+        """Run a replayed cell to its end in this thread: {rank: error} of the ranks
+        it failed on; a rank death raises RankDied."""
         self._dispatch()
-        self._drive()
+        try:
+            self._drive()
+        except _Restart:
+            raise RankDied() from None
+        return {r: u.error for r, u in self._finished.items() if u.error is not None}
 
     def _dispatch(self) -> None:
-        group = self.session._require_group()
-        self._checkpoint = self.session._checkpoint_for(self)
+        group = self._context.require_group()
+        self._checkpoint = self._context.checkpoint_for(self.replay)
         # In a relaying group every cell goes through rank 0, one on a single rank
         # too: each listening rank runs all its cells in its listening thread.
         self._request = CellRequest(
@@ -297,41 +351,26 @@ class CellHandle:
                 self._finish_ray_lost()
                 return
             except _Restart:
-                if self.session.check_ray_lost():
+                if self._context.check_ray_lost():
                     self._finish_ray_lost()
                     return
                 if self._final:
                     self._finish_abandoned()
                     return
-                recovered = False
-                while (
-                    self._dead and self._stop_reason is None and self.session.policy.can_recover()
-                ):
-                    try:
-                        self._recover()
-                        recovered = True
-                        break
-                    except _Restart:
-                        continue  # a rank died again while the journal was replayed
-                    except RtnbError as exc:
-                        if self.session.ray_lost:
-                            self._finish_ray_lost()
-                            return
-                        self._finish(
-                            error=WorkerGroupError(
-                                f"{self._death_summary()}; recovery failed: {exc}"
-                            )
-                        )
-                        return
-                if recovered:
-                    continue
-                self._finish_with_restart()
-                return
+                outcome = self._hand_to_recovery()
+                if outcome.ray_lost:
+                    self._finish_ray_lost()
+                    return
+                if outcome.error is not None:
+                    self._finish(error=outcome.error)
+                    return
+                self._restart_on_new_group(outcome)
+                continue
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # noqa: BLE001 - never leave a handle hanging
                 # A GCS that just went away shows first as an unknown object owner.
-                if not isinstance(exc, RtnbError) and self.session.check_ray_lost(settle_s=2.5):
+                if not isinstance(exc, RtnbError) and self._context.check_ray_lost(settle_s=2.5):
                     self._finish_ray_lost()
                     return
                 self._finish(
@@ -344,17 +383,15 @@ class CellHandle:
             return
 
     def _drive(self) -> None:
-        import ray
-
-        group = self.session._require_group()
+        group = self._context.require_group()
         while len(self._finished) + len(self._dead) < len(self.ranks):
-            if self.session.ray_lost:
+            if self._context.ray_lost:
                 raise _RayLost()
             self._ensure_polled(group)
             refs = list(self._pending)
             if self._relay_ref is not None:
                 refs.append(self._relay_ref)
-            ready, updates = _wait_and_get(ray, refs)
+            ready, updates = group.take_ready(refs, _TICK_S)
             for ref, update in zip(ready, updates):
                 if ref is self._relay_ref:
                     self._take_relayed(update, group)
@@ -378,7 +415,7 @@ class CellHandle:
         if self.replay or self._commit_error is not None:
             return
         try:
-            self.session._commit_checkpoints(self)
+            self._context.commit(self)
         except CheckpointError as exc:
             # The cell fails with this line; its ranks stop at a common step first.
             self._commit_error = exc
@@ -400,7 +437,7 @@ class CellHandle:
         )
         latest = None
         with contextlib.suppress(Exception):
-            latest = self.session.latest_checkpoint_id()
+            latest = self._context.latest_checkpoint_id()
         kept = (
             f"the last committed checkpoint is {latest}"
             if latest
@@ -410,40 +447,38 @@ class CellHandle:
             f"{self.name} stopped: {self._storage_failure}; {stopped}, the worker "
             f"group and its variables are intact and {kept}. Free space there (or fix "
             "its permissions) and run the next cell, or `%rtnb start --storage ELSEWHERE "
-            f"--name {self.session.run_name} --replay`",
+            f"--name {self._context.run_name} --replay`",
             kept=True,
             step=max((u.step for u in finished.values()), default=None),
         )
 
-    def _death_summary(self) -> str:
-        ranks = sorted(self._dead)
-        if ranks == [-1]:
-            return f"a rank died while the group was rebuilt during {self.name} ({self._dead[-1]})"
-        ranks = [r for r in ranks if r >= 0]
-        return (
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} died during "
-            f"{self.name} ({self._dead[ranks[0]]})"
+    def _hand_to_recovery(self) -> RecoveryOutcome:
+        """The failure, to the recovery flow, which decides and rebuilds."""
+        failure = Failure(
+            self.name,
+            dead=dict(self._dead),
+            stuck=tuple(self._unfinished()) if not self._dead else (),
+            stop_reason=self._stop_reason,
         )
-
-    def _recover(self) -> None:
-        """Rebuild the group, replay the journal up to this cell, and run this cell
-        again; ``rtnb.get_checkpoint()`` returns the checkpoint in force (the latest
-        committed one, unless one chosen for this cell has not been superseded)."""
-        what = self._death_summary()
         self.recovering = True
         try:
-            outcome = self.session._recover(what, before=self.journal_seq)
+            return self._context.recover(failure, self.journal_seq)
         finally:
             self.recovering = False
-        if outcome.died:
-            self._dead = outcome.died
-            raise _Restart()
+
+    def _restart_on_new_group(self, outcome: RecoveryOutcome) -> None:
+        """Run this cell again on the rebuilt group (the journal was replayed up to
+        it); ``rtnb.get_checkpoint()`` returns the checkpoint in force (the latest
+        committed one, unless one chosen for this cell has not been superseded)."""
+        # A policy that shrank the group: the cell goes on on the ranks that remain.
+        world = self._context.require_group().world_size
+        self.ranks = [r for r in self.ranks if r < world] or list(range(world))
         self.recoveries += 1
         self.restarted_from = None
         self._restart_noted = False
         self._note(
-            f"[rtnb] {what}; worker group rebuilt ({outcome.attempt}), {outcome.replay}; "
-            f"{self.name} restarted\n"
+            f"[rtnb] {outcome.failure_summary}; worker group rebuilt ({outcome.attempt}), "
+            f"{outcome.replay}; {self.name} restarted\n"
         )
         self._pending.clear()
         self._relay_ref = None
@@ -515,25 +550,24 @@ class CellHandle:
         if update.loaded_checkpoint is not None and rank not in self.loaded:
             self.loaded[rank] = update.loaded_checkpoint
             self._note_restart_origin()
-        session = self.session
+        context = self._context
         if update.storage_error is not None:
             self._storage_failed(update.storage_error)
         if update.reports:
             self.reported = True
-            session.metrics.add(rank, update.reports)
-            if session.metrics.log is not None and session.metrics.log.failure:
+            context.metrics.add(rank, update.reports)
+            if context.metrics.log is not None and context.metrics.log.failure:
                 self._storage_failed(
-                    f"the metrics record could not be written: {session.metrics.log.failure}"
+                    f"the metrics record could not be written: {context.metrics.log.failure}"
                 )
         for offer in update.checkpoints:
-            session.checkpoints.offer(rank, offer)
+            context.checkpoints.offer(rank, offer)
+        logs = context.logs
         for stream, text in update.output:
-            if session.logs is not None and not self.replay:
-                session.logs.add(rank, text)
-                if session.logs.failure:
-                    self._storage_failed(
-                        f"the ranks' output could not be kept: {session.logs.failure}"
-                    )
+            if logs is not None and not self.replay:
+                logs.add(rank, text)
+                if logs.failure:
+                    self._storage_failed(f"the ranks' output could not be kept: {logs.failure}")
             self._keep_in_log(rank, stream, text)
             for sink in list(self._sinks):
                 try:
@@ -547,7 +581,8 @@ class CellHandle:
         self._log_bytes += len(text)
         self.log.append((rank, stream, text))
         if self._log_bytes > _LOG_BYTES:
-            where = self.session.logs.where(rank) if self.session.logs is not None else "the run"
+            logs = self._context.logs
+            where = logs.where(rank) if logs is not None else "the run"
             self.log.append(
                 (
                     -1,
@@ -577,7 +612,7 @@ class CellHandle:
         if phase is StopPhase.NONE:
             return
         unfinished = self._unfinished()
-        grace = self.session.config.stop_grace_s
+        grace = self._context.stop_grace_s
         waited = time.monotonic() - self._phase_started
         if phase is StopPhase.REQUESTED:
             for rank in unfinished:
@@ -660,43 +695,13 @@ class CellHandle:
         )
 
     def _finish_ray_lost(self) -> None:
-        self._finish(error=ClusterError(f"{self.name} ended: {self.session.ray_lost}"))
-
-    def _finish_with_restart(self) -> None:
-        session = self.session
-        if self._dead:
-            what = self._death_summary()
-            if session.config.max_failures:
-                what += (
-                    f" after {session.policy.failures} recoveries "
-                    f"(--max-failures {session.config.max_failures})"
-                )
-            interrupted = False
-        else:
-            stuck = self._unfinished()
-            what = (
-                f"{self.name} {self._stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
-                f"{', '.join(map(str, stuck))} did not stop within {2 * session.config.stop_grace_s:g} s "
-                "(blocked in a collective or in native code)"
-            )
-            interrupted = True
-        try:
-            session._rebuild(reason=what, fresh=True)
-            tail = "the worker group was rebuilt with fresh ranks; variables defined on the ranks are gone"
-        except RtnbError as exc:
-            if session.ray_lost:
-                self._finish_ray_lost()
-                return
-            tail = f"rebuilding the worker group failed: {exc}"
-        message = f"{what}; {tail}"
-        error = CellInterrupted(message, kept=False) if interrupted else WorkerGroupError(message)
-        self._finish(error=error)
+        self._finish(error=ClusterError(f"{self.name} ended: {self._context.ray_lost}"))
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
         self._finishing_thread = threading.current_thread()
         if not self.replay and self._commit_error is None:
             try:
-                self.session._commit_checkpoints(self)
+                self._context.commit(self)
             except CheckpointError as exc:
                 # A checkpoint that cannot be committed fails the cell: never a
                 # silently lost save.
@@ -714,7 +719,7 @@ class CellHandle:
             if self.states.get(rank) in ("running", "paused"):
                 self.states[rank] = "stopped"
         if not self.replay:
-            self.session._cell_ended(self)
+            self._context.cell_ended(self)
         self._done.set()
         try:
             for callback in self._done_callbacks:
@@ -724,45 +729,3 @@ class CellHandle:
                     pass
         finally:
             self._settled.set()
-
-
-def _wait_and_get(ray, refs: list) -> tuple[list, list]:
-    """Whatever ``refs`` are ready within one tick, with their results, as soon as
-    one is.
-
-    One call in flight (the relay, or a single rank) is fetched with one
-    ``ray.get``. With several, the first ready one is taken with those ready by
-    then: a ``ray.get`` of all of them held a rank's finished poll until the others'
-    were ready too, up to a tick, so two ranks whose batches fell out of step (often
-    for a whole cell) each waited for the other, and live reports arrived every
-    ~300 ms instead of every 100 ms.
-    """
-    if len(refs) == 1:
-        try:
-            return refs, ray.get(refs, timeout=_TICK_S)
-        except ray.exceptions.GetTimeoutError:
-            return [], []
-        except ray.exceptions.RayError:
-            return refs, _get_each(ray, refs)
-    ready, rest = ray.wait(refs, num_returns=1, timeout=_TICK_S)
-    if ready and rest:
-        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-        ready += more
-    return ready, _get_each(ray, ready)
-
-
-def _get_each(ray, refs: list) -> list:
-    """Results of ``refs`` in one call when all succeed (the common, fast case); a
-    failed ref (its rank died) yields its exception instead of losing the others."""
-    if not refs:
-        return []
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayError:
-        results = []
-        for ref in refs:
-            try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayError as exc:
-                results.append(exc)
-        return results

@@ -1,9 +1,16 @@
-"""A placement group plus one :class:`RankActor` per rank, with torch.distributed set up.
+"""The worker group: the ranks of a session and every call the driver makes to them.
 
-The group owns its Ray resources: :meth:`WorkerGroup.shutdown` always frees the
-actors and the placement group, even when ranks are hung in a collective. It also
-owns the rank protocol: every call the driver makes to a rank is one of its methods
-(each returns the call's Ray reference), so no other module holds an actor.
+:class:`RankGroup` is the interface the driver's flows use: start and shut down, the
+rank protocol (each call returns a *pending call*), and waiting on pending calls
+(:meth:`~RankGroup.gather`, :meth:`~RankGroup.take_ready`), whose failures are a
+:class:`RankLost` or a ``TimeoutError``. Nothing outside this module knows what a
+pending call is, so a group whose ranks live elsewhere (in the kernel's process, or
+several groups at once) is another implementation of it, not a branch in the flows.
+
+:class:`WorkerGroup` is the Ray one: a placement group plus one :class:`RankActor`
+per rank, with torch.distributed set up; a pending call is a Ray reference. It owns
+its Ray resources: :meth:`WorkerGroup.shutdown` always frees the actors and the
+placement group, even when ranks are hung in a collective.
 """
 
 from __future__ import annotations
@@ -13,10 +20,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rtnb.core._config import SessionConfig
-from rtnb.core._messages import CellRequest
+from rtnb.core._messages import CellRequest, RankPlace
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._ray_output import watch_ranks
@@ -24,7 +31,18 @@ from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
 
-__all__ = ["RankInfo", "WorkerGroup", "check_capacity", "check_storage_locality"]
+__all__ = [
+    "RankGroup",
+    "RankInfo",
+    "RankLost",
+    "WorkerGroup",
+    "check_capacity",
+    "check_storage_locality",
+]
+
+
+class RankLost(Exception):
+    """A call to a rank failed because the rank (its process, or its node) is gone."""
 
 
 @dataclass
@@ -37,6 +55,48 @@ class RankInfo:
     device: str
     local_rank: int = 0
     node_rank: int = 0
+
+
+class RankGroup(Protocol):
+    """What the driver's flows need of a group of ranks (see the module docstring)."""
+
+    ranks: list[RankInfo]
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def relays(self) -> bool: ...
+
+    def start(self, progress: StartProgress | None = None) -> None: ...
+
+    def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None: ...
+
+    def next_token(self) -> int | None: ...
+
+    def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any: ...
+
+    def run(self, rank: int, request: CellRequest) -> Any: ...
+
+    def poll(self, rank: int) -> Any: ...
+
+    def request_stop(self, rank: int) -> Any: ...
+
+    def set_stop_target(self, rank: int, step: int) -> Any: ...
+
+    def interrupt(self, rank: int) -> Any: ...
+
+    def set_step(self, step: int, line: int) -> list[Any]: ...
+
+    def pull(self, ranks: list[int], name: str) -> list[Any]: ...
+
+    def push(self, ranks: list[int], values: Any) -> list[Any]: ...
+
+    def share(self, data: bytes) -> Any: ...
+
+    def gather(self, calls: list[Any], timeout_s: float) -> list[Any]: ...
+
+    def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]: ...
 
 
 class WorkerGroup:
@@ -183,11 +243,11 @@ class WorkerGroup:
             self.shutdown(graceful=False)
             raise
 
-    def _assign_local_ranks(self, described: list[dict]) -> None:
+    def _assign_local_ranks(self, described: list[RankPlace]) -> None:
         node_order: list[str] = []
         per_node: dict[str, int] = {}
-        for rank, info in enumerate(described):
-            node = info["node_id"]
+        for rank, place in enumerate(described):
+            node = place.node_id
             if node not in node_order:
                 node_order.append(node)
             local = per_node.get(node, 0)
@@ -195,9 +255,9 @@ class WorkerGroup:
             self.ranks.append(
                 RankInfo(
                     rank=rank,
-                    pid=info["pid"],
-                    hostname=info["hostname"],
-                    node_ip=info["node_ip"],
+                    pid=place.pid,
+                    hostname=place.hostname,
+                    node_ip=place.node_ip,
                     node_id=node,
                     device="cpu",
                     local_rank=local,
@@ -251,6 +311,51 @@ class WorkerGroup:
     def push(self, ranks: list[int], values: Any) -> list[Any]:
         return [self.actors[r].push.remote(values) for r in ranks]
 
+    def share(self, data: bytes) -> Any:
+        """``data`` stored once, to be passed to many ranks' calls (``push``)."""
+        import ray
+
+        return ray.put(data)
+
+    # ---- waiting on calls --------------------------------------------------------------
+    def gather(self, calls: list[Any], timeout_s: float) -> list[Any]:
+        """The results of ``calls``, in order; TimeoutError after ``timeout_s``,
+        RankLost when a rank is gone."""
+        import ray
+
+        try:
+            return ray.get(calls, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"no answer within {timeout_s:g} s") from None
+        except ray.exceptions.RayError as exc:
+            raise RankLost(one_line(exc)) from None
+
+    def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
+        """Whatever ``calls`` are done within ``timeout_s``, with their results (a
+        failed call's result is its exception), as soon as one is.
+
+        One call in flight (the relay, or a single rank) is fetched with one
+        ``ray.get``. With several, the first ready one is taken with those ready by
+        then: a ``ray.get`` of all of them held a rank's finished poll until the
+        others' were ready too, up to a tick, so two ranks whose batches fell out of
+        step (often for a whole cell) each waited for the other, and live reports
+        arrived every ~300 ms instead of every 100 ms.
+        """
+        import ray
+
+        if len(calls) == 1:
+            try:
+                return calls, ray.get(calls, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                return [], []
+            except ray.exceptions.RayError:
+                return calls, _get_each(ray, calls)
+        ready, rest = ray.wait(calls, num_returns=1, timeout=timeout_s)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        return ready, _get_each(ray, ready)
+
     # ---- stop --------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
         """Free every actor and the placement group. ``graceful`` first lets the ranks
@@ -283,6 +388,23 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - dead: what we want
                     break
                 time.sleep(0.05)
+
+
+def _get_each(ray, refs: list) -> list:
+    """Results of ``refs`` in one call when all succeed (the common, fast case); a
+    failed ref (its rank died) yields its exception instead of losing the others."""
+    if not refs:
+        return []
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError:
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                results.append(exc)
+        return results
 
 
 def check_capacity(

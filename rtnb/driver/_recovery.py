@@ -1,90 +1,78 @@
-"""Recovery: the failure policy and the one component that replays the journal.
+"""Recovery and replay: every flow that puts the ranks' state on a new group.
 
-After a rank dies the group is rebuilt and :class:`Replayer` replays the run's
-journal onto it, exactly: the same pushes and cells, in the same order, on the same
-ranks (a rank that no longer exists after a scale-down is left out), with every
-replayed cell's ``get_checkpoint()`` returning the run's latest committed
-checkpoint (so a training cell written in the resume pattern costs about its
-set-up time). Replay also rebuilds a group for ``scale``, ``restart --replay``
-and ``start --replay`` in a new kernel. :class:`FailurePolicy` owns the failure
-count that ``--max-failures`` bounds.
+:class:`RecoveryFlow` is the one owner of what follows a failure: a cell hands it a
+:class:`~rtnb.driver._policy.Failure`, the :class:`FailurePolicy` decides, and the
+flow rebuilds the group (through the lifecycle), replays the run's journal onto it
+and says what happened in the cell's outcome; the cell only follows it. The same
+flow rebuilds with replay for ``scale``, ``restart --replay`` and ``start --replay``
+in a new kernel.
+
+:class:`Replayer` replays a journal exactly: the same pushes and cells, in the same
+order, on the same ranks (a rank that no longer exists after a scale-down is left
+out), with every replayed cell's ``get_checkpoint()`` returning the run's latest
+committed checkpoint (so a training cell written in the resume pattern costs about
+its set-up time). It runs cells through a callable the cell flow gives it, so this
+module never imports the cell module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from rtnb.errors import WorkerGroupError
-from rtnb.storage._journal import EntryKind, Journal
+from rtnb.core._config import SessionConfig
+from rtnb.driver._group import RankLost, check_capacity
+from rtnb.driver._lifecycle import GroupLifecycle
+from rtnb.driver._policy import (
+    DURING_REBUILD,
+    Decision,
+    Failure,
+    FailurePolicy,
+    Raise,
+    RankDied,
+    RecoveryOutcome,
+    ReplayReport,
+    Shrink,
+)
+from rtnb.driver._state import GroupState
+from rtnb.errors import (
+    CellInterrupted,
+    ConfigError,
+    RtnbError,
+    WorkerGroupError,
+    one_line,
+)
+from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._journal import EntryKind, Journal, JournalEntry
 
-if TYPE_CHECKING:
-    from rtnb.driver._session import Session
+__all__ = ["RecoveryFlow", "Replayer"]
 
-__all__ = ["FailurePolicy", "RecoveryOutcome", "ReplayReport", "Replayer"]
-
-
-class FailurePolicy:
-    """How many group rebuilds after a rank died ``--max-failures`` still allows."""
-
-    def __init__(self, max_failures: int) -> None:
-        self.max_failures = max_failures
-        self.failures = 0
-
-    def can_recover(self) -> bool:
-        return self.failures < self.max_failures
-
-    def record_failure(self) -> str:
-        self.failures += 1
-        return self.describe()
-
-    def describe(self) -> str:
-        return f"recovery {self.failures} of {self.max_failures}"
-
-    def reset(self) -> None:
-        self.failures = 0
-
-
-@dataclass
-class ReplayReport:
-    cells: int = 0
-    pushes: int = 0
-    duration_s: float = 0.0
-    skipped: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        parts = [f"{self.cells} cell{'s' if self.cells != 1 else ''}"]
-        if self.pushes:
-            parts.append(f"{self.pushes} push{'es' if self.pushes != 1 else ''}")
-        text = f"{' and '.join(parts)} replayed in {self.duration_s:.2f} s"
-        if self.skipped:
-            text += f" (not replayed: {'; '.join(self.skipped)})"
-        return text
-
-
-@dataclass
-class RecoveryOutcome:
-    attempt: str  # "recovery 1 of 3"
-    replay: ReplayReport
-    died: dict[int, str] = field(default_factory=dict)  # ranks that died during it
+# Runs one replayed cell on ``ranks``; returns {rank: error} for ranks whose cell
+# raised, and raises RankDied when a rank died.
+ReplayCell = Callable[[JournalEntry, list[int]], dict[int, tuple]]
 
 
 class Replayer:
-    """Replays a journal onto the session's current group."""
+    """Replays a journal onto the current group."""
 
-    def __init__(self, session: Session, journal: Journal) -> None:
-        self.session = session
+    def __init__(
+        self,
+        journal: Journal,
+        world_size: Callable[[], int],
+        send_values: Callable[[bytes, list[int]], None],
+        run_cell: ReplayCell,
+    ) -> None:
         self.journal = journal
+        self._world_size = world_size
+        self._send_values = send_values
+        self._run_cell = run_cell
 
     def replay(self, before: int | None = None) -> ReplayReport:
         """Replay every action since the last fresh start, up to entry ``before``.
 
         A replayed cell that fails raises WorkerGroupError naming it; a rank death
-        raises the cell's restart signal to the caller (another failure)."""
-        from rtnb.driver._cell import CellHandle
-
-        session = self.session
+        raises RankDied (another failure)."""
         report = ReplayReport()
         started = time.monotonic()
         for step in self.journal.replay_plan(before):
@@ -92,7 +80,7 @@ class Replayer:
             if step.skipped:
                 report.skipped.append(f"{_cell_name(entry)} ({step.skipped})")
                 continue
-            world = session._require_group().world_size
+            world = self._world_size()
             ranks = [r for r in (entry.ranks or range(world)) if r < world]
             if not ranks:
                 report.skipped.append(
@@ -100,24 +88,166 @@ class Replayer:
                 )
                 continue
             if entry.values is not None:
-                session._send_values(self.journal.read_values(entry), ranks)
+                self._send_values(self.journal.read_values(entry), ranks)
             if entry.kind is EntryKind.PUSH:
                 report.pushes += 1
                 continue
-            handle = CellHandle(
-                session, entry.cell_id or 0, entry.code or "", ranks, replay=True, label=entry.label
-            )
-            handle.drive_replay()
-            failed = {r: u for r, u in handle._finished.items() if u.error is not None}
+            failed = self._run_cell(entry, ranks)
             if failed:
-                rank, update = min(failed.items())
+                rank, error = min(failed.items())
                 raise WorkerGroupError(
-                    f"replaying {_cell_name(entry)} failed on rank {rank}: {update.error[0]}"
+                    f"replaying {_cell_name(entry)} failed on rank {rank}: {error[0]}"
                 )
             report.cells += 1
         report.duration_s = time.monotonic() - started
         return report
 
 
-def _cell_name(entry) -> str:
+def _cell_name(entry: JournalEntry) -> str:
     return f"cell {entry.label or entry.cell_id}"
+
+
+class RecoveryFlow:
+    """Decides (through the policy) and carries out what follows a failure, and
+    every rebuild that keeps the ranks' state; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        lifecycle: GroupLifecycle,
+        policy: FailurePolicy,
+        replayer: Replayer,
+        checkpoints: CheckpointStore,
+    ) -> None:
+        self.config = config
+        self.lifecycle = lifecycle
+        self.policy = policy
+        self.replayer = replayer
+        self.checkpoints = checkpoints
+        self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
+        self.last_recovery: RecoveryOutcome | None = None
+
+    # ---- after a failure ---------------------------------------------------------------
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
+        """What the failed cell does next: run again on a rebuilt group with the
+        journal replayed up to it (entry ``before``), or end with an error. A rank
+        that dies during the rebuild or replay is another failure, decided again."""
+        while True:
+            failure = dataclasses.replace(failure, world_size=self.config.workers)
+            decision = self.policy.decide(failure)
+            if isinstance(decision, Raise):
+                return self._give_up(failure, decision)
+            outcome = self._rebuild_and_replay(failure, decision, before)
+            if isinstance(outcome, RecoveryOutcome):
+                return outcome
+            failure = outcome
+
+    def _rebuild_and_replay(
+        self, failure: Failure, decision: Decision, before: int | None
+    ) -> RecoveryOutcome | Failure:
+        machine = self.lifecycle.state_machine
+        try:
+            if isinstance(decision, Shrink):
+                self.config.workers = decision.workers
+            self.lifecycle.rebuild(f"{failure.summary} ({decision.attempt})")
+            # Files a dead rank left half-written never got a manifest: drop them.
+            self.checkpoints.drop_pending()
+            self.checkpoints.cleanup_incomplete()
+            machine.to(GroupState.RUNNING, f"recovering: {failure.summary}")
+            report = self.replayer.replay(before)
+            self.lifecycle.continue_step_count()
+            self.last_recovery = RecoveryOutcome(decision, report, failure_summary=failure.summary)
+            return self.last_recovery
+        except (RankLost, WorkerGroupError, RankDied) as exc:
+            if machine.state is GroupState.FAILED:
+                machine.to(GroupState.RESTARTING, "retrying after a failed rebuild")
+                machine.to(GroupState.READY)
+            if machine.state is GroupState.READY:
+                machine.to(GroupState.RUNNING, "recovering")
+            what = "a rank died during replay" if isinstance(exc, RankDied) else one_line(exc)
+            return Failure(failure.cell, {DURING_REBUILD: what})
+        except RtnbError as exc:
+            if self.lifecycle.ray_lost:
+                return RecoveryOutcome(decision, ray_lost=True)
+            return RecoveryOutcome(
+                decision,
+                error=WorkerGroupError(f"{failure.summary}; recovery failed: {exc}"),
+            )
+
+    def _give_up(self, failure: Failure, decision: Raise) -> RecoveryOutcome:
+        """No retry: fresh ranks (the dead or stuck ones cannot be reused) and the
+        cell's error saying that its variables are gone."""
+        if failure.dead:
+            what = failure.summary + decision.why
+        else:
+            stuck = failure.stuck
+            what = (
+                f"{failure.cell} {failure.stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
+                f"{', '.join(map(str, stuck))} did not stop within "
+                f"{2 * self.config.stop_grace_s:g} s (blocked in a collective or in native code)"
+            )
+        try:
+            self.lifecycle.rebuild(reason=what, fresh=True)
+            tail = "the worker group was rebuilt with fresh ranks; variables defined on the ranks are gone"
+        except RtnbError as exc:
+            if self.lifecycle.ray_lost:
+                return RecoveryOutcome(decision, ray_lost=True)
+            tail = f"rebuilding the worker group failed: {exc}"
+        message = f"{what}; {tail}"
+        error = WorkerGroupError(message) if failure.dead else CellInterrupted(message, kept=False)
+        return RecoveryOutcome(decision, error=error)
+
+    # ---- rebuilds that keep the state --------------------------------------------------
+    def replay_onto_new_group(self, why: str) -> ReplayReport:
+        """Rebuild the ranks' state on a new group from the journal (fails the
+        session's group with one line if a replayed cell fails)."""
+        machine = self.lifecycle.state_machine
+        machine.to(GroupState.RUNNING, f"replaying the journal ({why})")
+        try:
+            report = self.replayer.replay()
+        except RankDied:
+            machine.to(GroupState.FAILED, "a rank died during the replay")
+            raise WorkerGroupError(
+                f"a rank died while the journal was replayed ({why}); start again"
+            ) from None
+        except RtnbError as exc:
+            machine.to(GroupState.FAILED, str(exc))
+            raise
+        finally:
+            self.checkpoints.cleanup_incomplete()
+        self.lifecycle.continue_step_count()
+        self.last_replay = report
+        machine.to(GroupState.READY, f"replayed: {report}")
+        return report
+
+    def restart(self, replay: bool) -> None:
+        """A new group with the same options; the ranks' variables kept by a replay
+        of the journal, or dropped."""
+        self.lifecycle.rebuild("restart requested", fresh=not replay)
+        self.policy.reset()
+        if replay:
+            self.replay_onto_new_group("restart --replay")
+
+    def resize(self, workers: int) -> int:
+        """Set the group's size in the options (checked: valid, and it fits the
+        cluster when a group runs); returns the old size."""
+        old = self.config.workers
+        self.config.workers = workers
+        try:
+            self.config.validate()
+            if self.lifecycle.group is not None:
+                check_capacity(self.config)  # before the current group is taken down
+        except (ConfigError, RtnbError):
+            self.config.workers = old
+            raise
+        return old
+
+    def scale(self, old: int) -> None:
+        """Rebuild at the size :meth:`resize` set and replay the journal onto it."""
+        workers = self.config.workers
+        try:
+            self.lifecycle.rebuild(f"scaling from {old} to {workers} ranks", kind=EntryKind.SCALE)
+        except RtnbError:
+            self.config.workers = old
+            raise
+        self.replay_onto_new_group(f"scale {old} → {workers}")

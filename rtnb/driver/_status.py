@@ -4,10 +4,54 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rtnb.core._text import format_table
 
-__all__ = ["GroupStatus", "RankStatus"]
+if TYPE_CHECKING:
+    from rtnb.core._config import SessionConfig
+    from rtnb.driver._cell import CellHandle
+    from rtnb.driver._lifecycle import GroupLifecycle
+    from rtnb.metrics._store import MetricsStore
+
+__all__ = ["GroupStatus", "RankStatus", "group_status"]
+
+
+def group_status(
+    run_name: str,
+    config: SessionConfig,
+    lifecycle: GroupLifecycle,
+    active: CellHandle | None,
+    metrics: MetricsStore,
+    state_text: str,
+) -> GroupStatus:
+    """The snapshot: each rank's place, pid, device, step and state, the cell."""
+    group = lifecycle.group
+    ranks = []
+    for info in group.ranks if group is not None else []:
+        last = metrics.last.get(info.rank)
+        state, step = "idle", last.step if last is not None else 0
+        if active is not None and info.rank in active.ranks:
+            state = active.states.get(info.rank, "running")
+            # the rank's own step once it answered (after a resume it is below the
+            # last report of the earlier line)
+            if info.rank in active.lines:
+                step = max(active.steps.get(info.rank, -1), 0)
+        where = f"{info.hostname} ({info.node_ip})"
+        ranks.append(RankStatus(info.rank, where, info.pid, info.device, step, state))
+    cell = lifecycle.ray_lost or ""
+    if not cell and active is not None:
+        background = " (background)" if active.background else ""
+        cell = f"{active.name}{background} running for {active.elapsed_s:.1f} s"
+    return GroupStatus(
+        state=state_text,
+        run_name=run_name,
+        address=lifecycle.connection.address if lifecycle.connection else "-",
+        backend=config.backend or "",
+        world_size=config.workers,
+        ranks=ranks,
+        cell=cell,
+    )
 
 
 @dataclass

@@ -15,11 +15,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rtnb.core._config import check_name
 from rtnb.core._messages import CheckpointOffer
+from rtnb.core._redact import redact_uri
 from rtnb.core._text import format_table, mean_over_ranks, to_number
 from rtnb.errors import CheckpointError, one_line
 from rtnb.storage._checkpoint import MANIFEST, Checkpoint
-from rtnb.storage._layout import CHECKPOINTS, checkpoint_dir, checkpoint_file, checkpoint_index
+from rtnb.storage._layout import (
+    CHECKPOINTS,
+    RUN_RECORD,
+    checkpoint_dir,
+    checkpoint_file,
+    checkpoint_index,
+    read_run_record,
+)
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = [
@@ -102,6 +111,20 @@ class CheckpointStore:
         # Ids --keep and delete leave alone besides the newest: the checkpoint the
         # ranks would recover from (a new branch's parent, before it commits).
         self.protected: set[str] = set()
+
+    @classmethod
+    def of_run(cls, storage: str, run: str) -> CheckpointStore:
+        """The checkpoints of another run in ``storage``, ranked by the ``--score``
+        and ``--mode`` it was started with (read only: no ``--keep`` applied)."""
+        run_dir = RunDirectory(storage, check_name(run, "--run"))
+        if not run_dir.exists(RUN_RECORD):
+            raise CheckpointError(f"no run {run!r} in {redact_uri(storage)} (see `%rtnb runs`)")
+        try:
+            record = read_run_record(run_dir)
+        except (OSError, ValueError, TypeError):
+            record = None  # its checkpoints are still there to browse
+        options = record.config if record is not None else {}
+        return cls(run_dir, score=options.get("score"), mode=options.get("mode") or "min")
 
     def subscribe(self, callback: Callable[[CheckpointInfo], None]) -> Callable[[], None]:
         self._subscribers.append(callback)

@@ -66,6 +66,12 @@ class Result:
         return None if best is None else best[0]
 
     @classmethod
+    def of_run(cls, run_dir: RunDirectory, **fields: Any) -> Result:
+        """The result of a live run, read back from ``run_dir`` when asked for its
+        dataframe."""
+        return cls(path=run_dir.uri, _location=run_dir.location, **fields)
+
+    @classmethod
     def from_path(cls, path: str) -> Result:
         """Reload a run's result from its run directory (local path or URI)."""
         run_dir = _run_dir(path)

@@ -44,6 +44,12 @@ class RunDirectory:
             ) from None
 
     @property
+    def location(self) -> str:
+        """The run's URI with the credentials it came with, to reopen it in this
+        process; never shown or stored (``uri`` is)."""
+        return self._uri
+
+    @property
     def is_local(self) -> bool:
         return type(self.fs).__name__ == "LocalFileSystem"
 

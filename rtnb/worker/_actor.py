@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from rtnb.core._messages import CellRequest, RankUpdate
+from rtnb.core._messages import CellRequest, RankPlace, RankUpdate
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
@@ -139,18 +139,16 @@ class RankActor:
             sys.modules["torch"].set_num_threads(int(threads))
 
     # ---- set-up ----------------------------------------------------------------------
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> RankPlace:
         import ray
 
-        node_id = ray.get_runtime_context().get_node_id()
-        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        return {
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": node_id,
-            "gpu_ids": gpu_ids,
-        }
+        return RankPlace(
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            node_ip=ray.util.get_node_ip_address(),
+            node_id=ray.get_runtime_context().get_node_id(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
 
     def open_rendezvous(self, host: str) -> int:
         """Rank 0: a listening socket on ``host`` for torch.distributed's store; its

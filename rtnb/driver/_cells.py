@@ -1,0 +1,413 @@
+"""The cell flow: what runs on the ranks, and what a cell may ask of the session.
+
+:class:`CellFlow` owns the session's cells: it checks a cell, writes it to the
+journal before anything reaches the ranks (a write-ahead log), starts its
+:class:`CellHandle`, and closes it when it ends (the journal's ``cell_end``, the
+run's outputs flushed, the state machine back to ready). It also sends values to
+the ranks and fetches them (``push``/``pull``), which a recovery may interrupt.
+
+It is the :class:`~rtnb.driver._cell.CellContext` every handle gets: the few calls a
+cell makes — the running group, the checkpoint for its ``get_checkpoint()``, commits,
+the recovery flow's decision after a failure, the end — and never the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import keyword
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rtnb.core._config import SessionConfig, parse_ranks
+from rtnb.core._messages import CellRequest
+from rtnb.core._values import PerRank, from_portable
+from rtnb.driver._cell import CellHandle
+from rtnb.driver._commits import CheckpointCoordinator
+from rtnb.driver._group import RankGroup, RankLost
+from rtnb.driver._lifecycle import GroupLifecycle
+from rtnb.driver._output import OutputSink, print_sink
+from rtnb.driver._policy import Failure, FailurePolicy, RecoveryOutcome
+from rtnb.driver._recovery import RecoveryFlow
+from rtnb.driver._state import GroupState
+from rtnb.errors import (
+    CellError,
+    CellInterrupted,
+    ConfigError,
+    SessionError,
+    WorkerGroupError,
+    one_line,
+)
+from rtnb.metrics._store import MetricsStore
+from rtnb.storage._checkpoint import Checkpoint
+from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._journal import CellOutcome, EntryKind, Journal, JournalEntry
+from rtnb.storage._logs import RankLogs
+
+__all__ = ["CellFlow", "check_syntax"]
+
+# pull/push during a recovery wait this long for the rebuilt group before saying so.
+_WAIT_FOR_GROUP_S = 60.0
+_FUNCTION_NAMES = ("__rtnb_fn__", "__rtnb_config__")
+
+
+class CellFlow:
+    """Runs the session's cells; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        lifecycle: GroupLifecycle,
+        journal: Journal,
+        commits: CheckpointCoordinator,
+        checkpoints: CheckpointStore,
+        metrics: MetricsStore,
+        policy: FailurePolicy,
+        lock: threading.RLock,
+    ) -> None:
+        self.config = config
+        self.run_name = lifecycle.run_name
+        self.metrics = metrics
+        self.checkpoints = checkpoints
+        self._lifecycle = lifecycle
+        self._journal = journal
+        self._commits = commits
+        self._policy = policy
+        self._lock = lock
+        # Set once the recovery flow exists (it replays cells through this flow).
+        self._recovery: RecoveryFlow | None = None
+        self._cell_ids = itertools.count(1)
+        self._active: CellHandle | None = None
+        self._last_background: CellHandle | None = None
+        self.last_error: BaseException | None = None
+        # The last cell that reported, and its name in the notebook: what Resume runs.
+        self.last_training: tuple[str, str | None] | None = None
+
+    # ---- the CellContext a handle gets ---------------------------------------------------
+    @property
+    def stop_grace_s(self) -> float:
+        return self.config.stop_grace_s
+
+    @property
+    def logs(self) -> RankLogs | None:
+        return self._lifecycle.logs
+
+    @property
+    def state(self) -> GroupState:
+        return self._lifecycle.state
+
+    @property
+    def ray_lost(self) -> str | None:
+        return self._lifecycle.ray_lost
+
+    def check_ray_lost(self, settle_s: float = 0.0) -> str | None:
+        return self._lifecycle.check_ray_lost(settle_s)
+
+    def require_group(self, wait_s: float = 0.0) -> RankGroup:
+        return self._lifecycle.require_group(wait_s, self.state_text())
+
+    def checkpoint_for(self, replay: bool) -> Checkpoint | None:
+        """What ``get_checkpoint()`` returns in a cell: replayed cells get the
+        latest committed checkpoint, others the one in force."""
+        return self._commits.for_cell(replay)
+
+    def commit(self, handle: CellHandle) -> None:
+        steps = dict(handle.steps)
+        if not handle.replay:
+            self._commits.track(dict(handle.lines), steps)
+        self._commits.commit_ready(steps, set(handle.ranks))
+
+    def latest_checkpoint_id(self) -> str | None:
+        return self._commits.latest_id()
+
+    def attach_recovery(self, recovery: RecoveryFlow) -> None:
+        self._recovery = recovery
+
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
+        """The recovery flow's decision on a failed cell, carried out."""
+        assert self._recovery is not None, "the session attaches its recovery flow"
+        return self._recovery.recover(failure, before)
+
+    def cell_ended(self, handle: CellHandle) -> None:
+        with self._lock:
+            self.metrics.flush()
+            if self.logs is not None:
+                self.logs.flush()
+            try:
+                self.checkpoints.flush_index()
+            except Exception:  # noqa: BLE001 - a summary file; the manifests are the truth
+                pass
+            self.last_error = handle.error
+            if handle.reported:
+                self.last_training = (handle.code, handle.label)
+                # `%rtnb runs` shows steps and duration: keep them current.
+                with contextlib.suppress(Exception):
+                    self._lifecycle.write_run_record()
+            error = handle.error
+            outcome = (
+                CellOutcome.OK
+                if error is None
+                else CellOutcome.INTERRUPTED
+                if isinstance(error, CellInterrupted)
+                else CellOutcome.ERROR
+            )
+            try:
+                self._journal.append(
+                    EntryKind.CELL_END,
+                    of=handle.journal_seq,
+                    cell_id=handle.cell_id,
+                    outcome=outcome,
+                    duration_s=round(handle.elapsed_s, 6),
+                    reported=handle.reported,
+                )
+            except Exception:  # noqa: BLE001 - storage gone: the cell's own outcome stands
+                pass
+            machine = self._lifecycle.state_machine
+            if machine.state is GroupState.RUNNING and self._active is handle:
+                machine.to(GroupState.READY, f"{handle.name} ended")
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_text(self) -> str:
+        """The group's state as the user reads it (a recovery names its attempt)."""
+        state = self._lifecycle.state
+        active = self._active
+        recovering = active is not None and active.recovering
+        if (state is GroupState.RESTARTING or recovering) and self._policy.failures:
+            return f"restarting ({self._policy.describe()})"
+        return str(state)
+
+    @property
+    def active(self) -> CellHandle | None:
+        return self._active if self._active is not None and not self._active.done() else None
+
+    def continue_numbers(self) -> None:
+        """A run carried on by a new kernel keeps numbering its cells, so the journal
+        and every message name each cell once."""
+        entries = self._journal.entries()
+        last = max((e.cell_id or 0 for e in entries), default=0)
+        self._cell_ids = itertools.count(last + 1)
+        if self.last_training is None:
+            ends = {e.of for e in entries if e.kind is EntryKind.CELL_END and e.reported}
+            trained = [e for e in entries if e.seq in ends]
+            if trained:
+                self.last_training = (trained[-1].code or "", trained[-1].label)
+
+    # ---- cells -------------------------------------------------------------------------
+    def begin(
+        self,
+        code: str | Callable,
+        ranks: Iterable[int] | str | None,
+        timeout: float | None,
+        background: bool,
+        config: Any = None,
+        total_steps: int | None = None,
+        once: bool = False,
+        label: str | None = None,
+        output: OutputSink | None = None,
+    ) -> CellHandle:
+        """Check a cell, journal it, and return its handle (not yet dispatched).
+        Output goes to ``output``; a foreground cell prints it by default."""
+        with self._lock:
+            group = self.require_group()
+            if self._active is not None and not self._active.done():
+                raise SessionError(
+                    f"{self._active.name} is still running"
+                    + (" in the background" if self._active.background else "")
+                    + ": wait for it (`%rtnb wait`) or stop it (`handle.stop()`) first"
+                )
+            rank_list = _ranks(ranks, group.world_size)
+            values = None
+            if callable(code):
+                values, code = _function_call(code, config)
+            elif not isinstance(code, str):
+                raise ConfigError(
+                    f"Session.run takes code (str) or a function, got {type(code).__name__}"
+                )
+            cell_id = next(self._cell_ids)
+            check_syntax(code, CellRequest(cell_id, code, label=label).filename)
+            if timeout is not None and timeout <= 0:
+                raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
+            if total_steps is not None and total_steps < 1:
+                raise ConfigError(f"--steps must be ≥ 1, got {total_steps}")
+            # Written before anything reaches the ranks: the journal is a write-ahead log.
+            entry = self._journal.append(
+                EntryKind.CELL,
+                values=values,
+                cell_id=cell_id,
+                label=label,
+                code=code,
+                ranks=None if ranks is None else rank_list,
+                once=once,
+                names=list(_FUNCTION_NAMES) if values is not None else [],
+            )
+            if values is not None:
+                self.send_values(values, rank_list)
+            handle = CellHandle(
+                self,
+                cell_id,
+                code,
+                rank_list,
+                timeout,
+                background,
+                journal_seq=entry.seq,
+                label=label,
+            )
+            if output is not None:
+                handle.add_sink(output)
+            elif not background:
+                handle.add_sink(print_sink())
+            self.metrics.begin(rank_list, total_steps)
+            self._active = handle
+            self._lifecycle.state_machine.to(GroupState.RUNNING, handle.name)
+            if background:
+                self._last_background = handle
+            return handle
+
+    def run_replayed(self, entry: JournalEntry, ranks: list[int]) -> dict[int, tuple]:
+        """Run a journal's cell again (a replay); {rank: error} of ranks it failed on."""
+        handle = CellHandle(
+            self, entry.cell_id or 0, entry.code or "", ranks, replay=True, label=entry.label
+        )
+        return handle.drive_replay()
+
+    def wait(self, timeout: float | None = None) -> PerRank:
+        """The value of the last background cell, once it ends (``%rtnb wait``)."""
+        handle = self._last_background
+        if handle is None:
+            raise SessionError(
+                "no background cell was started in this session: use `%%rtrain --background`"
+            )
+        return handle.wait(timeout)
+
+    def stop_active(self, reason: str) -> bool:
+        """End the running cell, if any, because the group is going away: the ranks
+        get the cooperative grace to stop at a report(), then the cell ends without
+        a rebuild (the caller removes or replaces the group, exactly once).
+        True when the ranks left the cell by themselves."""
+        active = self.active
+        if active is None:
+            return True
+        active.stop(reason, final=True)
+        return active.wait_left(self.config.stop_grace_s + 0.5)
+
+    # ---- variables ---------------------------------------------------------------------
+    def world_size(self) -> int:
+        return self.require_group().world_size
+
+    def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{name!r} is not a Python variable name")
+        rank_list = _ranks(ranks, self.require_group(wait_s=_WAIT_FOR_GROUP_S).world_size)
+        answers = self._call_ranks(
+            lambda group: group.pull(rank_list, name),
+            f"pulling {name!r}",
+            timeout_s=120,
+        )
+        missing = [r for r, (found, *_rest) in zip(rank_list, answers) if not found]
+        if missing:
+            raise SessionError(
+                f"{name!r} is not defined on rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))}: define it in a %%rtrain cell first"
+            )
+        return [from_portable((data, text)) for _found, data, text in answers]
+
+    def push(self, values: dict[str, Any], ranks: Iterable[int] | str | None = None) -> None:
+        for name in values:
+            if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+                raise ConfigError(f"{name!r} is not a Python variable name")
+        group = self.require_group(wait_s=_WAIT_FOR_GROUP_S)
+        rank_list = _ranks(ranks, group.world_size)
+        data = _serialize(dict(values))
+        self._journal.append(
+            EntryKind.PUSH,
+            values=data,
+            names=sorted(values),
+            ranks=None if ranks is None else rank_list,
+        )
+        self.send_values(data, rank_list)
+
+    def send_values(self, data: bytes, ranks: list[int]) -> None:
+        shared = self.require_group(wait_s=_WAIT_FOR_GROUP_S).share(data)
+        self._call_ranks(
+            lambda group: group.push(ranks, shared),
+            "sending values to the ranks",
+            timeout_s=300,
+        )
+
+    def _call_ranks(self, calls: Callable[[RankGroup], list], what: str, timeout_s: float):
+        """The results of ``calls(group)``; each failure becomes one rtnb error line.
+
+        A rank that died under a running cell that recovery will rebuild is not an
+        error of this call: it waits for the rebuilt group and asks it instead."""
+        group = self.require_group(wait_s=_WAIT_FOR_GROUP_S)
+        for attempt in range(2):
+            try:
+                return group.gather(calls(group), timeout_s)
+            except TimeoutError:
+                raise SessionError(
+                    f"{what} took over {timeout_s:g} s (a rank busy in native code?); try again"
+                ) from None
+            except RankLost as exc:
+                rebuilt = attempt == 0 and self._wait_for_recovery(group)
+                if rebuilt is None:
+                    raise WorkerGroupError(f"{what} failed: a rank died ({exc})") from None
+                group = rebuilt
+        raise AssertionError("unreachable")
+
+    def _wait_for_recovery(self, lost: RankGroup) -> RankGroup | None:
+        """The group that recovery builds to replace ``lost``; None when no
+        recovery is coming (no running cell, or --max-failures spent)."""
+        active = self._active
+        if active is None or active.done() or not (active.recovering or self._policy.can_recover()):
+            return None
+        deadline = time.monotonic() + _WAIT_FOR_GROUP_S
+        while time.monotonic() < deadline:
+            group = self._lifecycle.group
+            if group is not None and group is not lost and self._lifecycle.is_ready:
+                return group
+            if active.done() and not active.recovering and self._lifecycle.group is lost:
+                return None
+            time.sleep(0.05)
+        return None
+
+
+def _serialize(values: dict[str, Any]) -> bytes:
+    from ray import cloudpickle
+
+    try:
+        return cloudpickle.dumps(values)
+    except Exception as exc:  # noqa: BLE001 - anything unpicklable
+        raise ConfigError(
+            f"cannot send {', '.join(sorted(values))} to the ranks: not picklable "
+            f"({one_line(exc)}); create it in a %%rtrain cell instead"
+        ) from None
+
+
+def _function_call(fn: Callable, config: Any) -> tuple[bytes, str]:
+    """A function (and its config) by value, and the code that calls it on a rank.
+    cloudpickle stores functions defined in the notebook by value, so the journal
+    can replay them in a process that never saw their definition."""
+    values = _serialize({_FUNCTION_NAMES[0]: fn, _FUNCTION_NAMES[1]: config})
+    return values, "__rtnb_fn__(__rtnb_config__)" if config is not None else "__rtnb_fn__()"
+
+
+def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:
+    if ranks is None or isinstance(ranks, str):
+        return parse_ranks(ranks, world_size)
+    return parse_ranks(",".join(str(int(r)) for r in ranks), world_size)
+
+
+def check_syntax(code: str, filename: str = "<rtrain-cell-0>") -> None:
+    """Raise CellError for a SyntaxError before anything is sent to the ranks."""
+    import traceback
+
+    try:
+        compile(code, filename, "exec")
+    except SyntaxError as exc:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+        raise CellError(
+            f"the cell has a SyntaxError and was not sent to the ranks:\n{text}",
+            exc_type="SyntaxError",
+        ) from None

@@ -1,0 +1,153 @@
+"""What happens after a rank dies: the failure, the policy's decision, the outcome.
+
+A cell that loses a rank (or cannot be stopped in place) hands a :class:`Failure`
+to the recovery flow (``_recovery.py``), which asks the session's
+:class:`FailurePolicy` to :meth:`~FailurePolicy.decide`, as Ray Train V2's
+controller asks its ``FailurePolicy``:
+
+- :class:`Retry`: rebuild the group, replay the journal up to the cell, run it again;
+- :class:`Shrink`: the same on a group of fewer ranks (a policy that prefers going
+  on smaller to waiting for capacity; the default never shrinks);
+- :class:`Raise`: rebuild the group with fresh ranks and end the cell with the error.
+
+The cell follows the decision's :class:`RecoveryOutcome`; it never rebuilds itself.
+These are plain records shared by the cell and recovery modules, which import each
+other never.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Decision",
+    "Failure",
+    "FailurePolicy",
+    "Raise",
+    "RankDied",
+    "RecoveryOutcome",
+    "ReplayReport",
+    "Retry",
+    "Shrink",
+]
+
+# The key of a death the rank of which is unknown: one during a rebuild or replay.
+DURING_REBUILD = -1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A cell that cannot go on with the ranks it has.
+
+    ``dead``: the ranks that died, each with one line (``DURING_REBUILD`` for a death
+    while the group was rebuilt); ``stuck``: with no death, the ranks that did not
+    stop within the grace of a stop; ``stop_reason``: the cell was being stopped when
+    it happened (a stopped cell is never run again); ``world_size``: the group's
+    size then."""
+
+    cell: str
+    dead: dict[int, str] = field(default_factory=dict)
+    stuck: tuple[int, ...] = ()
+    stopping: bool = False
+
+    @property
+    def summary(self) -> str:
+        """One line: who died during which cell, and the first cause."""
+        ranks = sorted(self.dead)
+        if ranks == [DURING_REBUILD]:
+            return (
+                f"a rank died while the group was rebuilt during {self.cell} "
+                f"({self.dead[DURING_REBUILD]})"
+            )
+        ranks = [r for r in ranks if r >= 0]
+        return (
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} died during "
+            f"{self.cell} ({self.dead[ranks[0]]})"
+        )
+
+
+@dataclass(frozen=True)
+class Retry:
+    attempt: str  # "recovery 1 of 3"
+
+
+@dataclass(frozen=True)
+class Shrink:
+    attempt: str
+    workers: int  # the ranks of the rebuilt group
+
+
+@dataclass(frozen=True)
+class Raise:
+    why: str = ""  # appended to the failure's summary, e.g. " after 3 recoveries (...)"
+
+
+Decision = Retry | Shrink | Raise
+
+
+class FailurePolicy:
+    """Retry while ``--max-failures`` allows, then raise (``Shrink`` is for a
+    subclass: the default keeps the group's size, as Ray Train does)."""
+
+    def __init__(self, max_failures: int) -> None:
+        self.max_failures = max_failures
+        self.failures = 0
+
+    def decide(self, failure: Failure) -> Decision:
+        if failure.stopping or not failure.dead:
+            return Raise()  # a stop that went wrong is not retried
+        if self.failures >= self.max_failures:
+            why = (
+                f" after {self.failures} recoveries (--max-failures {self.max_failures})"
+                if self.max_failures
+                else ""
+            )
+            return Raise(why)
+        self.failures += 1
+        return Retry(self.describe())
+
+    def can_recover(self) -> bool:
+        return self.failures < self.max_failures
+
+    def describe(self) -> str:
+        return f"recovery {self.failures} of {self.max_failures}"
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+@dataclass
+class ReplayReport:
+    cells: int = 0
+    pushes: int = 0
+    duration_s: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [f"{self.cells} cell{'s' if self.cells != 1 else ''}"]
+        if self.pushes:
+            parts.append(f"{self.pushes} push{'es' if self.pushes != 1 else ''}")
+        text = f"{' and '.join(parts)} replayed in {self.duration_s:.2f} s"
+        if self.skipped:
+            text += f" (not replayed: {'; '.join(self.skipped)})"
+        return text
+
+
+@dataclass
+class RecoveryOutcome:
+    """What the cell does next: run again on the rebuilt group (``error`` None), or
+    end with ``error``; ``ray_lost``: the Ray under the group is gone."""
+
+    decision: Decision
+    replay: ReplayReport = field(default_factory=ReplayReport)
+    error: BaseException | None = None
+    ray_lost: bool = False
+    failure_summary: str = ""  # of the failure this outcome recovered from
+
+    @property
+    def attempt(self) -> str:
+        return getattr(self.decision, "attempt", "")
+
+
+class RankDied(Exception):
+    """A rank died while a replayed cell ran (the replay is another failure)."""
