@@ -159,8 +159,13 @@ def test_live_cells_leave_figures_that_last_in_the_saved_notebook(ray_cluster, t
             os.environ["RTNB_LIVE"] = saved
     path = tmp_path / "lasting.ipynb"
     nbformat.write(nb, path)
-    kinds = [k for cell in nb.cells for o in cell.outputs for k in o.get("data", {})]
-    assert WIDGET not in kinds, "no widget is left to read 'model not found' when reopened"
+    left = [
+        (i, o["data"].get("text/plain", ""))
+        for i, cell in enumerate(nb.cells)
+        for o in cell.outputs
+        if WIDGET in o.get("data", {})
+    ]
+    assert not left, f"no widget is left to read 'model not found' when reopened: {left}"
 
     def data(cell_index: int) -> list[dict]:
         return [o.get("data", {}) for o in nb.cells[cell_index].outputs]

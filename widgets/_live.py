@@ -290,7 +290,10 @@ class LiveMetrics(w.VBox):
         self._log_partial.clear()
         self._logs_dirty = True
         self._stopped.set()
-        self.redraw()
+        try:
+            self.redraw()
+        except Exception:  # noqa: BLE001 - the lasting figure below matters more
+            pass
         try:
             self._leave_lasting_output()
         except Exception as exc:  # noqa: BLE001 - the live view stays: worse, but not lost

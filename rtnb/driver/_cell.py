@@ -68,6 +68,8 @@ _RELAY_WAIT_S = POLL_WAIT_S + 0.25
 # When some ranks have paused for a stop while others still run, give the others
 # this long to reach a report() before choosing a later common stop step.
 _PAUSE_SKEW_S = 0.5
+# How long wait() gives the cell's views to finish at its end (see wait).
+_SETTLE_S = 30.0
 # A cell keeps at most this much of its output in memory (for views opened late);
 # all of it is in {run}/logs/rank-N.log.
 _LOG_BYTES = 2_000_000
@@ -231,8 +233,11 @@ class CellHandle:
                     )
         if threading.current_thread() is not self._finishing_thread:
             # What the cell's views do at its end (a live view leaves its lasting
-            # figure) is done when wait returns; bounded, so a slow view cannot hang it.
-            self._settled.wait(5.0)
+            # figure) is done when wait returns: once `%rtnb wait` returned, a frontend
+            # such as nbclient no longer takes output meant for the waiting cell, and
+            # the widget would stay in the saved notebook. Under load that figure took
+            # over 5 s (CI); bounded all the same, so a broken view cannot hang it.
+            self._settled.wait(_SETTLE_S)
         if self._error is not None:
             raise self._error
         assert self._value is not None

@@ -48,7 +48,12 @@ class Failure:
     cell: str
     dead: dict[int, str] = field(default_factory=dict)
     stuck: tuple[int, ...] = ()
-    stopping: bool = False
+    stop_reason: str | None = None  # the cell was being stopped, and why
+    world_size: int = 0  # ranks in the group when it happened
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_reason is not None
 
     @property
     def summary(self) -> str:
