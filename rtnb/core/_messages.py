@@ -48,7 +48,7 @@ class CellState(str, enum.Enum):
 
 
 class StopPhase(str, enum.Enum):
-    """The driver's stop protocol for one cell (DESIGN.md section 3)."""
+    """The driver's stop protocol for one cell (the stop contract of the team design document)."""
 
     NONE = ""
     REQUESTED = "requested"  # asked for; the ranks are told at the next tick

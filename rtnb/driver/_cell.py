@@ -4,19 +4,8 @@
 output, reports and checkpoint offers to the session as they arrive (each poll
 answer is one :class:`~rtnb.core._messages.RankUpdate`), and turns the ranks'
 outcomes into a :class:`PerRank` value or one rtnb error. Stopping (interrupt,
-timeout, ``handle.stop()``) follows DESIGN.md section 3 through the phases of
-:class:`~rtnb.core._messages.StopPhase`:
-
-1. cooperative: every rank pauses at its next ``report()``; once all have paused
-   they leave together at the same step, so none is left inside a collective;
-2. after ``stop_grace_s``: CellStopped is raised inside each rank's cell thread
-   (reaches pure-Python loops);
-3. after another ``stop_grace_s``: the group is rebuilt (ranks blocked in C++,
-   e.g. a collective whose peer has left, cannot be interrupted any other way).
-
-A *final* stop (the group itself is going away: stop, restart, scale) skips
-phase 2 and 3: after the cooperative grace the cell ends and the caller removes
-the group, exactly once. A rank that dies (or a stop that does not end) is a
+timeout, ``handle.stop()``) goes through the phases of its
+:class:`~rtnb.driver._stopping.StopProtocol`. A rank that dies (or a stop that does not end) is a
 :class:`~rtnb.driver._policy.Failure` the cell hands to its context: the recovery
 flow decides and rebuilds, and the cell follows the outcome (runs again on the new
 group, or ends with its error); it never rebuilds the group itself.
@@ -39,6 +28,7 @@ from rtnb.driver._group import RankGroup
 from rtnb.driver._output import OutputSink
 from rtnb.driver._policy import Failure, RankDied, RecoveryOutcome
 from rtnb.driver._state import GroupState
+from rtnb.driver._stopping import StopProtocol
 from rtnb.errors import (
     CellError,
     CellInterrupted,
@@ -65,9 +55,6 @@ _TICK_S = 0.1
 # a busy machine to wake them. A rank that did not answer by then (a longer cell: it
 # runs in the listening thread and answers only when it ends) is asked directly.
 _RELAY_WAIT_S = POLL_WAIT_S + 0.25
-# When some ranks have paused for a stop while others still run, give the others
-# this long to reach a report() before choosing a later common stop step.
-_PAUSE_SKEW_S = 0.5
 # How long wait() gives the cell's views to finish at its end (see wait).
 _SETTLE_S = 30.0
 # A cell keeps at most this much of its output in memory (for views opened late);
@@ -178,14 +165,7 @@ class CellHandle:
         self._last: dict[int, RankUpdate] = {}
         self._finished: dict[int, RankUpdate] = {}
         self._dead: dict[int, str] = {}
-        self._stop_reason: str | None = None
-        self._stop_phase = StopPhase.NONE
-        self._final = False
-        self._phase_started = 0.0
-        self._first_pause_at: float | None = None
-        self._stop_target: int | None = None
-        self._interrupt_sent = False
-        self._stop_lock = threading.Lock()
+        self._stopping = StopProtocol(context.stop_grace_s)
         self._commit_error: CheckpointError | None = None
         # The first storage write that failed during this cell (a rank's checkpoint
         # files, the metrics record, the logs, a commit): the cell stops at one step.
@@ -264,16 +244,7 @@ class CellHandle:
 
         ``final``: the group is about to go away (stop, restart, scale): after the
         cooperative grace the cell just ends; whoever asked removes the group."""
-        with self._stop_lock:
-            if final:
-                self._final = True
-            if self._stop_reason is None:
-                self._stop_reason = reason
-                self._stop_phase = StopPhase.REQUESTED
-            elif self._stop_phase is StopPhase.COOPERATIVE:
-                self._enter_phase(StopPhase.RAISE)  # a second request escalates
-            elif self._stop_phase is StopPhase.RAISE:
-                self._enter_phase(StopPhase.RESTART)
+        self._stopping.request(reason, final)
 
     @property
     def name(self) -> str:
@@ -359,7 +330,7 @@ class CellHandle:
                 if self._context.check_ray_lost():
                     self._finish_ray_lost()
                     return
-                if self._final:
+                if self._stopping.final:
                     self._finish_abandoned()
                     return
                 outcome = self._hand_to_recovery()
@@ -414,7 +385,8 @@ class CellHandle:
                 raise _Restart()
             self._commit()
             self._check_timeout()
-            self._advance_stop(group)
+            if self._stopping.advance(group, self._unfinished(), self._last, self.steps):
+                raise _Restart()
 
     def _commit(self) -> None:
         if self.replay or self._commit_error is not None:
@@ -463,7 +435,7 @@ class CellHandle:
             self.name,
             dead=dict(self._dead),
             stuck=tuple(self._unfinished()) if not self._dead else (),
-            stop_reason=self._stop_reason,
+            stop_reason=self._stopping.reason,
         )
         self.recovering = True
         try:
@@ -600,57 +572,13 @@ class CellHandle:
     def _check_timeout(self) -> None:
         if (
             self.timeout_s is not None
-            and self._stop_reason is None
+            and not self._stopping.requested
             and self.elapsed_s > self.timeout_s
         ):
             self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
 
-    def _enter_phase(self, phase: StopPhase) -> None:
-        self._stop_phase = phase
-        self._phase_started = time.monotonic()
-
     def _unfinished(self) -> list[int]:
         return [r for r in self.ranks if r not in self._finished and r not in self._dead]
-
-    def _advance_stop(self, group) -> None:
-        phase = self._stop_phase
-        if phase is StopPhase.NONE:
-            return
-        unfinished = self._unfinished()
-        grace = self._context.stop_grace_s
-        waited = time.monotonic() - self._phase_started
-        if phase is StopPhase.REQUESTED:
-            for rank in unfinished:
-                group.request_stop(rank)
-            self._enter_phase(StopPhase.COOPERATIVE)
-        elif phase is StopPhase.COOPERATIVE:
-            paused = {
-                r: self._last[r].paused_at
-                for r in unfinished
-                if r in self._last and self._last[r].paused_at is not None
-            }
-            if paused and self._first_pause_at is None:
-                self._first_pause_at = time.monotonic()
-            target = None
-            if unfinished and len(paused) == len(unfinished):
-                target = max(paused.values())
-            elif paused and time.monotonic() - self._first_pause_at > _PAUSE_SKEW_S:
-                target = max(self.steps[r] for r in unfinished) + 1
-            if target is not None and self._stop_target is None:
-                self._stop_target = target
-                for rank in unfinished:
-                    group.set_stop_target(rank, target)
-            if waited > grace:
-                self._enter_phase(StopPhase.RESTART if self._final else StopPhase.RAISE)
-        elif phase is StopPhase.RAISE:
-            if not self._interrupt_sent:
-                self._interrupt_sent = True
-                for rank in unfinished:
-                    group.interrupt(rank)
-            if waited > grace:
-                self._enter_phase(StopPhase.RESTART)
-        if self._stop_phase is StopPhase.RESTART:
-            raise _Restart()
 
     # ---- outcomes ----------------------------------------------------------------------
     def _finish_normally(self) -> None:
@@ -662,21 +590,20 @@ class CellHandle:
             self._finish(error=self._storage_error(finished))
             return
         interrupted = [u for u in finished.values() if u.state is CellState.INTERRUPTED]
-        if self._stop_reason is not None and interrupted:
+        stopping = self._stopping
+        if stopping.requested and interrupted:
             steps = {u.step for u in interrupted}
             at = (
-                f" at step {steps.pop()}"
-                if len(steps) == 1 and self._stop_target is not None
-                else ""
+                f" at step {steps.pop()}" if len(steps) == 1 and stopping.target is not None else ""
             )
             how = (
                 "at a report() boundary"
-                if self._stop_phase is StopPhase.COOPERATIVE
+                if stopping.phase is StopPhase.COOPERATIVE
                 else "inside the cell code"
             )
             self._finish(
                 error=CellInterrupted(
-                    f"{self.name} {self._stop_reason}: every rank stopped{at} ({how}); "
+                    f"{self.name} {stopping.reason}: every rank stopped{at} ({how}); "
                     "the worker group and its variables are intact",
                     kept=True,
                     step=max(u.step for u in finished.values()),
@@ -694,7 +621,7 @@ class CellHandle:
         """The group is going away under this cell (stop, restart, scale)."""
         self._finish(
             error=CellInterrupted(
-                f"{self.name} {self._stop_reason}; the ranks' variables go with the group",
+                f"{self.name} {self._stopping.reason}; the ranks' variables go with the group",
                 kept=False,
             )
         )

@@ -1,0 +1,122 @@
+"""Stopping a cell on every rank: the phases of :class:`~rtnb.core._messages.StopPhase`.
+
+Stopping (interrupt, timeout, ``handle.stop()``, a storage failure) follows the
+design's stop contract:
+
+1. cooperative: every rank pauses at its next ``report()``; once all have paused
+   they leave together at the same step, so none is left inside a collective;
+2. after ``stop_grace_s``: CellStopped is raised inside each rank's cell thread
+   (reaches pure-Python loops);
+3. after another ``stop_grace_s``: the group must be rebuilt (ranks blocked in C++,
+   e.g. a collective whose peer has left, cannot be interrupted any other way).
+
+A *final* stop (the group itself is going away: stop, restart, scale) skips phase 2
+and 3: after the cooperative grace the cell ends and the caller removes the group,
+exactly once. :class:`StopProtocol` keeps the phase and sends the ranks' calls; the
+cell asks it to :meth:`~StopProtocol.advance` on every tick.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+from rtnb.core._messages import RankUpdate, StopPhase
+from rtnb.driver._group import RankGroup
+
+__all__ = ["StopProtocol"]
+
+# When some ranks have paused for a stop while others still run, give the others
+# this long to reach a report() before choosing a later common stop step.
+PAUSE_SKEW_S = 0.5
+
+
+class StopProtocol:
+    """One cell's stop: why, which phase, and the step every rank stops at."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.reason: str | None = None  # None: no stop asked
+        self.phase = StopPhase.NONE
+        self.final = False  # the group goes away after the cell
+        self.target: int | None = None  # the common stop step, once chosen
+        self._phase_started = 0.0
+        self._first_pause_at: float | None = None
+        self._interrupt_sent = False
+        self._lock = threading.Lock()
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def request(self, reason: str, final: bool = False) -> None:
+        """Ask for a stop (any thread); a second request escalates one phase."""
+        with self._lock:
+            if final:
+                self.final = True
+            if self.reason is None:
+                self.reason = reason
+                self.phase = StopPhase.REQUESTED
+            elif self.phase is StopPhase.COOPERATIVE:
+                self._enter(StopPhase.RAISE)
+            elif self.phase is StopPhase.RAISE:
+                self._enter(StopPhase.RESTART)
+
+    def _enter(self, phase: StopPhase) -> None:
+        self.phase = phase
+        self._phase_started = time.monotonic()
+
+    def advance(
+        self,
+        group: RankGroup,
+        unfinished: list[int],
+        last: Mapping[int, RankUpdate],
+        steps: Mapping[int, int],
+    ) -> bool:
+        """Send what the phase calls for to the ``unfinished`` ranks and move on when
+        its grace is over; True once the group must be rebuilt (or, final, left)."""
+        phase = self.phase
+        if phase is StopPhase.NONE:
+            return False
+        waited = time.monotonic() - self._phase_started
+        if phase is StopPhase.REQUESTED:
+            for rank in unfinished:
+                group.request_stop(rank)
+            self._enter(StopPhase.COOPERATIVE)
+        elif phase is StopPhase.COOPERATIVE:
+            self._choose_target(group, unfinished, last, steps)
+            if waited > self.grace_s:
+                self._enter(StopPhase.RESTART if self.final else StopPhase.RAISE)
+        elif phase is StopPhase.RAISE:
+            if not self._interrupt_sent:
+                self._interrupt_sent = True
+                for rank in unfinished:
+                    group.interrupt(rank)
+            if waited > self.grace_s:
+                self._enter(StopPhase.RESTART)
+        return self.phase is StopPhase.RESTART
+
+    def _choose_target(
+        self,
+        group: RankGroup,
+        unfinished: list[int],
+        last: Mapping[int, RankUpdate],
+        steps: Mapping[int, int],
+    ) -> None:
+        """Once every rank paused, the latest pause step; if some still run after
+        PAUSE_SKEW_S, one step past the furthest. Sent to every rank once."""
+        paused = {
+            r: last[r].paused_at for r in unfinished if r in last and last[r].paused_at is not None
+        }
+        if paused and self._first_pause_at is None:
+            self._first_pause_at = time.monotonic()
+        target = None
+        if unfinished and len(paused) == len(unfinished):
+            target = max(paused.values())
+        elif paused and time.monotonic() - self._first_pause_at > PAUSE_SKEW_S:
+            target = max(steps[r] for r in unfinished) + 1
+        if target is not None and self.target is None:
+            self.target = target
+            for rank in unfinished:
+                group.set_stop_target(rank, target)
