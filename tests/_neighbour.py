@@ -64,13 +64,15 @@ def run(name: str, args: list[str], timeout: float = 120.0) -> None:
     started = time.monotonic()
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=WORK)
-        code, text = out.returncode, out.stdout + out.stderr
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
     except subprocess.TimeoutExpired as exc:
         code = None
-        text = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
-            errors="replace"
-        )
-    results[name] = {"rc": code, "s": round(time.monotonic() - started, 1), "out": text[-4000:]}
+        stdout = (exc.stdout or b"").decode(errors="replace")
+        stderr = (exc.stderr or b"").decode(errors="replace")
+    # What the script printed, then what Ray logged: a busy Ray logs tracebacks after a
+    # script's last line (Train's controller under load), which a tail of both cut off.
+    text = stdout[-4000:] + "\n" + stderr[-50_000:]
+    results[name] = {"rc": code, "s": round(time.monotonic() - started, 1), "out": text}
 
 
 def python(name: str, code: str, timeout: float = 120.0) -> None:
