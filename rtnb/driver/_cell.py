@@ -340,8 +340,9 @@ class CellHandle:
                 if outcome.error is not None:
                     self._finish(error=outcome.error)
                     return
-                self._restart_on_new_group(outcome)
-                continue
+                if self._restart_on_new_group(outcome):
+                    continue
+                return
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # noqa: BLE001 - never leave a handle hanging
@@ -443,13 +444,25 @@ class CellHandle:
         finally:
             self.recovering = False
 
-    def _restart_on_new_group(self, outcome: RecoveryOutcome) -> None:
+    def _restart_on_new_group(self, outcome: RecoveryOutcome) -> bool:
         """Run this cell again on the rebuilt group (the journal was replayed up to
         it); ``rtnb.get_checkpoint()`` returns the checkpoint in force (the latest
-        committed one, unless one chosen for this cell has not been superseded)."""
+        committed one, unless one chosen for this cell has not been superseded).
+        False (the cell ended with an error) when none of its ranks is in it."""
         # A policy that shrank the group: the cell goes on on the ranks that remain.
         world = self._context.require_group().world_size
-        self.ranks = [r for r in self.ranks if r < world] or list(range(world))
+        remaining = [r for r in self.ranks if r < world]
+        if not remaining:
+            self._finish(
+                error=WorkerGroupError(
+                    f"{outcome.failure_summary}; the group was rebuilt with {world} "
+                    f"rank{'s' if world > 1 else ''} ({outcome.attempt}), without "
+                    f"{self.name}'s rank{'s' if len(self.ranks) > 1 else ''} "
+                    f"{', '.join(map(str, self.ranks))}; run it on the ranks there are"
+                )
+            )
+            return False
+        self.ranks = remaining
         self.recoveries += 1
         self.restarted_from = None
         self._restart_noted = False
@@ -470,6 +483,7 @@ class CellHandle:
         self.lines.clear()
         self.states = {r: "running" for r in self.ranks}
         self._dispatch()
+        return True
 
     def _note(self, text: str) -> None:
         for sink in list(self._sinks):

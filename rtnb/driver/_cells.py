@@ -106,7 +106,7 @@ class CellFlow:
         return self._lifecycle.check_ray_lost(settle_s)
 
     def require_group(self, wait_s: float = 0.0) -> RankGroup:
-        return self._lifecycle.require_group(wait_s, self.state_text())
+        return self._lifecycle.require_group(wait_s, self.state_text)
 
     def checkpoint_for(self, replay: bool) -> Checkpoint | None:
         """What ``get_checkpoint()`` returns in a cell: replayed cells get the
@@ -329,9 +329,8 @@ class CellFlow:
         self.send_values(data, rank_list)
 
     def send_values(self, data: bytes, ranks: list[int]) -> None:
-        shared = self.require_group(wait_s=_WAIT_FOR_GROUP_S).share(data)
         self._call_ranks(
-            lambda group: group.push(ranks, shared),
+            lambda group: group.push(ranks, group.share(data)),
             "sending values to the ranks",
             timeout_s=300,
         )

@@ -174,9 +174,12 @@ class GroupLifecycle:
             self.connection = connection
 
     # ---- the running group -------------------------------------------------------------
-    def require_group(self, wait_s: float = 0.0, state_text: str | None = None) -> RankGroup:
+    def require_group(
+        self, wait_s: float = 0.0, state_text: Callable[[], str] | None = None
+    ) -> RankGroup:
         """The running group. While it is being rebuilt (recovery, restart, scale),
-        wait up to ``wait_s`` for it, then say so; never "no worker group"."""
+        wait up to ``wait_s`` for it, then say so (in ``state_text()``'s words, only
+        then asked); never "no worker group"."""
         if self._lost is not None:
             raise ClusterError(self._lost)
         if self.state in (GroupState.RESTARTING, GroupState.STARTING) or (
@@ -188,15 +191,13 @@ class GroupLifecycle:
             return group
         if self.state in (GroupState.RESTARTING, GroupState.STARTING, GroupState.RUNNING):
             raise SessionError(
-                f"the worker group is {state_text or self.state}; try again once it is ready "
+                f"the worker group is {state_text() if state_text else self.state}; "
+                "try again once it is ready "
                 "(`%rtnb status`)"
             )
         raise SessionError(
             "no worker group is running: start one with `%rtnb start` (or Session.start())"
         )
-
-    def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout)
 
     @property
     def is_ready(self) -> bool:

@@ -38,7 +38,6 @@ from rtnb.driver._policy import (
 from rtnb.driver._state import GroupState
 from rtnb.errors import (
     CellInterrupted,
-    ConfigError,
     RtnbError,
     WorkerGroupError,
     one_line,
@@ -237,7 +236,7 @@ class RecoveryFlow:
             self.config.validate()
             if self.lifecycle.group is not None:
                 check_capacity(self.config)  # before the current group is taken down
-        except (ConfigError, RtnbError):
+        except RtnbError:
             self.config.workers = old
             raise
         return old
