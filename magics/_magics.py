@@ -10,6 +10,7 @@ import difflib
 import os
 import re
 import shlex
+from types import SimpleNamespace
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -29,14 +30,20 @@ from rtnb.widgets import (
     static_figure_bundle,
 )
 
-from rtnb import Session, stop_warm_ray, warm_ray_status
-from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig
+from rtnb import (
+    MetricsStore,
+    RunAccess,
+    Session,
+    list_runs,
+    open_run,
+    stop_warm_ray,
+    warm_ray_status,
+)
+from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig, declared_defaults
 from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
 from rtnb.errors import ConfigError
-from rtnb.metrics._store import MetricsStore
-from rtnb.storage._checkpoints import CheckpointStore, checkpoints_table
-from rtnb.storage._result import list_runs, read_run_metrics
+from rtnb.storage._checkpoints import checkpoints_table
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
 
@@ -71,46 +78,49 @@ def _cell_options(func):
 
 
 _DEFAULTS = SessionConfig()  # the one place start's defaults come from
+# What start's parser offers: the declared defaults (the backend stays undecided until
+# the options are validated: nccl with --gpu, else gloo).
+_DECLARED = SimpleNamespace(**declared_defaults())
 
 
 @magic_arguments()
 @argument(
     "--workers",
     type=int,
-    default=_DEFAULTS.workers,
+    default=_DECLARED.workers,
     help=f"number of ranks (default {_DEFAULTS.workers})",
 )
 @argument("--gpu", action="store_true", help="one GPU per rank; nccl backend")
 @argument(
     "--cpus-per-worker",
     type=float,
-    default=_DEFAULTS.cpus_per_worker,
+    default=_DECLARED.cpus_per_worker,
     help=f"CPUs reserved per rank (default {_DEFAULTS.cpus_per_worker:g})",
 )
-@argument("--strategy", default=_DEFAULTS.strategy, help="placement: " + "|".join(STRATEGIES))
+@argument("--strategy", default=_DECLARED.strategy, help="placement: " + "|".join(STRATEGIES))
 @argument(
     "--address",
-    default=_DEFAULTS.address,
+    default=_DECLARED.address,
     help="auto, HOST:PORT or ray://HOST:PORT (default: embedded local Ray)",
 )
 @argument(
-    "--storage", default=_DEFAULTS.storage, help="where run directories go (default ./rtnb_runs)"
+    "--storage", default=_DECLARED.storage, help="where run directories go (default ./rtnb_runs)"
 )
-@argument("--name", default=_DEFAULTS.name, help="run name (default run-DATE-TIME)")
+@argument("--name", default=_DECLARED.name, help="run name (default run-DATE-TIME)")
 @argument(
     "--backend",
-    default=_DEFAULTS.backend,
+    default=_DECLARED.backend,
     help="|".join(BACKENDS) + " (default gloo, nccl with --gpu)",
 )
 @argument(
     "--max-failures",
     type=int,
-    default=_DEFAULTS.max_failures,
+    default=_DECLARED.max_failures,
     help="group restarts allowed after a rank dies",
 )
-@argument("--keep", type=int, default=_DEFAULTS.keep, help="checkpoints to keep")
-@argument("--score", default=_DEFAULTS.score, help="metric that ranks checkpoints")
-@argument("--mode", default=_DEFAULTS.mode, help="min|max for --score")
+@argument("--keep", type=int, default=_DECLARED.keep, help="checkpoints to keep")
+@argument("--score", default=_DECLARED.score, help="metric that ranks checkpoints")
+@argument("--mode", default=_DECLARED.mode, help="min|max for --score")
 @argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
 @argument(
     "--allow-local-storage",
@@ -121,7 +131,7 @@ _DEFAULTS = SessionConfig()  # the one place start's defaults come from
     "--stop-grace",
     dest="stop_grace_s",
     type=float,
-    default=_DEFAULTS.stop_grace_s,
+    default=_DECLARED.stop_grace_s,
     help="seconds an interrupted cell gets per stop phase",
 )
 @argument(
@@ -131,7 +141,7 @@ _DEFAULTS = SessionConfig()  # the one place start's defaults come from
 )
 @argument(
     "--listen",
-    default=_DEFAULTS.listen,
+    default=_DECLARED.listen,
     help="address an embedded Ray listens on (default 127.0.0.1, loopback only)",
 )
 def _start_args(line):
@@ -552,25 +562,19 @@ class RtnbMagics(Magics):
     def _browser_for(session, storage: str, name: str) -> CheckpointBrowser:
         """The checkpoint browser of run ``name``; Resume/Load act through this
         kernel's session when it uses the same storage."""
-        ours = session is not None and session.config.storage_path == storage
-        if ours:
-            store = session.checkpoint_store(None if name == session.run_name else name)
-        else:
-            store = CheckpointStore.of_run(storage, name)
-        other = None if ours and name == session.run_name else name
+        run = open_run(storage, name, session)
+        store = run.checkpoints()
         return CheckpointBrowser(
             lambda: store.list(include_incomplete=True),
-            resume=(lambda cid: _resume_in_view(session, cid, other)) if ours else None,
+            resume=(lambda cid: _resume_in_view(session, run, cid)) if run.can_act else None,
             load=(
-                lambda cid: (
-                    f"rtnb.get_checkpoint() now returns {session.load(cid, run=other).id} on every rank"
-                )
-            )
-            if ours
-            else None,
+                (lambda cid: f"rtnb.get_checkpoint() now returns {run.load(cid).id} on every rank")
+                if run.can_act
+                else None
+            ),
             delete=store.delete,
             subscribe=store.subscribe,
-            latest=session.latest_checkpoint_id if ours and other is None else None,
+            latest=run.latest_checkpoint_id if run.own else None,
             score=store.score,
             mode=store.mode,
             title=f"checkpoints of run {name!r}",
@@ -609,10 +613,7 @@ class RtnbMagics(Magics):
     def _metrics_of(self, run: str, storage: str | None) -> MetricsStore:
         """A run's metrics: this session's own from the kernel (the newest), any
         other's from its record."""
-        session = self.session
-        if session is not None and run == session.run_name and storage is None:
-            return session.metrics
-        return MetricsStore.from_rows(read_run_metrics(self._storage_of(storage), run))
+        return open_run(self._storage_of(storage), run, self.session).metrics()
 
     @staticmethod
     def _no_args(sub: str, rest: str) -> None:
@@ -766,10 +767,10 @@ RtnbMagics.magics["cell"]["rtrain"] = RtnbMagics.magics["cell"].pop("rtrain_cell
 RtnbMagics.magics["line"]["rtrain"] = RtnbMagics.magics["line"].pop("rtrain_line")
 
 
-def _resume_in_view(session: Session, checkpoint_id: str, run: str | None):
+def _resume_in_view(session: Session, run: RunAccess, checkpoint_id: str):
     """The browser's Resume: the last training cell runs again in the background, its
     live view shown under the browser (the kernel stays free meanwhile)."""
-    handle = session.resume(checkpoint_id, run=run, background=True)
+    handle = run.resume(checkpoint_id)
     if handle is None:
         return "loaded; the next training cell starts from it"
     # A button click reaches the kernel only through a live widget frontend.

@@ -46,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "StateChange": "rtnb.driver._state",
     "GroupStatus": "rtnb.driver._status",
     "SessionConfig": "rtnb.core._config",
+    "RunAccess": "rtnb.driver._run_access",
+    "open_run": "rtnb.driver._run_access",
     "WarmRayStatus": "rtnb.driver._warmctl",
     "stop_warm_ray": "rtnb.driver._warmctl",
     "warm_ray_status": "rtnb.driver._warmctl",
@@ -103,6 +105,7 @@ __all__ = [
     "Result",
     "Retry",
     "RtnbError",
+    "RunAccess",
     "Session",
     "SessionConfig",
     "SessionError",
@@ -118,6 +121,7 @@ __all__ = [
     "get_devices",
     "list_runs",
     "load_ipython_extension",
+    "open_run",
     "prepare_data_loader",
     "prepare_model",
     "report",
@@ -158,6 +162,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.core._values import PerRank
     from rtnb.driver._cell import CellHandle
     from rtnb.driver._policy import Failure, FailurePolicy, Raise, Retry, Shrink
+    from rtnb.driver._run_access import RunAccess, open_run
     from rtnb.driver._session import Session
     from rtnb.driver._state import GroupState, StateChange
     from rtnb.driver._status import GroupStatus

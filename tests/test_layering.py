@@ -1,4 +1,4 @@
-"""The architecture's import rules (DESIGN.md section 2, docs/architecture.md)."""
+"""The architecture's import rules (the team's ../shared/DESIGN.md, section 2; docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -291,11 +291,14 @@ def test_no_driver_object_touches_another_ones_private_attributes():
 
 
 _LAYOUT_NAMES = ("checkpoints", "metrics", "logs", "journal", "tensorboard", "notebooks")
+_LAYOUT_FILES = ("run.json", "_manifest.json", "index.json")
+_LAYOUT_PREFIXES = tuple(f"{n}/" for n in _LAYOUT_NAMES) + ("rank-",)
 
 
 def _path_literals(tree: ast.AST) -> list[int]:
-    """Lines where a run's file is named by a literal: "run.json", a layout folder
-    as a path argument, or a string/f-string part starting with "checkpoints/" etc."""
+    """Lines where a run's file is named by a literal: "run.json", a checkpoint's
+    manifest or the index, a layout folder as a path argument, or a string/f-string
+    part starting with "checkpoints/" etc. or a rank's "rank-" file."""
     found = []
     for node in ast.walk(tree):
         texts: list[str] = []
@@ -314,9 +317,7 @@ def _path_literals(tree: ast.AST) -> list[int]:
                 found.append(node.lineno)
         if isinstance(node, ast.JoinedStr):
             texts = [v.value for v in node.values if isinstance(v, ast.Constant)][:1]
-        if any(
-            t == "run.json" or t.startswith(tuple(f"{n}/" for n in _LAYOUT_NAMES)) for t in texts
-        ):
+        if any(t in _LAYOUT_FILES or t.startswith(_LAYOUT_PREFIXES) for t in texts):
             found.append(node.lineno)
     return found
 
@@ -331,6 +332,7 @@ def test_every_path_of_a_run_comes_from_the_run_layout():
     assert offenders == [], f"run paths spelled outside rtnb/storage/_layout.py: {offenders}"
     # The rule sees what it is for.
     planted = (
-        'run_dir.exists("run.json")\nposixpath.join(base, "checkpoints")\nf"checkpoints/{cid}"'
+        'run_dir.exists("run.json")\nposixpath.join(base, "checkpoints")\nf"checkpoints/{cid}"\n'
+        'join(folder, "_manifest.json")\nf"rank-{rank}.log"'
     )
-    assert len(_path_literals(ast.parse(planted))) == 3
+    assert len(_path_literals(ast.parse(planted))) == 5

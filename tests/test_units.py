@@ -295,3 +295,32 @@ def test_the_relay_closes_a_missing_answer_at_the_shorter_of_two_waits():
     assert client.get("short") == b"-"
     closer.disarm()
     assert not client.check(["kept", "long"]), "a disarmed wait closes nothing"
+
+
+def test_start_options_are_the_session_configs_fields_with_its_defaults():
+    """`%rtnb start`'s flags, their destinations and defaults come from SessionConfig:
+    an option added to one and not the other, or a default that differs, fails here;
+    and --gpu alone gets nccl (a validated default backend once made it gloo)."""
+    import dataclasses
+
+    from IPython.core.magic_arguments import parse_argstring
+    from rtnb.magics._magics import _start_args
+
+    from rtnb.core._config import declared_defaults
+
+    parser = _start_args.parser
+    options = {a.dest: a.default for a in parser._actions if a.dest not in ("help", "replay")}
+    fields = {f.name for f in dataclasses.fields(SessionConfig)}
+    assert set(options) <= fields, set(options) - fields
+    declared = declared_defaults()
+    assert {name: declared[name] for name in options} == options
+
+    def config(line: str) -> SessionConfig:
+        parsed = vars(parse_argstring(_start_args, line))
+        parsed.pop("replay")
+        return SessionConfig(**parsed)
+
+    assert config("").backend == "gloo"
+    assert config("--gpu").backend == "nccl"
+    assert config("--gpu --backend gloo").backend == "gloo"
+    assert config("") == SessionConfig()

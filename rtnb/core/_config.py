@@ -5,13 +5,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from rtnb.core._redact import redact_uri
 from rtnb.errors import ConfigError
 
-__all__ = ["SessionConfig", "parse_ranks", "STRATEGIES", "BACKENDS"]
+__all__ = ["SessionConfig", "declared_defaults", "parse_ranks", "STRATEGIES", "BACKENDS"]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BACKENDS = ("gloo", "nccl")
@@ -125,6 +125,13 @@ class SessionConfig:
         record["storage"] = redact_uri(self.storage)
         record["address"] = redact_uri(self.address)
         return record
+
+
+def declared_defaults() -> dict[str, object]:
+    """Each option's default as declared, before validation fills in what depends on
+    other options: a parser must offer these, not a validated instance's values (whose
+    backend is already "gloo", so ``--gpu`` would not get nccl)."""
+    return {f.name: f.default for f in fields(SessionConfig) if f.default is not MISSING}
 
 
 def check_name(name: object, what: str = "run name") -> str:

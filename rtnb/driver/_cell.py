@@ -16,7 +16,6 @@ A handle gets a :class:`CellContext` — the few calls it makes — never the se
 from __future__ import annotations
 
 import contextlib
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -139,16 +138,12 @@ class CellHandle:
         self.journal_seq = journal_seq
         self.started_at = time.time()
         self.ended_at: float | None = None
-        self.steps: dict[int, int] = {r: -1 for r in ranks}  # -1: not heard from yet
-        self.states: dict[int, str] = {r: "running" for r in ranks}
         self.log: list[tuple[int, str, str]] = []
         self._log_bytes = 0
         self.reported = False
         self.recoveries = 0
         self.recovering = False  # the group is being rebuilt for this cell right now
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
-        self.loaded: dict[int, str | None] = {}
-        self.lines: dict[int, int] = {}  # each rank's line of training (see _commits)
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._done = threading.Event()
@@ -156,21 +151,30 @@ class CellHandle:
         self._finishing_thread: threading.Thread | None = None
         self._value: PerRank | None = None
         self._error: BaseException | None = None
-        # Driver loop state; kept on self so the loop can be re-entered after Ctrl-C.
-        self._pending: dict[Any, int] = {}
-        # Rank 0's relay call while it is out (groups of RELAY_FROM_RANKS and more).
-        self._relay_ref: Any = None
         self._checkpoint: Any = None  # the checkpoint this cell's dispatch carries
         self._request: CellRequest | None = None  # what the last dispatch sent
-        self._last: dict[int, RankUpdate] = {}
-        self._finished: dict[int, RankUpdate] = {}
-        self._dead: dict[int, str] = {}
+        self._begin_attempt()
         self._stopping = StopProtocol(context.stop_grace_s)
         self._commit_error: CheckpointError | None = None
         # The first storage write that failed during this cell (a rank's checkpoint
         # files, the metrics record, the logs, a commit): the cell stops at one step.
         self._storage_failure: str | None = None
         self._restart_noted = True
+
+    def _begin_attempt(self) -> None:
+        """What one run of the cell on one group knows of its ranks; all of it starts
+        again when the cell runs again on a rebuilt group. Kept on self so the driver
+        loop can be re-entered after Ctrl-C."""
+        self.steps: dict[int, int] = {r: -1 for r in self.ranks}  # -1: not heard from yet
+        self.states: dict[int, str] = {r: "running" for r in self.ranks}
+        self.loaded: dict[int, str | None] = {}
+        self.lines: dict[int, int] = {}  # each rank's line of training (see _commits)
+        self._pending: dict[Any, int] = {}  # call in flight -> its rank
+        # Rank 0's relay call while it is out (groups of RELAY_FROM_RANKS and more).
+        self._relay_ref: Any = None
+        self._last: dict[int, RankUpdate] = {}
+        self._finished: dict[int, RankUpdate] = {}
+        self._dead: dict[int, str] = {}
 
     # ---- public ------------------------------------------------------------------------
     def add_sink(self, sink: OutputSink, replay: bool = True) -> None:
@@ -307,12 +311,9 @@ class CellHandle:
         """Rank 0's relay came back: finish the ranks that answered with their last
         update; ask the rest directly (the same token: none starts the cell twice)."""
         self._relay_ref = None
-        if isinstance(answers, BaseException):
-            answers = {}  # rank 0 died: asking each rank directly finds out who else
+        answers = group.relay_answers(answers)
         for rank in self.ranks:
             update = answers.get(rank)
-            if isinstance(update, bytes):
-                update = pickle.loads(update)  # a RankUpdate, as the rank sent it
             if update is not None and update.state is not CellState.RUNNING:
                 self._apply(update)
                 self._finished[rank] = update
@@ -450,38 +451,19 @@ class CellHandle:
         committed one, unless one chosen for this cell has not been superseded).
         False (the cell ended with an error) when none of its ranks is in it."""
         # A policy that shrank the group: the cell goes on on the ranks that remain.
-        world = self._context.require_group().world_size
-        remaining = [r for r in self.ranks if r < world]
+        remaining = outcome.ranks_kept(self.ranks)
         if not remaining:
-            self._finish(
-                error=WorkerGroupError(
-                    f"{outcome.failure_summary}; the group was rebuilt with {world} "
-                    f"rank{'s' if world > 1 else ''} ({outcome.attempt}), without "
-                    f"{self.name}'s rank{'s' if len(self.ranks) > 1 else ''} "
-                    f"{', '.join(map(str, self.ranks))}; run it on the ranks there are"
-                )
-            )
+            self._finish(error=outcome.ranks_left_out(self.name, self.ranks))
             return False
         self.ranks = remaining
         self.recoveries += 1
         self.restarted_from = None
         self._restart_noted = False
-        self._note(
-            f"[rtnb] {outcome.failure_summary}; worker group rebuilt ({outcome.attempt}), "
-            f"{outcome.replay}; {self.name} restarted\n"
-        )
-        self._pending.clear()
-        self._relay_ref = None
-        self._last.clear()
-        self._finished.clear()
-        self._dead.clear()
-        self.loaded.clear()
+        self._note(outcome.restart_note(self.name))
         # The new ranks start again from the checkpoint's step, below what the dead
-        # ones had reached: a stale step left here would let a checkpoint commit
+        # ones had reached: a stale step left over would let a checkpoint commit
         # before every new rank offered its shard.
-        self.steps = {r: -1 for r in self.ranks}
-        self.lines.clear()
-        self.states = {r: "running" for r in self.ranks}
+        self._begin_attempt()
         self._dispatch()
         return True
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rtnb.core._config import SessionConfig
-from rtnb.core._messages import CellRequest, RankPlace
+from rtnb.core._messages import CellRequest, RankPlace, RankUpdate
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._ray_output import watch_ranks
@@ -75,6 +76,8 @@ class RankGroup(Protocol):
     def next_token(self) -> int | None: ...
 
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any: ...
+
+    def relay_answers(self, result: Any) -> dict[int, RankUpdate | None]: ...
 
     def run(self, rank: int, request: CellRequest) -> Any: ...
 
@@ -285,6 +288,20 @@ class WorkerGroup:
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any:
         """Rank 0 starts ``request`` on ``ranks`` and gathers their quick answers."""
         return self.actors[0].relay.remote(request, ranks, wait_s)
+
+    @staticmethod
+    def relay_answers(result: Any) -> dict[int, RankUpdate | None]:
+        """The relay's result as each rank's last update (None: that rank is still
+        running, ask it directly); a relay that failed (rank 0 died) answers for no
+        rank, so asking each rank directly finds out who else is gone."""
+        if isinstance(result, BaseException):
+            return {}
+        # The listening ranks' updates arrive as the bytes they pickled (rank 0 passes
+        # them on without unpickling); rank 0's own is an object.
+        return {
+            rank: pickle.loads(answer) if isinstance(answer, bytes) else answer
+            for rank, answer in result.items()
+        }
 
     def run(self, rank: int, request: CellRequest) -> Any:
         """Start ``request`` on ``rank`` (once per token) and long-poll it once."""

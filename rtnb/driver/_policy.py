@@ -11,13 +11,16 @@ controller asks its ``FailurePolicy``:
 - :class:`Raise`: rebuild the group with fresh ranks and end the cell with the error.
 
 The cell follows the decision's :class:`RecoveryOutcome`; it never rebuilds itself.
-These are plain records shared by the cell and recovery modules, which import each
-other never.
+These records, with the words a cell shows for its outcome (so the cell never words
+a recovery), are shared by the cell and recovery modules, which never import each
+other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from rtnb.errors import WorkerGroupError
 
 __all__ = [
     "Decision",
@@ -148,10 +151,33 @@ class RecoveryOutcome:
     error: BaseException | None = None
     ray_lost: bool = False
     failure_summary: str = ""  # of the failure this outcome recovered from
+    world_size: int = 0  # ranks in the rebuilt group
 
     @property
     def attempt(self) -> str:
         return getattr(self.decision, "attempt", "")
+
+    def ranks_kept(self, ranks: list[int]) -> list[int]:
+        """Those of a cell's ``ranks`` that the rebuilt group has (a policy that
+        shrank it left the others out)."""
+        return [r for r in ranks if r < self.world_size]
+
+    def restart_note(self, cell: str) -> str:
+        """The line a cell that runs again on the rebuilt group shows its viewers."""
+        return (
+            f"[rtnb] {self.failure_summary}; worker group rebuilt ({self.attempt}), "
+            f"{self.replay}; {cell} restarted\n"
+        )
+
+    def ranks_left_out(self, cell: str, ranks: list[int]) -> WorkerGroupError:
+        """The error of a cell none of whose ``ranks`` is in the rebuilt group."""
+        world = self.world_size
+        return WorkerGroupError(
+            f"{self.failure_summary}; the group was rebuilt with {world} "
+            f"rank{'s' if world > 1 else ''} ({self.attempt}), without {cell}'s "
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}; "
+            "run it on the ranks there are"
+        )
 
 
 class RankDied(Exception):

@@ -155,7 +155,9 @@ class RecoveryFlow:
             machine.to(GroupState.RUNNING, f"recovering: {failure.summary}")
             report = self.replayer.replay(before)
             self.lifecycle.continue_step_count()
-            self.last_recovery = RecoveryOutcome(decision, report, failure_summary=failure.summary)
+            self.last_recovery = RecoveryOutcome(
+                decision, report, failure_summary=failure.summary, world_size=self.config.workers
+            )
             return self.last_recovery
         except (RankLost, WorkerGroupError, RankDied) as exc:
             if machine.state is GroupState.FAILED:

@@ -16,6 +16,7 @@ import posixpath
 import time
 
 from rtnb.errors import one_line
+from rtnb.storage._layout import rank_file, rank_folder
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["RankAppendLog"]
@@ -44,7 +45,7 @@ class RankAppendLog:
 
     def where(self, rank: int) -> str:
         folder = posixpath.basename(self.dir)
-        name = f"rank-{rank}{self.suffix}" if self._local else f"rank-{rank}/"
+        name = rank_file(rank, self.suffix) if self._local else rank_folder(rank) + "/"
         return self.run_dir.shown(f"{folder}/{name}")
 
     def add(self, rank: int, data: bytes) -> None:
@@ -71,7 +72,7 @@ class RankAppendLog:
 
     def _write(self, rank: int, data: bytes) -> None:
         if self._local:
-            path = posixpath.join(self.dir, f"rank-{rank}{self.suffix}")
+            path = posixpath.join(self.dir, rank_file(rank, self.suffix))
             with open(path, "ab") as out:
                 start = out.tell()
                 try:
@@ -83,7 +84,7 @@ class RankAppendLog:
                     raise
             return
         seq = self._chunks.get(rank, 0)
-        folder = posixpath.join(self.dir, f"rank-{rank}")
+        folder = posixpath.join(self.dir, rank_folder(rank))
         self.run_dir.fs.create_dir(folder, recursive=True)
         with self.run_dir.fs.open_output_stream(
             posixpath.join(folder, f"{self._epoch}-{seq:08d}{self.suffix}")

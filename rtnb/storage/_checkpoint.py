@@ -40,10 +40,10 @@ import xxhash
 
 from rtnb.core._context import current_rank
 from rtnb.errors import CheckpointError
+from rtnb.storage._layout import MANIFEST
 
 __all__ = ["MANIFEST", "Checkpoint", "upload_directory"]
 
-MANIFEST = "_manifest.json"
 _CHUNK = 4 * 1024 * 1024
 
 

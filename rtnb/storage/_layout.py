@@ -24,13 +24,17 @@ __all__ = [
     "CHECKPOINTS",
     "JOURNAL",
     "LOGS",
+    "MANIFEST",
     "METRICS",
     "RUN_RECORD",
     "RunRecord",
     "checkpoint_dir",
     "checkpoint_file",
     "checkpoint_index",
+    "committed_in_index",
     "notebook",
+    "rank_file",
+    "rank_folder",
     "read_run_record",
     "tensorboard_dir",
     "write_run_record",
@@ -44,6 +48,8 @@ JOURNAL = "journal"
 TENSORBOARD = "tensorboard"
 NOTEBOOKS = "notebooks"
 _INDEX = "index.json"
+# In a checkpoint's folder, written last: a folder without it is not a checkpoint.
+MANIFEST = "_manifest.json"
 # 1: the first versioned record (earlier ones had no version field and are read the
 # same way; those without "line" counted steps from 1).
 RUN_RECORD_VERSION = 1
@@ -59,6 +65,29 @@ def checkpoint_file(checkpoint_id: str, name: str) -> str:
 
 def checkpoint_index() -> str:
     return posixpath.join(CHECKPOINTS, _INDEX)
+
+
+def committed_in_index(run_dir) -> int:
+    """How many committed checkpoints ``checkpoints/index.json`` of ``run_dir`` (a
+    RunDirectory) lists: 0 when it has none or it cannot be read (it is a summary;
+    the manifests are the truth)."""
+    try:
+        if not run_dir.exists(checkpoint_index()):
+            return 0
+        index = run_dir.read_json(checkpoint_index())
+    except (OSError, ValueError):
+        return 0
+    return sum(1 for c in index.get("checkpoints", []) if c.get("status") == "committed")
+
+
+def rank_file(rank: int, suffix: str) -> str:
+    """A rank's append-only file in a local metrics or logs folder."""
+    return f"rank-{rank}{suffix}"
+
+
+def rank_folder(rank: int) -> str:
+    """A rank's folder of numbered chunks in an object store's metrics or logs folder."""
+    return f"rank-{rank}"
 
 
 def notebook(name: str) -> str:

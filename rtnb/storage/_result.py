@@ -10,7 +10,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.core._score import ScoreRule, ScoreSource
 from rtnb.core._text import format_duration, format_table, mean_over_ranks
 from rtnb.errors import ConfigError
-from rtnb.storage._layout import RUN_RECORD, checkpoint_index, read_run_record
+from rtnb.storage._layout import RUN_RECORD, committed_in_index, read_run_record
 from rtnb.storage._metricslog import read_metrics
 from rtnb.storage._rundir import RunDirectory
 
@@ -198,11 +198,6 @@ def list_runs(storage: str) -> RunTable:
         record = read_run_record(run_dir)
         if record is None:
             continue
-        index_path = checkpoint_index()
-        try:
-            index = run_dir.read_json(index_path) if run_dir.exists(index_path) else {}
-        except (OSError, ValueError):
-            index = {}
         runs.append(
             RunSummary(
                 name=record.run_name or info.base_name,
@@ -213,9 +208,7 @@ def list_runs(storage: str) -> RunTable:
                 started=record.started,
                 last_step=record.steps_taken_to,
                 config=record.config,
-                checkpoints=sum(
-                    1 for c in index.get("checkpoints", []) if c.get("status") == "committed"
-                ),
+                checkpoints=committed_in_index(run_dir),
             )
         )
     runs.sort(key=lambda r: r.updated, reverse=True)
