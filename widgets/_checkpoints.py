@@ -7,6 +7,7 @@ import html
 import time
 
 import ipywidgets as w
+from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import see_through
 
 from rtnb.core._score import NO_BEST, score_rule
@@ -336,7 +337,7 @@ class CheckpointBrowser(w.VBox):
             trace.on_click(self._on_marker)
         old, self.timeline = self.timeline, figure
         self.children = tuple(figure if child is old else child for child in self.children)
-        old.close()
+        close_tree(old)
 
     # ---- actions -----------------------------------------------------------------------
     def _act(self, name: str) -> None:
@@ -357,7 +358,7 @@ class CheckpointBrowser(w.VBox):
             if isinstance(outcome, tuple):
                 outcome, view = outcome
                 for old in self.activity.children:
-                    old.close()
+                    close_view(old)
                 self.activity.children = (view,)
             self.message.value = html.escape(
                 f"{name}: {cid}" + (f" — {outcome}" if isinstance(outcome, str) else "")

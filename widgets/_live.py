@@ -10,6 +10,7 @@ from collections import deque
 
 import ipywidgets as w
 import numpy as np
+from rtnb.widgets._comms import close_tree
 from rtnb.widgets._plot import (
     BAND_FROM_RANKS,
     build_figure,
@@ -18,7 +19,7 @@ from rtnb.widgets._plot import (
     trace_keys,
 )
 
-__all__ = ["LiveMetrics", "LiveOnFirstReport", "close_tree", "format_header"]
+__all__ = ["LiveMetrics", "LiveOnFirstReport", "format_header"]
 
 _MAX_LOG_LINES = 2000
 _SHOWN_LOG_LINES = 200
@@ -82,13 +83,6 @@ def format_header(
         ranks = ", ".join(str(r) for r in stragglers)
         parts.append(f'<span style="color:#c0392b">⚠ straggler: rank {ranks}</span>')
     return " · ".join(parts)
-
-
-def close_tree(widget) -> None:
-    """Close ``widget`` and every widget under it (children first)."""
-    for child in getattr(widget, "children", ()) or ():
-        close_tree(child)
-    w.Widget.close(widget)
 
 
 class LiveMetrics(w.VBox):
@@ -408,7 +402,7 @@ class LiveMetrics(w.VBox):
             )
             old, self._plot_box.children = self._plot_box.children, (self.figure,)
             for figure in old:
-                figure.close()
+                close_tree(figure)
             self.builds += 1
         else:
             with self.figure.batch_update():

@@ -16,7 +16,7 @@ import threading
 
 import ipywidgets as w
 import plotly.graph_objects as go
-from rtnb.widgets._live import close_tree
+from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import RANK_COLORS, hover, robust_range, see_through, smooth
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
@@ -343,7 +343,7 @@ class RunsDashboard(w.VBox):
         old, self.figure = self.figure, go.FigureWidget(drawn)
         self.plot.children = (self.figure,)
         if old is not None:
-            old.close()
+            close_tree(old)
 
     def _show_checkpoints(self) -> None:
         if self._open_checkpoints is None or not self.table.value:
@@ -355,7 +355,7 @@ class RunsDashboard(w.VBox):
             self.message.value = f'<span style="color:#c0392b">{html.escape(str(exc))}</span>'
             return
         for old in self.detail.children:
-            old.close()
+            close_view(old)
         self.detail.children = (view,)
 
 
