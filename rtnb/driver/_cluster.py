@@ -201,6 +201,9 @@ class ClusterConnection:
     client_mode: bool
     # Set when this is the per-user warm Ray (rtnb.driver._warm): stopping detaches.
     warm: WarmRay | None = None
+    # False when the kernel's Ray driver came from the user's own ray.init() with
+    # Ray's settings: Ray then ends the process ~60 s after its GCS went away.
+    driver_outlives_ray: bool = True
     watch: RayWatch | None = field(default=None, repr=False)
 
     @property
@@ -283,7 +286,10 @@ def connect(
     if ray.is_initialized():
         return _watch(
             ClusterConnection(
-                address=address or "existing", owned=False, client_mode=_in_client_mode()
+                address=address or "existing",
+                owned=False,
+                client_mode=_in_client_mode(),
+                driver_outlives_ray=_RECONNECT_ENV in os.environ,
             ),
             "the Ray this process uses",
         )

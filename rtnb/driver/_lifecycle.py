@@ -302,6 +302,13 @@ class GroupLifecycle:
             f"`%rtnb start --name {self.run_name} --replay` starts a fresh Ray and "
             "rebuilds the ranks from the run's journal"
         )
+        if self.connection is not None and not self.connection.driver_outlives_ray:
+            # rtnb keeps a driver it made alive; one the user's code made has Ray's rule.
+            self._lost += (
+                ". This kernel's Ray driver came from its own ray.init() before "
+                "`%rtnb start`, and Ray ends the kernel about 60 s after its GCS went "
+                "away: save what you need now"
+            )
         self.group = None
         with contextlib.suppress(RuntimeError):  # already stopping or stopped
             self.state_machine.to(GroupState.FAILED, self._lost)
