@@ -60,10 +60,13 @@ print("FIT OK")
 """
 
 
-def run(name: str, args: list[str], timeout: float = 120.0) -> None:
+def run(name: str, args: list[str], timeout: float = 120.0, home: str | None = None) -> None:
     started = time.monotonic()
+    env = {**os.environ, "HOME": home} if home else None
     try:
-        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=WORK)
+        out = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout, cwd=WORK, env=env
+        )
         code, stdout, stderr = out.returncode, out.stdout, out.stderr
     except subprocess.TimeoutExpired as exc:
         code = None
@@ -75,8 +78,8 @@ def run(name: str, args: list[str], timeout: float = 120.0) -> None:
     results[name] = {"rc": code, "s": round(time.monotonic() - started, 1), "out": text}
 
 
-def python(name: str, code: str, timeout: float = 120.0) -> None:
-    run(name, [sys.executable, "-c", code], timeout)
+def python(name: str, code: str, timeout: float = 120.0, home: str | None = None) -> None:
+    run(name, [sys.executable, "-c", code], timeout, home)
 
 
 def listening() -> list[list]:
@@ -89,19 +92,32 @@ def listening() -> list[list]:
         try:
             for conn in proc.net_connections(kind="inet"):
                 if conn.status == psutil.CONN_LISTEN:
-                    found.append([conn.laddr.ip, conn.laddr.port, proc.name()])
+                    found.append([conn.laddr.ip, conn.laddr.port, proc.name(), proc.pid])
         except psutil.Error:
             pass
     return found
 
 
-def without_user_cluster(prefix: str) -> None:
-    run(f"{prefix}status", [str(BIN / "ray"), "status"], 60)
-    python(f"{prefix}auto", AUTO, 60)
+def warm_state() -> dict:
+    return json.loads(next((Path(os.environ["RTNB_HOME"]) / "warm-ray").glob("*.json")).read_text())
 
 
-def main() -> None:
-    without_user_cluster("bare.")
+def listening_with_spares(ranks: int, timeout_s: float) -> list[list]:
+    """The listening sockets once ``ranks`` rank processes listen: the group's and
+    the spares the pool makes a few seconds after a claim (so they are probed too)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = listening()
+        if len({pid for *_, name, pid in found if "RankActor" in name}) >= ranks:
+            return found
+        if time.monotonic() >= deadline:
+            return found
+        time.sleep(0.5)
+
+
+def start_kernel() -> subprocess.Popen:
+    """A notebook kernel on the warm Ray (it starts one if none runs), holding its
+    group until told to detach."""
     kernel = subprocess.Popen(
         [sys.executable, "-c", KERNEL, str(WORK / "runs")],
         stdin=subprocess.PIPE,
@@ -111,18 +127,48 @@ def main() -> None:
         cwd=WORK,
         env={**os.environ, "RTNB_WARM_RAY": "1"},
     )
+    if kernel.stdout.readline().strip() != "holding":
+        raise SystemExit(f"kernel did not start: {kernel.stderr.read()[-3000:]}")
+    return kernel
+
+
+def detach(kernel: subprocess.Popen) -> str:
+    kernel.stdin.write("\n")
+    kernel.stdin.flush()
+    return kernel.stdout.readline().strip()
+
+
+def without_user_cluster(prefix: str) -> None:
+    run(f"{prefix}status", [str(BIN / "ray"), "status"], 60)
+    python(f"{prefix}auto", AUTO, 60)
+
+
+def main() -> None:
+    without_user_cluster("bare.")
+    # A first notebook starts the warm Ray and leaves: with no cluster of the user's,
+    # the idle warm Ray is as invisible as a held one.
+    first = start_kernel()
+    results["first.detach"] = {"line": detach(first)}
+    without_user_cluster("idle.")
+    # Where Ray looks for a machine's Ray, before anything of the user's ran.
+    results["idle.trace"] = {
+        "home_ray": (Path.home() / ".ray").exists(),
+        "tmp_ray": sorted(os.listdir("/tmp/ray")) if os.path.isdir("/tmp/ray") else [],
+    }
+    # With no cluster of the user's, ray.init() starts a Ray of its own, not the idle
+    # warm one. In a HOME of its own: the Ray it starts writes ~/.ray/auth_token,
+    # which (rtnb or not) turns token auth on for the user's later `ray start`.
+    python("idle.plain", PLAIN + "ray.shutdown()\n", 120, home=str(WORK / "plain-home"))
+    first.kill()
+    kernel = start_kernel()
     head = None
     try:
-        line = kernel.stdout.readline().strip()
-        if line != "holding":
-            raise SystemExit(f"kernel did not start: {kernel.stderr.read()[-3000:]}")
-        state = next((Path(os.environ["RTNB_HOME"]) / "warm-ray").glob("*.json"))
+        state = warm_state()
         results["warm.state"] = {
-            "address": json.loads(state.read_text())["address"],
+            "address": state["address"],
             "home_ray": (Path.home() / ".ray").exists(),
-            "tmp_ray": sorted(os.listdir("/tmp/ray")) if os.path.isdir("/tmp/ray") else [],
         }
-        results["warm.listen"] = {"sockets": listening()}
+        results["warm.listen"] = {"sockets": listening_with_spares(4, 60)}
         without_user_cluster("warm.")
         head = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=3"],
@@ -150,32 +196,27 @@ def main() -> None:
         # The head's job agent registers after its dashboard answers ("No available
         # agent ... try again later" until then), with or without rtnb; beside a
         # busy test suite on 2 cores that took over a minute.
+        job_submit = [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            "http://127.0.0.1:8265",
+            "--",
+            sys.executable,
+            "-c",
+            "print('job ran')",
+        ]
         deadline = time.monotonic() + 240
         while True:
-            run(
-                "user.job",
-                [
-                    str(BIN / "ray"),
-                    "job",
-                    "submit",
-                    "--address",
-                    "http://127.0.0.1:8265",
-                    "--",
-                    sys.executable,
-                    "-c",
-                    "print('job ran')",
-                ],
-                180,
-            )
+            run("user.job", job_submit, 180)
             if "No available agent" not in results["user.job"]["out"]:
                 break
             if time.monotonic() > deadline:
                 break
             time.sleep(5)
         python("user.fit", FIT, 240)
-        kernel.stdin.write("\n")
-        kernel.stdin.flush()
-        results["detach"] = {"line": kernel.stdout.readline().strip()}
+        results["detach"] = {"line": detach(kernel)}
         # Detached: the warm Ray idles, still alive, for its idle time. The fit's
         # workers give their CPUs back a moment after it returned (Ray frees them
         # asynchronously), so the status is read until they are back.
@@ -185,6 +226,9 @@ def main() -> None:
                 break
             time.sleep(1)
         python("detached.auto", AUTO, 60)
+        python("detached.plain", PLAIN, 60)
+        run("detached.job", job_submit, 180)
+        python("detached.fit", FIT, 240)
     finally:
         if head is not None:
             os.killpg(head.pid, signal.SIGKILL)

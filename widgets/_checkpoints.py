@@ -364,9 +364,7 @@ class CheckpointBrowser(w.VBox):
                 f"{name}: {cid}" + (f" — {outcome}" if isinstance(outcome, str) else "")
             )
         except Exception as exc:  # noqa: BLE001 - shown to the user, one line
-            self.message.value = (
-                f'<span style="color:#c0392b">{html.escape(f"{name} {cid} failed: {exc}")}</span>'
-            )
+            self.message.value = f'<span style="color:var(--jp-error-color1, #d32f2f)">{html.escape(f"{name} {cid} failed: {exc}")}</span>'
         self.refresh()
 
 

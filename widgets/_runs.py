@@ -352,7 +352,7 @@ class RunsDashboard(w.VBox):
         try:
             view = self._open_checkpoints(name)
         except Exception as exc:  # noqa: BLE001 - shown to the user, one line
-            self.message.value = f'<span style="color:#c0392b">{html.escape(str(exc))}</span>'
+            self.message.value = f'<span style="color:var(--jp-error-color1, #d32f2f)">{html.escape(str(exc))}</span>'
             return
         for old in self.detail.children:
             close_view(old)
