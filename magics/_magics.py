@@ -24,6 +24,7 @@ from rtnb.widgets import (
     ProgressLines,
     RankLog,
     RunsDashboard,
+    ask_page_theme,
     has_live_frontend,
     import_figure_widget_in_background,
     runs_bundle,
@@ -419,8 +420,10 @@ class RtnbMagics(Magics):
         self.session = session
         display(session.status())
         if has_live_frontend():
-            # While the user writes the next cell: the first live plot draws at once.
+            # While the user writes the next cell: the first live plot draws at once,
+            # its text in the colour for the page's theme.
             import_figure_widget_in_background()
+            ask_page_theme()
 
     def _rtnb_status(self, rest: str):
         self._no_args("status", rest)

@@ -246,8 +246,9 @@ def _contrast(a: str, b: str) -> float:
 
 
 def _colours(page) -> dict:
-    """What the page paints: its background, every plot line's colour and every plot
-    button's face and text (the lasting figures' own controls)."""
+    """What the page paints: its background, every plot line's colour, every plot
+    button's face and text (the lasting figures' own controls) and the colour of the
+    figures' other text (ticks, axis titles, legends)."""
     return page.evaluate(
         "() => { const probe = document.createElement('div');"
         " probe.style.background = 'var(--jp-layout-color0)'; document.body.appendChild(probe);"
@@ -257,7 +258,10 @@ def _colours(page) -> dict:
         " const buttons = [...document.querySelectorAll('.updatemenu-button')].map(b => ({"
         "  face: b.querySelector('rect').style.fill || b.querySelector('rect').getAttribute('fill'),"
         "  text: b.querySelector('text').style.fill || b.querySelector('text').getAttribute('fill')}));"
-        " return {background: bg, lines, buttons}; }"
+        " const texts = [...document.querySelectorAll('.js-plotly-plot .main-svg text')]"
+        "  .filter(t => t.textContent.trim() && !t.closest('.updatemenu-container, .hoverlayer'))"
+        "  .map(t => getComputedStyle(t).fill);"
+        " return {background: bg, lines, buttons, texts}; }"
     )
 
 
@@ -270,6 +274,10 @@ def _assert_readable(colours: dict, theme: str) -> None:
     for button in colours["buttons"]:
         ratio = _contrast(button["text"], button["face"])
         assert ratio >= 4.5, f"{theme}: button text {button} is {ratio:.2f}:1"
+    assert colours["texts"], colours
+    for text in set(colours["texts"]):
+        ratio = _contrast(text, background)
+        assert ratio >= 4.5, f"{theme}: figure text {text} on {background} is {ratio:.2f}:1"
 
 
 def _lag_sample(page, cell: int) -> dict:

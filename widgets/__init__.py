@@ -9,6 +9,7 @@ from rtnb.widgets._logs import RankLog
 from rtnb.widgets._plot import import_figure_widget_in_background
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
+from rtnb.widgets._theme import ask_page_theme
 
 __all__ = [
     "CheckpointBrowser",
@@ -17,6 +18,7 @@ __all__ = [
     "ProgressLines",
     "RankLog",
     "RunsDashboard",
+    "ask_page_theme",
     "format_header",
     "has_live_frontend",
     "import_figure_widget_in_background",

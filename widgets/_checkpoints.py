@@ -9,6 +9,7 @@ import time
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import see_through
+from rtnb.widgets._theme import follow_theme
 
 from rtnb.core._score import NO_BEST, score_rule
 from rtnb.core._text import align_rows
@@ -114,6 +115,7 @@ class CheckpointBrowser(w.VBox):
             ],
             layout=w.Layout(width="100%"),
         )
+        follow_theme(self, lambda: [self.timeline])
         if subscribe is not None:
             subscribe(lambda _info: self.refresh())
         self.refresh()

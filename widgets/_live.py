@@ -18,6 +18,7 @@ from rtnb.widgets._plot import (
     series_xy,
     trace_keys,
 )
+from rtnb.widgets._theme import follow_theme
 
 __all__ = ["LiveMetrics", "LiveOnFirstReport", "format_header"]
 
@@ -187,6 +188,7 @@ class LiveMetrics(w.VBox):
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._closed = False
+        follow_theme(self, lambda: [self.figure], self._lock)
         for control in (self._x_axis, self._smoothing, self._log_y, self._outliers):
             control.observe(self._on_control, names="value")
         self._ranks.observe(self._on_ranks, names="value")

@@ -8,6 +8,7 @@ from html import escape as html_escape
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+from rtnb.widgets._theme import figure_text_color
 
 __all__ = [
     "BAND_FROM_RANKS",
@@ -118,13 +119,14 @@ def robust_range(traces, k: float = 20.0, early: float = 0.25) -> list[float] | 
 
 
 def see_through(fig, **layout) -> None:
-    """See-through backgrounds with grey text and grid: readable on JupyterLab's
-    light and dark themes alike (a white box in a dark notebook is not)."""
+    """See-through backgrounds with grey grid and text in the theme's colour (see
+    ``_theme``): readable on JupyterLab's light and dark themes (a white box in a
+    dark notebook is not)."""
     fig.update_layout(
         template="plotly_white",
         paper_bgcolor="rgba(0,0,0,0)",
         plot_bgcolor="rgba(0,0,0,0)",
-        font={"color": "#888"},
+        font={"color": figure_text_color()},
         **layout,
     )
 

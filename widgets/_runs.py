@@ -18,6 +18,7 @@ import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import RANK_COLORS, hover, robust_range, see_through, smooth
+from rtnb.widgets._theme import follow_theme
 
 from rtnb.metrics._compare import format_rows, run_curve, runs_rows
 
@@ -228,6 +229,7 @@ class RunsDashboard(w.VBox):
             ],
             layout=w.Layout(width="100%"),
         )
+        follow_theme(self, lambda: [self.figure])
         self.refresh()
         self._closed = threading.Event()
         self._thread = None

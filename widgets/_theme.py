@@ -1,0 +1,114 @@
+"""Which JupyterLab theme the notebook is shown in, so figure text reads well on it.
+
+No single grey is readable as text (WCAG AA, 4.5:1) on both JupyterLab's white and
+its dark ``#111`` page: the best one is 4.35:1 on each. Figures are see-through (a
+white box in a dark notebook is worse), so their text takes the colour for the theme
+the page is in. ``%rtnb start`` asks the page (:func:`ask_page_theme`: an invisible
+widget whose frontend reports ``document.body.dataset.jpThemeLight``, then removes
+itself); the kernel hears the answer once that cell ended (a running cell holds
+the kernel's messages), so every figure of the next cells (a live view's own, its
+lasting figure, the browser's timeline, the runs dashboard) uses that theme's
+colour. Views also carry a probe, so a theme switched while they are open (and the
+kernel is free) recolours their figures. Until a page answers (papermill, nbclient)
+the light theme's is used; a saved notebook opened later in another theme keeps
+the colours of the theme it was run in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+__all__ = ["ask_page_theme", "figure_text_color", "follow_theme", "theme_probe"]
+
+TEXT_ON_LIGHT = "#5c5c5c"  # 6.7:1 on white
+TEXT_ON_DARK = "#b0b0b0"  # 8.8:1 on #111111
+_light = True
+
+_PROBE_ESM = """
+export default {
+  render({ model, el }) {
+    el.style.display = "none";
+    const report = () => {
+      model.set("light", document.body.dataset.jpThemeLight !== "false");
+      model.set("seen", true);
+      model.save_changes();
+    };
+    report();
+    const watch = new MutationObserver(report);
+    watch.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-light"] });
+    return () => watch.disconnect();
+  },
+};
+"""
+
+
+def figure_text_color() -> str:
+    """The text colour of figures for the theme the notebook was last seen in."""
+    return TEXT_ON_LIGHT if _light else TEXT_ON_DARK
+
+
+def theme_probe(on_change: Callable[[], None] | None = None):
+    """An invisible widget that tells the kernel the page's theme (None where
+    anywidget cannot be imported); ``on_change`` runs when the theme it reports
+    differs from the one known."""
+    try:
+        import anywidget
+        import traitlets
+    except ImportError:
+        return None
+
+    class ThemeProbe(anywidget.AnyWidget):
+        _esm = _PROBE_ESM
+        light = traitlets.Bool(True).tag(sync=True)
+        seen = traitlets.Bool(False).tag(sync=True)  # the page answered
+
+    probe = ThemeProbe(light=_light)
+
+    def seen(change) -> None:
+        global _light
+        if change["new"] != _light:
+            _light = change["new"]
+            if on_change is not None:
+                on_change()
+
+    probe.observe(seen, names="light")
+    return probe
+
+
+def follow_theme(box, figures: Callable[[], Iterable], lock=None) -> None:
+    """Put a theme probe in ``box``; once the page reports a theme other than the one
+    known, the text of ``figures()`` takes its colour (under ``lock``, where a redraw
+    thread changes the figures too)."""
+
+    def restyle() -> None:
+        with lock if lock is not None else contextlib.nullcontext():
+            for figure in figures():
+                if figure is not None:
+                    with contextlib.suppress(Exception):  # a figure closed meanwhile
+                        figure.layout.font.color = figure_text_color()
+
+    probe = theme_probe(restyle)
+    if probe is not None:
+        box.children = (*box.children, probe)
+
+
+def ask_page_theme() -> None:
+    """Ask the notebook's page for its theme, once: an invisible widget in this cell's
+    output that removes itself when the page answered (so a saved notebook keeps no
+    widget that would wait for a kernel)."""
+    from IPython.display import display
+    from rtnb.widgets._comms import close_tree
+
+    probe = theme_probe()
+    if probe is None:
+        return
+    shown = display(probe, display_id=True)
+
+    def answered(_change) -> None:
+        with contextlib.suppress(Exception):
+            if shown is not None:
+                shown.update({"text/plain": ""}, raw=True)
+        close_tree(probe)
+
+    probe.observe(answered, names="seen")
