@@ -29,6 +29,7 @@ from rtnb.widgets import (
     import_figure_widget_in_background,
     runs_bundle,
     static_figure_bundle,
+    stop_asking,
 )
 
 from rtnb import (
@@ -431,6 +432,7 @@ class RtnbMagics(Magics):
 
     def _rtnb_stop(self, rest: str):
         self._no_args("stop", rest)
+        stop_asking()  # the theme question, if the page never answered it
         session = self._require()
         session.stop()
         self.session = None

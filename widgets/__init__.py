@@ -9,7 +9,7 @@ from rtnb.widgets._logs import RankLog
 from rtnb.widgets._plot import import_figure_widget_in_background
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, static_figure_bundle
-from rtnb.widgets._theme import ask_page_theme
+from rtnb.widgets._theme import ask_page_theme, stop_asking
 
 __all__ = [
     "CheckpointBrowser",
@@ -24,4 +24,5 @@ __all__ = [
     "import_figure_widget_in_background",
     "runs_bundle",
     "static_figure_bundle",
+    "stop_asking",
 ]

@@ -17,9 +17,10 @@ the colours of the theme it was run in.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable
 
-__all__ = ["ask_page_theme", "figure_text_color", "follow_theme", "theme_probe"]
+__all__ = ["ask_page_theme", "figure_text_color", "follow_theme", "stop_asking", "theme_probe"]
 
 TEXT_ON_LIGHT = "#5c5c5c"  # 6.7:1 on white
 TEXT_ON_DARK = "#b0b0b0"  # 8.8:1 on #111111
@@ -95,20 +96,40 @@ def follow_theme(box, figures: Callable[[], Iterable], lock=None) -> None:
 
 def ask_page_theme() -> None:
     """Ask the notebook's page for its theme, once: an invisible widget in this cell's
-    output that removes itself when the page answered (so a saved notebook keeps no
-    widget that would wait for a kernel)."""
+    output that removes itself when the page answered, and otherwise after a minute
+    or at ``%rtnb stop`` (:func:`stop_asking`: a closed tab, a batch run forced
+    live), so a saved notebook keeps no widget that would wait for a kernel."""
+    global _question
     from IPython.display import display
-    from rtnb.widgets._comms import close_tree
 
+    stop_asking()
     probe = theme_probe()
     if probe is None:
         return
     shown = display(probe, display_id=True)
+    _question = (probe, shown)
+    probe.observe(lambda _change: stop_asking(), names="seen")
+    timer = threading.Timer(_ASK_S, stop_asking)
+    timer.daemon = True
+    timer.start()
 
-    def answered(_change) -> None:
-        with contextlib.suppress(Exception):
-            if shown is not None:
-                shown.update({"text/plain": ""}, raw=True)
-        close_tree(probe)
 
-    probe.observe(answered, names="seen")
+_question: tuple | None = None  # the probe ask_page_theme showed, and where
+# A page that has not answered by then is not looking (the answer comes as soon as
+# the kernel is free after the asking cell; a running cell holds it back).
+_ASK_S = 60.0
+
+
+def stop_asking() -> None:
+    """Take the theme question out of its cell's output, answered or not."""
+    global _question
+    question, _question = _question, None
+    if question is None:
+        return
+    from rtnb.widgets._comms import close_tree
+
+    probe, shown = question
+    with contextlib.suppress(Exception):
+        if shown is not None:
+            shown.update({"text/plain": ""}, raw=True)
+    close_tree(probe)
