@@ -17,19 +17,13 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-KERNEL = r"""
-import json, os, pathlib, signal, socket, subprocess, sys, tempfile, threading, time
-import psutil, rtnb
+# A user's `ray start --head` on a free loopback port: (its process, its address).
+HEAD = r"""
+import os, socket, subprocess, sys, tempfile, time
 
-victim, storage = sys.argv[1], sys.argv[2]
-out = {"kills": []}
-options = dict(workers=2, cpus_per_worker=0.5, storage=storage, name="lost")
-head = None
-
-def start_head():
-    global head
+def user_head():
     port = socket.socket(); port.bind(("127.0.0.1", 0)); free = port.getsockname()[1]; port.close()
-    head = subprocess.Popen(
+    proc = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
          f"--port={free}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
          "--include-dashboard=false", f"--temp-dir={tempfile.mkdtemp(prefix='rl-')}"],
@@ -39,7 +33,21 @@ def start_head():
             socket.create_connection(("127.0.0.1", free), 0.5).close(); break
         except OSError:
             time.sleep(0.2)
-    options["address"] = f"127.0.0.1:{free}"
+    return proc, f"127.0.0.1:{free}"
+"""
+
+KERNEL = HEAD + r"""
+import json, pathlib, signal, threading
+import psutil, rtnb
+
+victim, storage = sys.argv[1], sys.argv[2]
+out = {"kills": []}
+options = dict(workers=2, cpus_per_worker=0.5, storage=storage, name="lost")
+head = None
+
+def start_head():
+    global head
+    head, options["address"] = user_head()
 
 def kill():
     if victim == "address":
@@ -162,22 +170,12 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
     assert out["after"] in ({"0": 42, "1": 42}, {0: 42, 1: 42}), out["after"]
 
 
-USER_INIT = r"""
-import os, signal, socket, subprocess, sys, tempfile, threading, time
+USER_INIT = HEAD + r"""
+import signal, threading
 import ray, rtnb
 
-port = socket.socket(); port.bind(("127.0.0.1", 0)); free = port.getsockname()[1]; port.close()
-head = subprocess.Popen(
-    [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-     f"--port={free}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-     "--include-dashboard=false", f"--temp-dir={tempfile.mkdtemp(prefix='rl-')}"],
-    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-for _ in range(300):
-    try:
-        socket.create_connection(("127.0.0.1", free), 0.5).close(); break
-    except OSError:
-        time.sleep(0.2)
-ray.init(address=f"127.0.0.1:{free}")  # the user's own, before rtnb
+head, address = user_head()
+ray.init(address=address)  # the user's own, before rtnb
 s = rtnb.Session(workers=2, cpus_per_worker=0.5, storage=sys.argv[1], name="mine")
 s.start()
 threading.Timer(1.5, lambda: os.killpg(head.pid, signal.SIGKILL)).start()
