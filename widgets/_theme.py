@@ -17,8 +17,11 @@ the colours of the theme it was run in.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable
+
+from rtnb.widgets._comms import close_tree
 
 __all__ = ["ask_page_theme", "figure_text_color", "follow_theme", "stop_asking", "theme_probe"]
 
@@ -53,6 +56,25 @@ def theme_probe(on_change: Callable[[], None] | None = None):
     """An invisible widget that tells the kernel the page's theme (None where
     anywidget cannot be imported); ``on_change`` runs when the theme it reports
     differs from the one known."""
+    probe_class = _probe_class()
+    if probe_class is None:
+        return None
+    probe = probe_class(light=_light)
+
+    def seen(change) -> None:
+        global _light
+        if change["new"] != _light:
+            _light = change["new"]
+            if on_change is not None:
+                on_change()
+
+    probe.observe(seen, names="light")
+    return probe
+
+
+@functools.cache
+def _probe_class():
+    """The probe's widget class, made once (anywidget is imported on first use)."""
     try:
         import anywidget
         import traitlets
@@ -64,17 +86,7 @@ def theme_probe(on_change: Callable[[], None] | None = None):
         light = traitlets.Bool(True).tag(sync=True)
         seen = traitlets.Bool(False).tag(sync=True)  # the page answered
 
-    probe = ThemeProbe(light=_light)
-
-    def seen(change) -> None:
-        global _light
-        if change["new"] != _light:
-            _light = change["new"]
-            if on_change is not None:
-                on_change()
-
-    probe.observe(seen, names="light")
-    return probe
+    return ThemeProbe
 
 
 def follow_theme(box, figures: Callable[[], Iterable], lock=None) -> None:
@@ -108,8 +120,8 @@ def ask_page_theme() -> None:
         return
     shown = display(probe, display_id=True)
     _question = (probe, shown)
-    probe.observe(lambda _change: stop_asking(), names="seen")
-    timer = threading.Timer(_ASK_S, stop_asking)
+    probe.observe(lambda _change: stop_asking(probe), names="seen")
+    timer = threading.Timer(_ASK_S, stop_asking, args=(probe,))
     timer.daemon = True
     timer.start()
 
@@ -120,14 +132,14 @@ _question: tuple | None = None  # the probe ask_page_theme showed, and where
 _ASK_S = 60.0
 
 
-def stop_asking() -> None:
-    """Take the theme question out of its cell's output, answered or not."""
+def stop_asking(probe=None) -> None:
+    """Take the theme question out of its cell's output, answered or not; with
+    ``probe``, only if that is still the question (a later start asked anew)."""
     global _question
-    question, _question = _question, None
-    if question is None:
+    question = _question
+    if question is None or (probe is not None and question[0] is not probe):
         return
-    from rtnb.widgets._comms import close_tree
-
+    _question = None
     probe, shown = question
     with contextlib.suppress(Exception):
         if shown is not None:
