@@ -149,6 +149,18 @@ def test_a_notebook_cells_traceback_names_it_as_jupyter_does(runtime):
     assert 'File "<rtrain In[8]>", line 2' in update.error[1], update.error[1]
 
 
+def test_a_cell_run_again_is_named_by_its_new_number_in_tracebacks(runtime):
+    # The rank reuses the first run's compiled code: its functions' frames too must
+    # carry the new name, or tracebacks would show the old cell's lines.
+    code = "def f():\n    raise ValueError('again')\nf()"
+    first = _run(runtime, code, cell_id=4, label="[4]")
+    again = _run(runtime, code, cell_id=5, label="[5]")
+    assert 'File "<rtrain In[4]>", line 2' in first.error[1], first.error[1]
+    assert "In[4]" not in again.error[1], again.error[1]
+    assert 'File "<rtrain In[5]>", line 2' in again.error[1], again.error[1]
+    assert "raise ValueError('again')" in again.error[1]
+
+
 def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
     runtime.start_cell(
         CellRequest(

@@ -11,6 +11,7 @@ anything per report would cost more than the report itself.
 from __future__ import annotations
 
 import enum
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ __all__ = [
     "Portable",
     "RankUpdate",
     "StopPhase",
+    "from_wire",
+    "to_wire",
 ]
 
 # A value sent back from a rank: (pickled bytes or None when unpicklable, repr).
@@ -140,3 +143,19 @@ class RankUpdate:
     # A checkpoint write that failed (full disk, read-only, an object-store error):
     # the rank stopped writing and asks for the cell to stop at a common step.
     storage_error: str | None = None
+
+
+def to_wire(message: CellRequest | RankUpdate) -> bytes:
+    """``message`` as it crosses Ray between the kernel and a rank: pickled by us.
+
+    Ray passes bytes through as they are, while a dataclass argument or result goes
+    through its own serializer (cloudpickle, with a Python hook per object): on the
+    2-core development VM that was ~0.1 ms of a trivial cell's ~1.5 ms per rank.
+    Both ends import these classes, so plain pickle is enough; a request's
+    checkpoint is an rtnb class too."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def from_wire(data: Any) -> Any:
+    """A message :func:`to_wire` made (anything else is passed through as it is)."""
+    return pickle.loads(data) if isinstance(data, bytes) else data

@@ -18,6 +18,7 @@ import itertools
 import keyword
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -402,6 +403,8 @@ def check_syntax(code: str, filename: str = "<rtrain-cell-0>") -> None:
     """Raise CellError for a SyntaxError before anything is sent to the ranks."""
     import traceback
 
+    if code in _COMPILED:
+        return
     try:
         compile(code, filename, "exec")
     except SyntaxError as exc:
@@ -410,3 +413,15 @@ def check_syntax(code: str, filename: str = "<rtrain-cell-0>") -> None:
             f"the cell has a SyntaxError and was not sent to the ranks:\n{text}",
             exc_type="SyntaxError",
         ) from None
+    with _COMPILED_LOCK:
+        _COMPILED[code] = None
+        if len(_COMPILED) > _COMPILED_KEPT:
+            _COMPILED.popitem(last=False)
+
+
+# Code that compiled, oldest first: a cell run again (a loop of cells, a notebook's
+# re-run) is not compiled again here (a compile was a tenth of a trivial cell's
+# Python time in the kernel). Whether code compiles does not depend on its name.
+_COMPILED: OrderedDict[str, None] = OrderedDict()
+_COMPILED_KEPT = 64
+_COMPILED_LOCK = threading.Lock()

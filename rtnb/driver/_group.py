@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rtnb.core._config import SessionConfig
-from rtnb.core._messages import CellRequest, RankPlace, RankUpdate
+from rtnb.core._messages import CellRequest, RankPlace, RankUpdate, from_wire, to_wire
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._ray_output import watch_ranks
@@ -40,6 +39,10 @@ __all__ = [
     "check_capacity",
     "check_storage_locality",
 ]
+
+
+# Ranks in step answer a cell's calls within this of each other (see take_ready).
+_TOGETHER_S = 0.004
 
 
 class RankLost(Exception):
@@ -113,6 +116,7 @@ class WorkerGroup:
         # Set when cells go through rank 0's relay (RELAY_FROM_RANKS and more ranks):
         # the dispatch tokens, 1, 2, ... in the order the ranks listen for them.
         self.relay_tokens: itertools.count | None = None
+        self._wired: tuple[CellRequest, bytes] | None = None
 
     @property
     def world_size(self) -> int:
@@ -287,7 +291,13 @@ class WorkerGroup:
 
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any:
         """Rank 0 starts ``request`` on ``ranks`` and gathers their quick answers."""
-        return self.actors[0].relay.remote(request, ranks, wait_s)
+        return self.actors[0].relay.remote(self._wire(request), ranks, wait_s)
+
+    def _wire(self, request: CellRequest) -> bytes:
+        """``request`` pickled once however many ranks it goes to."""
+        if self._wired is None or self._wired[0] is not request:
+            self._wired = (request, to_wire(request))
+        return self._wired[1]
 
     @staticmethod
     def relay_answers(result: Any) -> dict[int, RankUpdate | None]:
@@ -296,16 +306,13 @@ class WorkerGroup:
         rank, so asking each rank directly finds out who else is gone."""
         if isinstance(result, BaseException):
             return {}
-        # The listening ranks' updates arrive as the bytes they pickled (rank 0 passes
-        # them on without unpickling); rank 0's own is an object.
-        return {
-            rank: pickle.loads(answer) if isinstance(answer, bytes) else answer
-            for rank, answer in result.items()
-        }
+        # Every rank's update arrives as the bytes it pickled (rank 0 passes the
+        # listeners' on without unpickling them).
+        return {rank: from_wire(answer) for rank, answer in result.items()}
 
     def run(self, rank: int, request: CellRequest) -> Any:
         """Start ``request`` on ``rank`` (once per token) and long-poll it once."""
-        return self.actors[rank].run.remote(request)
+        return self.actors[rank].run.remote(self._wire(request))
 
     def poll(self, rank: int) -> Any:
         return self.actors[rank].poll.remote(*poll_timing(len(self.actors)))
@@ -349,25 +356,33 @@ class WorkerGroup:
 
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
         """Whatever ``calls`` are done within ``timeout_s``, with their results (a
-        failed call's result is its exception), as soon as one is.
+        failed call's result is its exception; a rank's update as a
+        :class:`RankUpdate`), as soon as one is.
 
         One call in flight (the relay, or a single rank) is fetched with one
-        ``ray.get``. With several, the first ready one is taken with those ready by
-        then: a ``ray.get`` of all of them held a rank's finished poll until the
-        others' were ready too, up to a tick, so two ranks whose batches fell out of
-        step (often for a whole cell) each waited for the other, and live reports
+        ``ray.get``. With several, all are awaited for ``_TOGETHER_S`` first (ranks
+        in step answer within that of each other: one wait and one get for the
+        group), then the first ready one is taken with those ready by then: a
+        ``ray.get`` of all of them held a rank's finished poll until the others'
+        were ready too, up to a tick, so two ranks whose batches fell out of step
+        (often for a whole cell) each waited for the other, and live reports
         arrived every ~300 ms instead of every 100 ms.
         """
         import ray
 
         if len(calls) == 1:
             try:
-                return calls, ray.get(calls, timeout=timeout_s)
+                return calls, [from_wire(r) for r in ray.get(calls, timeout=timeout_s)]
             except ray.exceptions.GetTimeoutError:
                 return [], []
             except ray.exceptions.RayError:
                 return calls, _get_each(ray, calls)
-        ready, rest = ray.wait(calls, num_returns=1, timeout=timeout_s)
+        together = min(timeout_s, _TOGETHER_S)
+        try:
+            return calls, [from_wire(r) for r in ray.get(calls, timeout=together)]
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+            pass  # some still running, or a rank is gone: take what is ready
+        ready, rest = ray.wait(calls, num_returns=1, timeout=timeout_s - together)
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
@@ -413,12 +428,12 @@ def _get_each(ray, refs: list) -> list:
     if not refs:
         return []
     try:
-        return ray.get(refs)
+        return [from_wire(r) for r in ray.get(refs)]
     except ray.exceptions.RayError:
         results = []
         for ref in refs:
             try:
-                results.append(ray.get(ref))
+                results.append(from_wire(ray.get(ref)))
             except ray.exceptions.RayError as exc:
                 results.append(exc)
         return results

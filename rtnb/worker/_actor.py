@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import queue
 import socket
 import sys
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from rtnb.core._messages import CellRequest, RankPlace, RankUpdate
+from rtnb.core._messages import CellRequest, RankPlace, from_wire, to_wire
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
@@ -36,11 +35,12 @@ BATCH_S = 0.1
 
 
 # From this many ranks, cells are started through rank 0's relay (see RankActor.relay):
-# each Ray call costs the kernel ~0.8 ms of CPU on a small machine, one per rank.
-# Measured on 2 cores, the relay is cheaper from 2 ranks on: a trivial cell 2.5-3.7
-# vs 4.2 ms at 2 ranks, 4.8-5.7 vs 5.3-6.3 ms at 4, with less CPU in the ranks and
-# the kernel; a group of one rank is asked directly.
-RELAY_FROM_RANKS = 2
+# each Ray call costs the kernel ~0.2 ms of CPU on a small machine, one per rank,
+# while the relay costs rank 0 its store round trips and a listener's wake-up.
+# Measured on 2 cores (trivial cells back to back, messages pickled by rtnb): at 2
+# ranks direct calls take 1.7-2.5 ms a cell, the relay 3.0-3.3; at 3, 2.7-3.4 vs
+# 3.0-3.6; at 4 the relay wins, 3.5-4.4 vs 4.0-5.1.
+RELAY_FROM_RANKS = 4
 _CELL_KEY = "rtnb/cell/{}"
 _ANSWER_KEY = "rtnb/answer/{}/{}"
 _RELAY_KEPT_CELLS = 256
@@ -250,8 +250,8 @@ class RankActor:
         )
 
     def relay(
-        self, request: CellRequest, ranks: list[int], wait_s: float
-    ) -> dict[int, bytes | RankUpdate | None]:
+        self, request: bytes | CellRequest, ranks: list[int], wait_s: float
+    ) -> dict[int, bytes | None]:
         """Rank 0: start a cell (``request``, whose token orders the relay) on ``ranks`` with one write to the group's store (every
         listening rank wakes at once) and gather the ranks' answers from it: one Ray
         call for the whole group instead of one per rank. A rank's answer is its final
@@ -265,6 +265,7 @@ class RankActor:
         nothing that would stay in the store."""
         from ray import cloudpickle
 
+        request = from_wire(request)
         store, token = self._relay, request.token
         assert token is not None, "a relayed cell has a dispatch token"
         # A token the driver took without this call reaching the store (a relay
@@ -277,11 +278,12 @@ class RankActor:
             _CELL_KEY.format(token),
             cloudpickle.dumps((request, ranks)),
         )
-        answers: dict[int, bytes | RankUpdate | None] = {}
+        answers: dict[int, bytes | None] = {}
         if 0 in ranks:
             started = self.runtime.start_cell(request)
-            answers[0] = self.runtime.final_update(POLL_WAIT_S) if started else None
-            if answers[0] is None:
+            own = self.runtime.final_update(POLL_WAIT_S) if started else None
+            answers[0] = to_wire(own) if own is not None else None
+            if own is None:
                 # Rank 0 has output or reports to deliver, or a long cell: the
                 # others get a moment more (a cell where only rank 0 prints still
                 # brings their answers back here), not the whole wait.
@@ -357,7 +359,7 @@ class RankActor:
             store.compare_set(
                 _ANSWER_KEY.format(token, rank),
                 b"",
-                pickle.dumps(answer) if answer is not None else _NO_ANSWER,
+                to_wire(answer) if answer is not None else _NO_ANSWER,
             )
 
     def _heard(self, token: int) -> None:
@@ -376,16 +378,18 @@ class RankActor:
             )
 
     # ---- cells -------------------------------------------------------------------------
-    def run(self, request: CellRequest) -> RankUpdate:
+    def run(self, request: bytes | CellRequest) -> bytes:
         """Start a cell (unless the relay already did, under the request's token) and
-        long-poll once, so a short cell costs one round trip."""
+        long-poll once, so a short cell costs one round trip. Requests and updates
+        cross Ray pickled (:func:`~rtnb.core._messages.to_wire`)."""
+        request = from_wire(request)
         if request.token is not None and self._listening:
             self._await_listener(request.token)
         self.runtime.start_cell(request)
-        return self.runtime.wait(POLL_WAIT_S, BATCH_S)
+        return to_wire(self.runtime.wait(POLL_WAIT_S, BATCH_S))
 
-    def poll(self, wait_s: float = POLL_WAIT_S, batch_s: float = BATCH_S) -> RankUpdate:
-        return self.runtime.wait(wait_s, batch_s)
+    def poll(self, wait_s: float = POLL_WAIT_S, batch_s: float = BATCH_S) -> bytes:
+        return to_wire(self.runtime.wait(wait_s, batch_s))
 
     def request_stop(self) -> int:
         return self.runtime.request_stop()
