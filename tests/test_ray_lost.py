@@ -36,7 +36,9 @@ def user_head():
     return proc, f"127.0.0.1:{free}"
 """
 
-KERNEL = HEAD + r"""
+KERNEL = (
+    HEAD
+    + r"""
 import json, pathlib, signal, threading
 import psutil, rtnb
 
@@ -108,6 +110,7 @@ if head is not None:
         pass
 print("OUT " + json.dumps(out), flush=True)
 """
+)
 
 
 def _in_a_jupyter_kernel(tmp_path, victim: str, env: dict[str, str]) -> str:
@@ -170,7 +173,9 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
     assert out["after"] in ({"0": 42, "1": 42}, {0: 42, 1: 42}), out["after"]
 
 
-USER_INIT = HEAD + r"""
+USER_INIT = (
+    HEAD
+    + r"""
 import signal, threading
 import ray, rtnb
 
@@ -184,6 +189,7 @@ try:
 except Exception as exc:
     print("ERROR", type(exc).__name__, str(exc), flush=True)
 """
+)
 
 
 def test_a_kernel_whose_own_ray_init_came_first_is_told_what_ray_will_do(tmp_path):
