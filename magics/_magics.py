@@ -72,6 +72,12 @@ def _cell_options(func):
                 action="store_true",
                 help="never replay this cell (after a failure, a scale, --replay)",
             ),
+            argument(
+                "--datasets",
+                default=None,
+                metavar="NAME=VAR,...",
+                help="Ray Datasets for rtnb.get_dataset_shard(NAME), e.g. train=train_ds",
+            ),
             _ranks_option,
         ]
     ):
@@ -162,6 +168,12 @@ def _pull_args(line):
 @_ranks_option
 def _push_args(line):
     """%rtnb push options."""
+
+
+@magic_arguments()
+@argument("pairs", nargs="*", help="NAME=VAR: the notebook's Ray Dataset VAR as NAME on the ranks")
+def _datasets_args(line):
+    """%rtnb datasets options."""
 
 
 @magic_arguments()
@@ -275,6 +287,12 @@ SUBCOMMANDS = [
         "pull", "a rank variable -> a list in the notebook", "%rtnb pull loss --ranks 0", _pull_args
     ),
     Subcommand("push", "notebook variables -> every rank", "%rtnb push lr batch_size", _push_args),
+    Subcommand(
+        "datasets",
+        "Ray Datasets -> a streaming shard per rank (rtnb.get_dataset_shard)",
+        "%rtnb datasets train=train_ds val=val_ds",
+        _datasets_args,
+    ),
     Subcommand(
         "runs",
         "compare the runs in a storage path or URI: table, overlaid curves, checkpoints",
@@ -467,6 +485,35 @@ class RtnbMagics(Magics):
         if missing:
             raise UsageError(f"{missing[0]!r} is not defined in the notebook")
         self._require().push({n: namespace[n] for n in args.names}, ranks=args.ranks)
+
+    def _rtnb_datasets(self, rest: str):
+        args = parse_argstring(_datasets_args, rest)
+        session = self._require()
+        if not args.pairs:
+            names = session.dataset_names
+            print(
+                f"rtnb: datasets on the ranks: {', '.join(names)}"
+                if names
+                else "rtnb: no datasets handed to the ranks yet (%rtnb datasets train=train_ds)"
+            )
+            return None
+        session.set_datasets(self._datasets_from(args.pairs))
+        return None
+
+    def _datasets_from(self, pairs: list[str]) -> dict:
+        """``NAME=VAR`` pairs (space or comma separated) as {NAME: the notebook's VAR}."""
+        namespace, datasets = self.shell.user_ns, {}
+        for pair in (p for chunk in pairs for p in chunk.split(",") if p):
+            name, eq, var = pair.partition("=")
+            name, var = name.strip(), (var.strip() or name.strip())
+            if not name.isidentifier() or (eq and not var.isidentifier()):
+                raise UsageError(
+                    f"--datasets takes NAME=VAR pairs, e.g. train=train_ds; got {pair!r}"
+                )
+            if var not in namespace:
+                raise UsageError(f"{var!r} is not defined in the notebook (for dataset {name!r})")
+            datasets[name] = namespace[var]
+        return datasets
 
     def _rtnb_checkpoints(self, rest: str):
         args = parse_argstring(_checkpoints_args, rest)
@@ -672,10 +719,12 @@ class RtnbMagics(Magics):
         session = self._require()
         live = live_view and not args.no_live and has_live_frontend()
         label = self._cell_label()
+        datasets = self._datasets_from([args.datasets]) if args.datasets else None
         try:
             if args.background:
                 handle = session.run_background(
                     code,
+                    datasets=datasets,
                     ranks=args.ranks,
                     timeout=args.timeout,
                     total_steps=args.steps,
@@ -699,6 +748,7 @@ class RtnbMagics(Magics):
                 sink = None
             handle = session.begin_cell(
                 code,
+                datasets=datasets,
                 ranks=args.ranks,
                 timeout=args.timeout,
                 total_steps=args.steps,

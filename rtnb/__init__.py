@@ -64,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "RankContext": "rtnb.worker._runtime",
     "get_checkpoint": "rtnb.worker._api",
     "get_context": "rtnb.worker._api",
+    "get_dataset_shard": "rtnb.worker._api",
     "get_device": "rtnb.worker._api",
     "get_devices": "rtnb.worker._api",
     "prepare_data_loader": "rtnb.worker._api",
@@ -117,6 +118,7 @@ __all__ = [
     "WorkerGroupError",
     "get_checkpoint",
     "get_context",
+    "get_dataset_shard",
     "get_device",
     "get_devices",
     "list_runs",
@@ -185,6 +187,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.worker._api import (
         get_checkpoint,
         get_context,
+        get_dataset_shard,
         get_device,
         get_devices,
         prepare_data_loader,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import keyword
+import pickle
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +28,7 @@ from rtnb.core._messages import CellRequest
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
 from rtnb.driver._commits import CheckpointCoordinator
+from rtnb.driver._datasets import DatasetHandOver, DatasetRecord, split_failed
 from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._lifecycle import GroupLifecycle
 from rtnb.driver._output import OutputSink, print_sink
@@ -85,6 +87,7 @@ class CellFlow:
         self.last_error: BaseException | None = None
         # The last cell that reported, and its name in the notebook: what Resume runs.
         self.last_training: tuple[str, str | None] | None = None
+        self._datasets = DatasetHandOver()
 
     # ---- the CellContext a handle gets ---------------------------------------------------
     @property
@@ -328,6 +331,42 @@ class CellFlow:
             ranks=None if ranks is None else rank_list,
         )
         self.send_values(data, rank_list)
+
+    # ---- datasets --------------------------------------------------------------------
+    @property
+    def dataset_names(self) -> list[str]:
+        return self._datasets.names
+
+    def set_datasets(self, datasets: dict[str, Any], data_config: Any = None) -> None:
+        """Hand Ray Datasets to the ranks (added to those handed before), split for
+        this group as Ray Train splits them; journaled, so every later group gets
+        them again."""
+        record = self._datasets.record(datasets, data_config)
+        self.require_group(wait_s=_WAIT_FOR_GROUP_S)
+        data = pickle.dumps(record)
+        self._journal.append(EntryKind.DATASETS, values=data, names=record.names)
+        self._hand(record, *self._datasets.resolve(record))
+
+    def hand_datasets(self, data: bytes) -> list[str]:
+        """Hand a journaled set of datasets to the current group (a replay); the
+        names of those that cannot be rebuilt here."""
+        record = pickle.loads(data)
+        datasets, missing = self._datasets.resolve(record)
+        self._hand(record, datasets, missing)
+        return missing
+
+    def _hand(self, record: DatasetRecord, datasets: dict[str, Any], missing: list[str]) -> None:
+        if not datasets:
+            return
+        config = self._datasets.data_config(record, sorted(datasets))
+
+        def calls(group: RankGroup) -> list:
+            try:
+                return group.hand_datasets(datasets, config)
+            except Exception as exc:  # noqa: BLE001 - Ray Data's own error, in one line
+                raise split_failed(exc) from None
+
+        self._call_ranks(calls, "handing the datasets to the ranks", timeout_s=300)
 
     def send_values(self, data: bytes, ranks: list[int]) -> None:
         self._call_ranks(

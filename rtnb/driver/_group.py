@@ -100,6 +100,8 @@ class RankGroup(Protocol):
 
     def share(self, data: bytes) -> Any: ...
 
+    def hand_datasets(self, datasets: dict[str, Any], data_config: Any) -> list[Any]: ...
+
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]: ...
 
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]: ...
@@ -334,6 +336,18 @@ class WorkerGroup:
 
     def push(self, ranks: list[int], values: Any) -> list[Any]:
         return [self.actors[r].push.remote(values) for r in ranks]
+
+    def hand_datasets(self, datasets: dict[str, Any], data_config: Any) -> list[Any]:
+        """Split ``datasets`` for these ranks with Ray Train's ``DataConfig`` (its
+        streaming split, with the ranks' nodes as locality hints) and give each rank
+        its shards, replacing those it had."""
+        shards = data_config.configure(
+            datasets,
+            world_size=self.world_size,
+            worker_handles=self.actors,
+            worker_node_ids=[info.node_id for info in self.ranks],
+        )
+        return [actor.set_datasets.remote(shards[r]) for r, actor in enumerate(self.actors)]
 
     def share(self, data: bytes) -> Any:
         """``data`` stored once, to be passed to many ranks' calls (``push``)."""

@@ -61,11 +61,13 @@ class Replayer:
         world_size: Callable[[], int],
         send_values: Callable[[bytes, list[int]], None],
         run_cell: ReplayCell,
+        hand_datasets: Callable[[bytes], list[str]],
     ) -> None:
         self.journal = journal
         self._world_size = world_size
         self._send_values = send_values
         self._run_cell = run_cell
+        self._hand_datasets = hand_datasets
 
     def replay(self, before: int | None = None) -> ReplayReport:
         """Replay every action since the last fresh start, up to entry ``before``.
@@ -85,6 +87,14 @@ class Replayer:
                 report.skipped.append(
                     f"{_cell_name(entry)} (its ranks {entry.ranks} are not in a group of {world})"
                 )
+                continue
+            if entry.kind is EntryKind.DATASETS:
+                missing = self._hand_datasets(self.journal.read_values(entry))
+                if missing:
+                    report.skipped.append(
+                        f"dataset{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                        "(made from the notebook's memory: pass it again)"
+                    )
                 continue
             if entry.values is not None:
                 self._send_values(self.journal.read_values(entry), ranks)

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rtnb.core._config import SessionConfig
@@ -126,7 +126,11 @@ class Session:
             lock,
         )
         replayer = Replayer(
-            self.journal, self._cells.world_size, self._cells.send_values, self._cells.run_replayed
+            self.journal,
+            self._cells.world_size,
+            self._cells.send_values,
+            self._cells.run_replayed,
+            self._cells.hand_datasets,
         )
         self._recovery = RecoveryFlow(
             self.config, self._lifecycle, self.policy, replayer, self.checkpoints
@@ -259,6 +263,7 @@ class Session:
         total_steps: int | None = None,
         once: bool = False,
         label: str | None = None,
+        datasets: Mapping[str, Any] | None = None,
     ) -> PerRank:
         """Run ``code`` (or ``fn()``/``fn(config)``) on the ranks and wait for it.
 
@@ -269,11 +274,36 @@ class Session:
         (or in a new kernel) runs it again. ``once``: never replay this cell.
         ``label``: the notebook's name for the cell (Jupyter's ``[4]``), which its
         messages and tracebacks then use instead of rtnb's cell number.
+        ``datasets``: Ray Datasets handed to the ranks first (see :meth:`set_datasets`).
         """
+        if datasets is not None:
+            self.set_datasets(datasets)
         handle = self._cells.begin(
             code, ranks, timeout, False, config, total_steps, once, label, output
         )
         return handle.run_here()
+
+    def set_datasets(
+        self, datasets: Mapping[str, Any] | None = None, dataset_config: Any = None, **named: Any
+    ) -> None:
+        """Hand Ray Datasets to the ranks, as ``TorchTrainer(datasets=...,
+        dataset_config=...)`` does: in a cell, ``rtnb.get_dataset_shard(name)`` (or
+        ``ray.train.get_dataset_shard``) is the rank's streaming shard. Each is split
+        across the ranks (``streaming_split(world_size, equal=True)``) unless a
+        ``ray.train.DataConfig(datasets_to_split=[...])`` leaves it whole. They stay
+        for later cells and are handed again to every new group (recovery, scale,
+        ``--replay``). The Datasets' preprocessing runs on the cluster.
+
+        Example::
+
+            In [2]: session.set_datasets(train=ray.data.range(1000).map(double))
+        """
+        self._cells.set_datasets({**(datasets or {}), **named}, dataset_config)
+
+    @property
+    def dataset_names(self) -> list[str]:
+        """The names of the datasets handed to the ranks."""
+        return self._cells.dataset_names
 
     def begin_cell(
         self,
@@ -285,10 +315,13 @@ class Session:
         output: OutputSink | None = None,
         once: bool = False,
         label: str | None = None,
+        datasets: Mapping[str, Any] | None = None,
     ) -> CellHandle:
         """A foreground cell's handle before it runs, so views can subscribe to it
         first; run it with :meth:`CellHandle.run_here`. Output is printed unless
         ``output`` says otherwise."""
+        if datasets is not None:
+            self.set_datasets(datasets)
         return self._cells.begin(
             code, ranks, timeout, False, None, total_steps, once, label, output
         )
@@ -304,8 +337,11 @@ class Session:
         total_steps: int | None = None,
         once: bool = False,
         label: str | None = None,
+        datasets: Mapping[str, Any] | None = None,
     ) -> CellHandle:
         """Start ``code`` on the ranks and return its :class:`CellHandle` at once."""
+        if datasets is not None:
+            self.set_datasets(datasets)
         handle = self._cells.begin(
             code, ranks, timeout, True, config, total_steps, once, label, output
         )

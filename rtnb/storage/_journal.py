@@ -58,6 +58,7 @@ class EntryKind(str, enum.Enum):
     CELL = "cell"  # code run on ranks (with a function by value, for Session.run(fn))
     CELL_END = "cell_end"  # a cell's outcome, duration and whether it reported
     PUSH = "push"  # notebook values set on ranks
+    DATASETS = "datasets"  # Ray Datasets handed to the ranks (split for each group)
     CHECKPOINT = "checkpoint"  # a checkpoint chosen with load / resume / the browser
     SCALE = "scale"  # a new group of N ranks, the journal replayed onto it
     RESTART = "restart"  # a new group; with keep=False a fresh start (replay stops here)
@@ -128,7 +129,8 @@ _NO_DEFAULT = object()
 
 @dataclass
 class ReplayStep:
-    """One action to replay: a push, or a cell (with the values it needs first)."""
+    """One action to replay: a push, datasets handed over, or a cell (with the
+    values it needs first)."""
 
     entry: JournalEntry
     skipped: str = ""  # why it is not replayed, when it is not
@@ -371,7 +373,7 @@ class Journal:
         outcomes = {e.of: e for e in entries if e.kind is EntryKind.CELL_END}
         plan: list[ReplayStep] = []
         for entry in entries[start:]:
-            if entry.kind is EntryKind.PUSH:
+            if entry.kind in (EntryKind.PUSH, EntryKind.DATASETS):
                 plan.append(ReplayStep(entry))
             elif entry.kind is EntryKind.CELL:
                 end = outcomes.get(entry.seq)

@@ -412,6 +412,10 @@ class RankActor:
             values = cloudpickle.loads(values)
         self.runtime.push(values)
 
+    def set_datasets(self, shards: dict[str, Any]) -> None:
+        """This rank's dataset shards (Ray Data iterators), replacing the last set."""
+        self.runtime.datasets = dict(shards)
+
     def set_step(self, step: int, line: int = 0) -> None:
         self.runtime.step, self.runtime.line = step, line
 

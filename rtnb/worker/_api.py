@@ -18,6 +18,7 @@ from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 __all__ = [
     "get_checkpoint",
     "get_context",
+    "get_dataset_shard",
     "get_device",
     "get_devices",
     "prepare_data_loader",
@@ -108,6 +109,23 @@ else:
         "report(metrics, checkpoint=None, checkpoint_dir_name=None, *, step=None)\n--\n\n"
         + inspect.cleandoc(report_in_python.__doc__ or ""),
     )
+
+
+def get_dataset_shard(name: str):
+    """This rank's shard of the Ray Dataset handed over as ``name`` (a
+    ``DataIterator``: ``iter_torch_batches()``, ``iter_batches()``, once per epoch),
+    as Ray Train's ``get_dataset_shard``. Datasets are handed over with
+    ``%%rtrain --datasets name=ds``, ``%rtnb datasets name=ds`` or
+    ``Session.run(..., datasets={...})``."""
+    runtime = _runtime("get_dataset_shard")
+    shard = runtime.datasets.get(name)
+    if shard is None:
+        passed = ", ".join(sorted(runtime.datasets)) or "none yet"
+        raise SessionError(
+            f"no dataset named {name!r} was handed to the ranks (handed: {passed}); "
+            f"pass it with %rtnb datasets {name}=DATASET or %%rtrain --datasets {name}=DATASET"
+        )
+    return shard
 
 
 def get_checkpoint():

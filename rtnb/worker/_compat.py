@@ -1,6 +1,6 @@
 """Makes code written for Ray Train's ``train_loop_per_worker`` run unchanged in a cell.
 
-Inside a rank, ``ray.train.report/get_context/get_checkpoint`` and
+Inside a rank, ``ray.train.report/get_context/get_checkpoint/get_dataset_shard`` and
 ``ray.train.torch.prepare_model/prepare_data_loader/get_device`` are pointed at
 rtnb's versions. The patch is applied when the user's code imports those modules
 (an import hook), because importing ``ray.train.torch`` costs ~3 s that a rank
@@ -22,6 +22,7 @@ def _patch_train(module) -> None:
     module.report = _train.report
     module.get_context = _train.get_context
     module.get_checkpoint = _train.get_checkpoint
+    module.get_dataset_shard = _train.get_dataset_shard
 
 
 def _patch_train_torch(module) -> None:

@@ -201,6 +201,8 @@ class RankRuntime:
         # The thread running the current cell (an interrupt is raised in it).
         self._cell_thread = self._thread.ident
         self._capture_output = capture_output
+        # Ray Data shards by name (DataIterators), handed over by the driver.
+        self.datasets: dict[str, Any] = {}
         _CURRENT = self
 
     # ---- cells -------------------------------------------------------------------

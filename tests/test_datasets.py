@@ -1,0 +1,120 @@
+"""Ray Data in cells: each rank's streaming shard, as Ray Train hands it, kept across
+cells, and handed again to every new group (recovery, scale, --replay)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import rtnb
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# One epoch of the rank's shard, as a train_loop_per_worker reads it.
+EPOCH = (
+    "import ray.train\n"
+    "rows = []\n"
+    "for batch in ray.train.get_dataset_shard('train').iter_batches(batch_size=16):\n"
+    "    rows += [int(i) for i in batch['id']]\n"
+    "rows\n"
+)
+
+
+def _tripled(row: dict) -> dict:
+    # Preprocessing: where it runs is recorded, so the test can say it was not here.
+    return {"id": row["id"] * 3, "pid": os.getpid()}
+
+
+def _assert_split(value: dict, world: int, total: int) -> None:
+    shards = [value[r] for r in range(world)]
+    seen = [row for shard in shards for row in shard]
+    assert sorted(seen) == [i * 3 for i in range(total)], "together the shards are the dataset"
+    assert len(seen) == len(set(seen)), "no row is on two ranks"
+    assert all(shards), "every rank got rows"
+
+
+def test_shards_are_disjoint_cover_the_dataset_and_last_across_cells(ray_cluster, tmp_path):
+    import numpy as np
+    import ray
+    from ray.train import DataConfig
+
+    with rtnb.Session(
+        workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="data"
+    ) as session:
+        train = ray.data.range(200).map(_tripled)
+        _assert_split(session.run(EPOCH, datasets={"train": train}), 2, 200)
+        # A second epoch, in a later cell, through rtnb's own name for it.
+        again = session.run(
+            EPOCH.replace("ray.train.get_dataset_shard", "rtnb.get_dataset_shard").replace(
+                "import ray.train", "import rtnb"
+            )
+        )
+        _assert_split(again, 2, 200)
+        pids = session.run(
+            "{int(p) for b in rtnb.get_dataset_shard('train').iter_batches() for p in b['pid']}"
+        )
+        ranks = set(session.run("import os\nos.getpid()").values())
+        workers = set().union(*pids.values())
+        assert os.getpid() not in workers and not workers & ranks, (
+            "preprocessing ran on the cluster"
+        )
+
+        # A dataset left out of datasets_to_split goes whole to every rank.
+        session.set_datasets(
+            val=ray.data.from_numpy(np.arange(10)),
+            dataset_config=DataConfig(datasets_to_split=["train"]),
+        )
+        assert session.dataset_names == ["train", "val"]
+        whole = session.run(
+            "sorted(int(x) for b in rtnb.get_dataset_shard('val').iter_batches() for x in b['data'])"
+        )
+        assert whole == {0: list(range(10)), 1: list(range(10))}
+        _assert_split(session.run(EPOCH), 2, 200)
+
+        # Bad input: one line each, and the session goes on.
+        with pytest.raises(rtnb.ConfigError, match="'rows' is a list, not a Ray Dataset") as bad:
+            session.set_datasets(rows=[1, 2, 3])
+        assert "\n" not in str(bad.value)
+        with pytest.raises(rtnb.ConfigError, match="names 'test', which was not passed"):
+            session.set_datasets(train=train, dataset_config=DataConfig(datasets_to_split=["test"]))
+        with pytest.raises(rtnb.CellError, match=r"no dataset named 'test'.*handed: train, val"):
+            session.run("rtnb.get_dataset_shard('test')")
+        assert session.dataset_names == ["train", "val"]
+        _assert_split(session.run(EPOCH), 2, 200)
+
+
+def test_a_rank_lost_mid_epoch_scale_and_replay_get_the_datasets_again(ray_cluster, tmp_path):
+    import numpy as np
+    import ray
+
+    marker = tmp_path / "killed-once"
+    options = dict(cpus_per_worker=0.5, storage=str(tmp_path), name="data-again", stop_grace_s=1.0)
+    with rtnb.Session(workers=2, max_failures=1, **options) as session:
+        session.set_datasets(
+            train=ray.data.range(120).map(_tripled), scratch=ray.data.from_numpy(np.arange(4))
+        )
+        # Rank 1 dies after its first batch, once: recovery rebuilds the group, hands
+        # the datasets to it (a fresh split: the dead rank's epoch is gone) and runs
+        # the cell again, whose epoch then covers the dataset.
+        value = session.run(
+            "import os, signal, ray.train, torch.distributed as dist\n"
+            "rows = []\n"
+            "for batch in ray.train.get_dataset_shard('train').iter_batches(batch_size=8):\n"
+            "    rows += [int(i) for i in batch['id']]\n"
+            f"    if dist.get_rank() == 1 and not os.path.exists({str(marker)!r}):\n"
+            f"        open({str(marker)!r}, 'w').close()\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            "rows\n"
+        )
+        assert marker.exists() and session.failures == 1
+        _assert_split(value, 2, 120)
+
+        session.scale(3)
+        _assert_split(session.run(EPOCH), 3, 120)
+
+    # A new kernel's --replay rebuilds the datasets from their lineage; one made
+    # from the old kernel's memory cannot be, and the replay says which.
+    with rtnb.Session(workers=2, replay=True, **options) as again:
+        assert "scratch" in str(again.last_replay) and "pass it again" in str(again.last_replay)
+        _assert_split(again.run(EPOCH), 2, 120)
