@@ -131,6 +131,14 @@ _DECLARED = SimpleNamespace(**declared_defaults())
 @argument("--mode", default=_DECLARED.mode, help="min|max for --score")
 @argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
 @argument(
+    "--mlflow",
+    nargs="?",
+    const="",
+    default=_DECLARED.mlflow,
+    metavar="URI",
+    help="log to MLflow (default store: mlflow.db in the run directory)",
+)
+@argument(
     "--allow-local-storage",
     action="store_true",
     help="a local --storage path is shared by all nodes",

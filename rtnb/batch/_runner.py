@@ -320,6 +320,9 @@ def run_notebook(
     fd, runs_file = tempfile.mkstemp(prefix="rtnb-batch-runs-")
     os.close(fd)
     os.environ[BATCH_RUNS_ENV] = runs_file
+    # The notebook a session's --mlflow logs at its stop (papermill writes the output
+    # notebook as the cells run; it is whole only once they are done).
+    os.environ["RTNB_NOTEBOOK"] = str(src.resolve())
     ok, message, code = True, "", 0
     with _Terminator() as terminator:
         try:
@@ -354,6 +357,7 @@ def run_notebook(
             ok, code, message = False, 1, f"{type(exc).__name__}: {first}"
         finally:
             os.environ.pop(BATCH_RUNS_ENV, None)
+            os.environ.pop("RTNB_NOTEBOOK", None)
     if terminator.signal is not None:
         ok, code = False, terminator.exit_code
         name = signal.Signals(terminator.signal).name

@@ -42,6 +42,8 @@ class SessionConfig:
     # Seconds an interrupted cell gets to stop at a report() boundary before rtnb
     # raises inside the ranks, and again before it rebuilds the group.
     tensorboard: bool = False
+    # MLflow tracking: None off; "" a store in the run directory; else a tracking URI.
+    mlflow: str | None = None
     # Local --storage is refused when ranks span nodes unless it is declared shared.
     allow_local_storage: bool = False
     stop_grace_s: float = 3.0
@@ -124,6 +126,7 @@ class SessionConfig:
         record["env"] = sorted(self.env)
         record["storage"] = redact_uri(self.storage)
         record["address"] = redact_uri(self.address)
+        record["mlflow"] = redact_uri(self.mlflow) if self.mlflow else self.mlflow
         return record
 
 

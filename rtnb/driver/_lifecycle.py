@@ -74,6 +74,8 @@ class GroupLifecycle:
         self._at_exit = at_exit
         self._started_at: float | None = None  # run.json's "started"
         self._lost: str | None = None  # set once the Ray under the group is gone
+        # What run.json says of the run's MLflow run (set by the tracking flow).
+        self.tracking_record: Callable[[], dict] = dict
 
     @property
     def state(self) -> GroupState:
@@ -339,6 +341,7 @@ class GroupLifecycle:
                 config=self.config.to_dict(),
                 ranks=ranks,
                 updated=time.time(),
+                mlflow=self.tracking_record(),
                 **self.commits.record(),
             ),
         )

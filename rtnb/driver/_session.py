@@ -50,6 +50,7 @@ from rtnb.driver._resume import ResumeFlow, ResumePlan
 from rtnb.driver._startup import StartProgress, StartReport
 from rtnb.driver._state import GroupState, StateChange
 from rtnb.driver._status import GroupStatus, group_status
+from rtnb.driver._tracking import TrackingFlow
 from rtnb.errors import ConfigError
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoint import Checkpoint
@@ -102,6 +103,8 @@ class Session:
         self.policy = failure_policy or FailurePolicy(self.config.max_failures)
         self.metrics = MetricsStore()
         self.replay_on_start = replay
+        # The first error of the MLflow mirror (tracking never stops training).
+        self.tracking_error: str | None = None
         lock = threading.RLock()  # one for the group's changes and the cells' starts
         self._lifecycle = GroupLifecycle(
             self.config,
@@ -115,6 +118,10 @@ class Session:
             lock=lock,
             at_exit=_stop_sessions_at_exit,
         )
+        self._tracking = TrackingFlow(
+            self.config, self.run_name, self.run_dir, self.metrics, self.checkpoints
+        )
+        self._lifecycle.tracking_record = lambda: self._tracking.record
         self._cells = CellFlow(
             self.config,
             self._lifecycle,
@@ -211,6 +218,7 @@ class Session:
     def _prepare_start(self) -> None:
         self.checkpoints.cleanup_incomplete()
         self._cells.continue_numbers()
+        self._tracking.open()
 
     def stop(self) -> None:
         """Stop any running cell and free every actor and the placement group;
@@ -219,6 +227,12 @@ class Session:
             "stopped because the worker group is stopping"
         )
         self._lifecycle.stop(graceful=clean)
+        self.tracking_error = self._tracking.close() or self.tracking_error
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run this run is mirrored into (``--mlflow``), while it is open."""
+        return self._tracking.record.get("run_id")
 
     def restart(self, replay: bool = False) -> Session:
         """A new group with the same options. Rank variables are dropped, unless

@@ -80,6 +80,7 @@ def runs_rows(runs, stores: dict, metric: str | None) -> list[dict]:
                 "last": last,
                 "best": best,
                 "config": _config_text(run.config),
+                "mlflow": getattr(run, "mlflow_link", ""),
             }
         )
     return rows
@@ -99,6 +100,9 @@ def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
     if metric:
         columns += [f"last {metric}", f"best {metric}"]
     columns.append("config")
+    linked = any(r.get("mlflow") for r in rows)
+    if linked:
+        columns.append("mlflow run")
     numeric = {"duration", "steps", "ranks", "ckpts"} | set(columns[7:9] if metric else ())
     table = [columns]
     for r in rows:
@@ -114,6 +118,8 @@ def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
         if metric:
             cells += [_fmt_number(r["last"]), _fmt_number(r["best"])]
         cells.append(r["config"])
+        if linked:
+            cells.append(r.get("mlflow") or "-")
         table.append(cells)
     head, *lines = align_rows(table, right=numeric)
     return head, lines

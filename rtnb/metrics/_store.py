@@ -30,6 +30,25 @@ _STRAGGLER_SHARE = 0.7
 _EARLIER_KEPT = 4
 
 
+@dataclass
+class Exporters:
+    """Several exporters (TensorBoard and MLflow) as one."""
+
+    items: list[Any]
+
+    def add(self, rank: int, records: list) -> None:
+        for item in self.items:
+            item.add(rank, records)
+
+    def flush(self) -> None:
+        for item in self.items:
+            item.flush()
+
+    def close(self) -> None:
+        for item in self.items:
+            item.close()
+
+
 @dataclass(frozen=True)
 class Report:
     rank: int
@@ -200,6 +219,16 @@ class MetricsStore:
                     store.add(rank, ReportBatch.from_records(pieces[rank][line]))
         store.started_at = first
         return store
+
+    def add_exporter(self, exporter: Any) -> None:
+        """Mirror every report into ``exporter`` too (``add``/``flush``/``close``)."""
+        with self._lock:
+            if self.exporter is None:
+                self.exporter = exporter
+            elif isinstance(self.exporter, Exporters):
+                self.exporter.items.append(exporter)
+            else:
+                self.exporter = Exporters([self.exporter, exporter])
 
     def subscribe(self, callback: Callable[[int, ReportBatch], None]) -> Callable[[], None]:
         self._subscribers.append(callback)

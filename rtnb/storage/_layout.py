@@ -117,6 +117,8 @@ class RunRecord:
     line: int | None = None
     last_step: int = -1
     branches: dict[str, Any] = field(default_factory=dict)
+    # The MLflow run this run is mirrored into (tracking_uri masked, run_id), if any.
+    mlflow: dict[str, Any] = field(default_factory=dict)
     version: int = RUN_RECORD_VERSION
 
     @property
@@ -141,6 +143,7 @@ class RunRecord:
         record.line = None if record.line is None else int(record.line)
         record.config = dict(record.config or {})
         record.branches = dict(record.branches or {})
+        record.mlflow = dict(record.mlflow or {})
         return record
 
 

@@ -120,6 +120,19 @@ class RunSummary:
     last_step: int = 0  # -1: nothing reported yet
     checkpoints: int = 0
     config: dict = field(default_factory=dict)
+    mlflow: dict = field(default_factory=dict)  # the run's MLflow run (run.json)
+
+    @property
+    def mlflow_link(self) -> str:
+        """The MLflow run: its page on a tracking server, else its run id."""
+        run_id = self.mlflow.get("run_id")
+        if not run_id:
+            return ""
+        uri = str(self.mlflow.get("tracking_uri") or "")
+        if uri.startswith(("http://", "https://")) and "***" not in uri:
+            experiment = self.mlflow.get("experiment_id", "0")
+            return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+        return run_id
 
     @property
     def state(self) -> str:
@@ -209,6 +222,7 @@ def list_runs(storage: str) -> RunTable:
                 last_step=record.steps_taken_to,
                 config=record.config,
                 checkpoints=committed_in_index(run_dir),
+                mlflow=record.mlflow,
             )
         )
     runs.sort(key=lambda r: r.updated, reverse=True)
