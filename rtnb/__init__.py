@@ -65,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "get_checkpoint": "rtnb.worker._api",
     "get_context": "rtnb.worker._api",
     "get_dataset_shard": "rtnb.worker._api",
+    "prepare_trainer": "rtnb.worker._hf",
+    "RayTrainReportCallback": "rtnb.worker._hf",
     "get_device": "rtnb.worker._api",
     "get_devices": "rtnb.worker._api",
     "prepare_data_loader": "rtnb.worker._api",
@@ -102,6 +104,7 @@ __all__ = [
     "Progress",
     "Raise",
     "RankContext",
+    "RayTrainReportCallback",
     "Report",
     "Result",
     "Retry",
@@ -126,6 +129,7 @@ __all__ = [
     "open_run",
     "prepare_data_loader",
     "prepare_model",
+    "prepare_trainer",
     "report",
     "stop_warm_ray",
     "unload_ipython_extension",
@@ -194,4 +198,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         prepare_model,
         report,
     )
+    from rtnb.worker._hf import RayTrainReportCallback, prepare_trainer
     from rtnb.worker._runtime import CellStopped, RankContext

@@ -22,7 +22,7 @@ from rtnb.errors import ConfigError
 from rtnb.metrics._mlflow import MlflowMirror, default_tracking_uri
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore
-from rtnb.storage._layout import checkpoint_dir, read_run_record
+from rtnb.storage._layout import checkpoint_dir, mlflow_artifacts, mlflow_store, read_run_record
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["TrackingFlow"]
@@ -74,8 +74,8 @@ class TrackingFlow:
                     "--mlflow without a URI keeps its store in the run directory, which "
                     "needs a local --storage: pass a tracking URI (--mlflow http://HOST:5000)"
                 )
-            uri = default_tracking_uri(self.run_dir.path)
-            artifacts = os.path.join(os.path.abspath(self.run_dir.path), "mlflow-artifacts")
+            uri = default_tracking_uri(mlflow_store(self.run_dir.path))
+            artifacts = os.path.abspath(mlflow_artifacts(self.run_dir.path))
         earlier = None
         with contextlib.suppress(Exception):
             earlier = read_run_record(self.run_dir)
@@ -100,13 +100,15 @@ class TrackingFlow:
                 target=self._upload, name="rtnb-mlflow-artifacts", daemon=True
             )
             self._uploader.start()
-        self._uploads.put((info.id, os.path.join(self.run_dir.path, checkpoint_dir(info.id))))
+        # In MLflow as in the run directory: checkpoints/<id>/.
+        folder = checkpoint_dir(info.id)
+        self._uploads.put((os.path.join(self.run_dir.path, folder), folder))
 
     def _upload(self) -> None:
         assert self._uploads is not None
         while (item := self._uploads.get()) is not None:
             mirror = self.mirror
-            if mirror is not None and os.path.isdir(item[1]):
+            if mirror is not None and os.path.isdir(item[0]):
                 mirror.log_checkpoint(*item)
 
     def close(self) -> str | None:

@@ -31,10 +31,10 @@ _PARAM_CHARS = 6000
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
-def default_tracking_uri(run_dir_path: str) -> str:
-    """The store ``--mlflow`` without a URI uses: a SQLite file in the run directory
-    (MLflow's file store is in maintenance mode and refuses to start by default)."""
-    return "sqlite:///" + os.path.join(os.path.abspath(run_dir_path), "mlflow.db")
+def default_tracking_uri(store_path: str) -> str:
+    """The URI of a SQLite store at ``store_path`` (MLflow's file store is in
+    maintenance mode and refuses to start by default)."""
+    return "sqlite:///" + os.path.abspath(store_path)
 
 
 @contextlib.contextmanager
@@ -180,10 +180,8 @@ class MlflowMirror:
         self.flush()
 
     # ---- the rest of the run -------------------------------------------------------------
-    def log_checkpoint(self, checkpoint_id: str, local_dir: str) -> None:
-        self._call(
-            self.client.log_artifacts, self.run_id, local_dir, f"checkpoints/{checkpoint_id}"
-        )
+    def log_checkpoint(self, local_dir: str, artifact_path: str) -> None:
+        self._call(self.client.log_artifacts, self.run_id, local_dir, artifact_path)
 
     def log_notebook(self, path: str) -> None:
         self._call(self.client.log_artifact, self.run_id, path, "notebook")

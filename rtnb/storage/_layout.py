@@ -46,6 +46,8 @@ METRICS = "metrics"
 LOGS = "logs"
 JOURNAL = "journal"
 TENSORBOARD = "tensorboard"
+MLFLOW_STORE = "mlflow.db"  # --mlflow without a URI: its SQLite store
+MLFLOW_ARTIFACTS = "mlflow-artifacts"
 NOTEBOOKS = "notebooks"
 _INDEX = "index.json"
 # In a checkpoint's folder, written last: a folder without it is not a checkpoint.
@@ -92,6 +94,15 @@ def rank_folder(rank: int) -> str:
 
 def notebook(name: str) -> str:
     return posixpath.join(NOTEBOOKS, name)
+
+
+def mlflow_store(run_path: str) -> str:
+    """The SQLite file ``--mlflow`` without a URI keeps the run's tracking in."""
+    return posixpath.join(run_path, MLFLOW_STORE)
+
+
+def mlflow_artifacts(run_path: str) -> str:
+    return posixpath.join(run_path, MLFLOW_ARTIFACTS)
 
 
 def tensorboard_dir(run_path: str) -> str:

@@ -1,7 +1,8 @@
 """Makes code written for Ray Train's ``train_loop_per_worker`` run unchanged in a cell.
 
-Inside a rank, ``ray.train.report/get_context/get_checkpoint/get_dataset_shard`` and
-``ray.train.torch.prepare_model/prepare_data_loader/get_device`` are pointed at
+Inside a rank, ``ray.train.report/get_context/get_checkpoint/get_dataset_shard``,
+``ray.train.torch.prepare_model/prepare_data_loader/get_device`` and
+``ray.train.huggingface.transformers.prepare_trainer/RayTrainReportCallback`` are pointed at
 rtnb's versions. The patch is applied when the user's code imports those modules
 (an import hook), because importing ``ray.train.torch`` costs ~3 s that a rank
 that never uses it should not pay at start-up.
@@ -35,7 +36,20 @@ def _patch_train_torch(module) -> None:
         module.get_devices = _train.get_devices
 
 
-_PATCHES = {"ray.train": _patch_train, "ray.train.torch": _patch_train_torch}
+def _patch_train_transformers(module) -> None:
+    # Imported only when the cell imports Ray Train's transformers module, which
+    # imports transformers itself: rtnb's versions cost nothing more then.
+    from rtnb.worker import _hf
+
+    module.prepare_trainer = _hf.prepare_trainer
+    module.RayTrainReportCallback = _hf.RayTrainReportCallback
+
+
+_PATCHES = {
+    "ray.train": _patch_train,
+    "ray.train.torch": _patch_train_torch,
+    "ray.train.huggingface.transformers": _patch_train_transformers,
+}
 
 
 class _PatchingLoader(importlib.abc.Loader):
