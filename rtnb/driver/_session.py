@@ -441,6 +441,7 @@ class Session:
             ],
             error=self._cells.last_error,
             run_name=self.run_name,
+            mlflow_run_id=self.mlflow_run_id,
             score_rule=score_rule(self.config.score, self.config.mode, self.metrics.metric_names()),
         )
 
@@ -454,6 +455,7 @@ class Session:
             self.active_cell,
             self.metrics,
             self._cells.state_text(),
+            self._tracking.record.get("run_id", ""),
         )
 
     def __repr__(self) -> str:

@@ -24,6 +24,7 @@ def group_status(
     active: CellHandle | None,
     metrics: MetricsStore,
     state_text: str,
+    mlflow_run: str = "",
 ) -> GroupStatus:
     """The snapshot: each rank's place, pid, device, step and state, the cell."""
     group = lifecycle.group
@@ -51,6 +52,7 @@ def group_status(
         world_size=config.workers,
         ranks=ranks,
         cell=cell,
+        mlflow_run=mlflow_run,
     )
 
 
@@ -73,6 +75,7 @@ class GroupStatus:
     world_size: int
     ranks: list[RankStatus] = field(default_factory=list)
     cell: str = ""  # what runs now: "cell 3 (background), 12.5 s"
+    mlflow_run: str = ""  # the MLflow run it is mirrored into (--mlflow)
 
     def _rows(self) -> list[list[str]]:
         return [
@@ -85,7 +88,9 @@ class GroupStatus:
     def __str__(self) -> str:
         lines = [
             f"rtnb run {self.run_name!r}: {self.state}, {self.world_size} ranks, "
-            f"{self.backend}, Ray {self.address}" + (f"; {self.cell}" if self.cell else "")
+            f"{self.backend}, Ray {self.address}"
+            + (f"; {self.cell}" if self.cell else "")
+            + (f"; MLflow run {self.mlflow_run}" if self.mlflow_run else "")
         ]
         lines.append(format_table([self._HEAD, *self._rows()]))
         return "\n".join(lines)

@@ -35,6 +35,8 @@ class Result:
     # What "best" means for this run (--score, or a metric named like a loss or an
     # accuracy); None: no best unless get_best_checkpoint is told a metric.
     score_rule: ScoreRule | None = None
+    # The MLflow run the run is mirrored into (--mlflow), if any.
+    mlflow_run_id: str | None = None
     # Where to read the run back: ``path`` with its credentials, never shown.
     _location: str | None = field(default=None, repr=False, compare=False)
 
@@ -90,6 +92,7 @@ class Result:
             metrics=mean_over_ranks(per_rank),
             metrics_per_rank=per_rank,
             run_name=record.run_name,
+            mlflow_run_id=record.mlflow.get("run_id"),
         )
 
     def __repr__(self) -> str:

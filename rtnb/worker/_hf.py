@@ -24,6 +24,7 @@ from typing import Any
 import transformers.trainer
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from rtnb.errors import ConfigError
 from rtnb.worker import _api
@@ -101,8 +102,10 @@ class RayTrainReportCallback(TrainerCallback):
         self._flush()
         if step <= self._last_step:
             return
-        source = transformers.trainer.get_last_checkpoint(args.output_dir)
-        if not state.is_world_process_zero or source is None:
+        # The folder this save wrote (not the highest-numbered one in output_dir: a
+        # folder left there by an earlier run can have a higher number).
+        source = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not state.is_world_process_zero or not os.path.isdir(source):
             _api.report(metrics, step=step)
             self._last_step = step
             return
