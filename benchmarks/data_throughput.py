@@ -1,0 +1,209 @@
+"""Ray Data and a Hugging Face Trainer in a cell against the same code under
+``TorchTrainer.fit()``, on the same kind of local Ray (2 CPUs, 2 ranks of 0.5 CPU, so
+Ray Data has a CPU of its own), each side in a fresh process, one run each.
+
+(a) rows/s per rank reading a Ray Data shard (``iter_torch_batches``; a
+    ``map_batches`` preprocessing step on the cluster), the second epoch (warm);
+    goal >= 0.95x of TorchTrainer's;
+(b) a tiny GPT-2's Trainer step time on 2 ranks (DDP, gloo), steps 10-40; goal:
+    rtnb's steps/s >= 0.98x of TorchTrainer's.
+
+    .venv/bin/python benchmarks/data_throughput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+ROWS = 200_000
+HF_STEPS = 40
+
+
+def make_dataset():
+    import numpy as np
+    import ray
+
+    def features(batch):
+        batch["x"] = np.repeat(batch["id"][:, None].astype("float32"), 16, axis=1)
+        return batch
+
+    return ray.data.range(ROWS).map_batches(features)
+
+
+def _keep(config: dict, name: str, value: float) -> None:
+    """Ray Train V2's Result keeps metrics reported with a checkpoint only: each rank
+    writes its figure to a file the driver reads."""
+    import os
+
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"{name}-{rank}.json"), "w") as out:
+        out.write(json.dumps(value))
+
+
+def read_loop_trained(config: dict) -> None:
+    _keep(config, "rows_per_s", read_loop())
+
+
+def hf_loop_trained(config: dict) -> None:
+    _keep(config, "s_per_step", hf_loop())
+
+
+def read_loop():
+    """Two epochs of this rank's shard; rows/s of the second."""
+    import time
+
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+    rates = []
+    for _epoch in range(2):
+        rows, started = 0, time.perf_counter()
+        for batch in shard.iter_torch_batches(batch_size=512):
+            rows += len(batch["id"])
+        rates.append(rows / (time.perf_counter() - started))
+    return rates[-1]
+
+
+def hf_loop():
+    """A tiny GPT-2 Trainer for HF_STEPS steps; seconds per step of steps 10-40."""
+    import tempfile as _tempfile
+    import time
+
+    import torch
+    from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4096
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=64, n_positions=32)
+    )
+    args = TrainingArguments(
+        output_dir=_tempfile.mkdtemp(),
+        per_device_train_batch_size=8,
+        max_steps=HF_STEPS,
+        logging_steps=5,
+        save_steps=HF_STEPS,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Clock()])
+    trainer.add_callback(RayTrainReportCallback())
+    trainer = prepare_trainer(trainer)
+    trainer.train()
+    per_step = (stamps[-1] - stamps[9]) / (len(stamps) - 10)
+    return per_step
+
+
+def phase_rtnb() -> dict:
+    import inspect
+
+    from _common import embedded_ray, quiet
+
+    import rtnb
+
+    embedded_ray()
+    with rtnb.Session(
+        workers=2, cpus_per_worker=0.5, storage=tempfile.mkdtemp(prefix="rtnb-bench-")
+    ) as session:
+        session.set_datasets(train=make_dataset())
+        source = inspect.getsource(read_loop) + "read_loop()"
+        rates = session.run(source, output=quiet)
+        hf = session.run(
+            f"HF_STEPS = {HF_STEPS}\n" + inspect.getsource(hf_loop) + "hf_loop()", output=quiet
+        )
+    return {"rows_per_s": min(rates.values()), "s_per_step": max(hf.values())}
+
+
+def phase_trainer() -> dict:
+    from _common import embedded_ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    embedded_ray()
+    storage = tempfile.mkdtemp(prefix="rtnb-bench-")
+    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
+    out = {"out": storage}
+    data = TorchTrainer(
+        read_loop_trained,
+        train_loop_config=out,
+        datasets={"train": make_dataset()},
+        scaling_config=scaling,
+        run_config=RunConfig(name="data", storage_path=storage),
+    ).fit()
+    hf = TorchTrainer(
+        hf_loop_trained,
+        train_loop_config=out,
+        scaling_config=scaling,
+        run_config=RunConfig(name="hf", storage_path=storage),
+    ).fit()
+    for result in (data, hf):
+        if result.error is not None:
+            raise RuntimeError(f"TorchTrainer failed: {result.error}")
+    figures = {}
+    for name, pick in (("rows_per_s", min), ("s_per_step", max)):
+        values = [json.loads((Path(storage) / f"{name}-{r}.json").read_text()) for r in (0, 1)]
+        figures[name] = pick(values)  # the slowest rank, as on rtnb's side
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", default=None)
+    args = parser.parse_args()
+    if args.phase == "rtnb":
+        print("RESULT " + json.dumps(phase_rtnb()))
+        return
+    if args.phase == "trainer":
+        print("RESULT " + json.dumps(phase_trainer()))
+        return
+    from _common import run_phase
+
+    print(
+        "data_throughput: 2 ranks x 0.5 CPU, gloo; each side in a fresh process with embedded Ray"
+    )
+    ours = run_phase(__file__, ["--phase", "rtnb"], "phase rtnb", 900, {})
+    peer = run_phase(__file__, ["--phase", "trainer"], "phase trainer", 900, {})
+    ratio = ours["rows_per_s"] / peer["rows_per_s"]
+    print(
+        f"(a) Ray Data shard, rows/s per rank   rtnb {ours['rows_per_s']:10,.0f}   "
+        f"TorchTrainer {peer['rows_per_s']:10,.0f}   ratio {ratio:.2f}x  (goal >= 0.95x)"
+    )
+    speed = peer["s_per_step"] / ours["s_per_step"]
+    print(
+        f"(b) HF Trainer step, 2 ranks          rtnb {ours['s_per_step'] * 1e3:8.1f} ms   "
+        f"TorchTrainer {peer['s_per_step'] * 1e3:8.1f} ms   steps/s ratio {speed:.2f}x  (goal >= 0.98x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
