@@ -25,8 +25,15 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
-def test_a_run_is_mirrored_into_mlflow_and_a_replay_carries_it_on(ray_cluster, tmp_path):
+def test_a_run_is_mirrored_into_mlflow_and_a_replay_carries_it_on(
+    ray_cluster, tmp_path, monkeypatch
+):
     from mlflow.tracking import MlflowClient
+
+    # The notebook the kernel runs, as `rtnb run` (and Jupyter Server) name it.
+    notebook = tmp_path / "train.ipynb"
+    notebook.write_text('{"cells": []}')
+    monkeypatch.setenv("RTNB_NOTEBOOK", str(notebook))
 
     options = dict(workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="tracked", mlflow="")
     with rtnb.Session(**options) as session:
@@ -45,6 +52,7 @@ def test_a_run_is_mirrored_into_mlflow_and_a_replay_carries_it_on(ray_cluster, t
     assert logged == {f"checkpoints/{c}" for c in checkpoints} and len(checkpoints) == 2
     files = client.list_artifacts(run_id, f"checkpoints/{checkpoints[-1]}")
     assert files, "the checkpoint's files are in MLflow"
+    assert [f.path for f in client.list_artifacts(run_id, "notebook")] == ["notebook/train.ipynb"]
 
     # The same run carried on in a new session (--replay): the same MLflow run.
     with rtnb.Session(replay=True, **options) as again:
