@@ -3,9 +3,9 @@
 Ray Data has a CPU of its own), each side in a fresh process, one run each.
 
 (a) rows/s per rank reading a Ray Data shard (``iter_torch_batches``; a
-    ``map_batches`` preprocessing step on the cluster), the second epoch (warm);
+    ``map_batches`` preprocessing step on the cluster), the fourth epoch (steady);
     goal >= 0.95x of TorchTrainer's;
-(b) a tiny GPT-2's Trainer step time on 2 ranks (DDP, gloo), steps 10-40; goal:
+(b) a tiny GPT-2's Trainer step time on 2 ranks (DDP, gloo), steps 20-120; goal:
     rtnb's steps/s >= 0.98x of TorchTrainer's.
 
     .venv/bin/python benchmarks/data_throughput.py
@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 ROWS = 200_000
-HF_STEPS = 40
+HF_STEPS = 120
+EPOCHS = 4
 
 
 def make_dataset():
@@ -58,14 +59,14 @@ def hf_loop_trained(config: dict) -> None:
 
 
 def read_loop():
-    """Two epochs of this rank's shard; rows/s of the second."""
+    """EPOCHS epochs of this rank's shard; rows/s of the last."""
     import time
 
     import ray.train
 
     shard = ray.train.get_dataset_shard("train")
     rates = []
-    for _epoch in range(2):
+    for _epoch in range(EPOCHS):
         rows, started = 0, time.perf_counter()
         for batch in shard.iter_torch_batches(batch_size=512):
             rows += len(batch["id"])
@@ -74,7 +75,7 @@ def read_loop():
 
 
 def hf_loop():
-    """A tiny GPT-2 Trainer for HF_STEPS steps; seconds per step of steps 10-40."""
+    """A tiny GPT-2 Trainer for HF_STEPS steps; seconds per step after the first 20."""
     import tempfile as _tempfile
     import time
 
@@ -120,7 +121,7 @@ def hf_loop():
     trainer.add_callback(RayTrainReportCallback())
     trainer = prepare_trainer(trainer)
     trainer.train()
-    per_step = (stamps[-1] - stamps[9]) / (len(stamps) - 10)
+    per_step = (stamps[-1] - stamps[19]) / (len(stamps) - 20)
     return per_step
 
 
@@ -136,7 +137,7 @@ def phase_rtnb() -> dict:
         workers=2, cpus_per_worker=0.5, storage=tempfile.mkdtemp(prefix="rtnb-bench-")
     ) as session:
         session.set_datasets(train=make_dataset())
-        source = inspect.getsource(read_loop) + "read_loop()"
+        source = f"EPOCHS = {EPOCHS}\n" + inspect.getsource(read_loop) + "read_loop()"
         rates = session.run(source, output=quiet)
         hf = session.run(
             f"HF_STEPS = {HF_STEPS}\n" + inspect.getsource(hf_loop) + "hf_loop()", output=quiet
