@@ -276,9 +276,14 @@ class LiveMetrics(w.VBox):
         (and the cell's output as text), so the saved notebook keeps the curves."""
         from IPython.display import display
 
-        self._display = display(self, display_id=True)
+        shown = display(self, display_id=True)
         # An empty output below the view, for the cell's printed lines at its end.
-        self._logs_display = display({"text/plain": ""}, raw=True, display_id=True)
+        logs = display({"text/plain": ""}, raw=True, display_id=True)
+        # Both at once: a cell that ends while the view is being shown (a short
+        # background cell) must find both displays or neither, never the view alone
+        # (its lasting figure then failed half-way and the widget stayed).
+        with self._leave_lock:
+            self._display, self._logs_display = shown, logs
         if self._stopped.is_set():  # the cell ended before the view was shown
             self._leave_lasting_output()
         return self
