@@ -28,6 +28,7 @@ from rtnb.widgets import (
     has_live_frontend,
     import_figure_widget_in_background,
     runs_bundle,
+    show_static_figure,
     static_figure_bundle,
     stop_asking,
 )
@@ -657,11 +658,8 @@ class RtnbMagics(Magics):
                 f"run {run!r} has no metric {missing[0]!r}; it reported: "
                 f"{', '.join(store.metric_names()) or 'nothing yet'}"
             )
-        bundle = static_figure_bundle(store, title=f"run {run}", metrics=args.metric)
-        if bundle is None:
+        if not show_static_figure(store, title=f"run {run}", metrics=args.metric):
             print(f"rtnb: run {run!r} has reported no metrics yet")
-            return None
-        display(bundle, raw=True)
         return None
 
     def _storage_of(self, storage: str | None) -> str:

@@ -265,6 +265,20 @@ def _colours(page) -> dict:
     )
 
 
+def _colours_settled(page, theme: str, timeout_s: float = 20) -> dict:
+    """``_colours`` once they read well, or as they are at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        colours = _colours(page)
+        try:
+            _assert_readable(colours, theme)
+            return colours
+        except AssertionError:
+            if time.monotonic() > deadline:
+                return colours
+        time.sleep(0.3)
+
+
 def _assert_readable(colours: dict, theme: str) -> None:
     background = colours["background"]
     assert colours["lines"] and colours["buttons"], colours
@@ -341,7 +355,10 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         (tmp_path / "seen").write_text("stop")
         _wait_idle(page)  # the foreground cell ended; the background one starts next
         page.wait_for_selector(".updatemenu-button", state="attached", timeout=30_000)
-        dark_colours = _colours(page)  # the lasting figure, its lines and buttons
+        # The lasting figure, its lines and buttons. Where this cell was sent before
+        # the page's theme answer reached the kernel (it queues behind the cell), the
+        # figure is drawn again in the dark theme's colours once the answer comes.
+        dark_colours = _colours_settled(page, "dark")
         # Known once the cell ended (a running cell's prompt reads [*]).
         prompt = page.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text()
         page.keyboard.press("Shift+Enter")

@@ -552,3 +552,33 @@ def test_report_keeps_its_signature_help_and_errors_when_built_in_c(monkeypatch)
         rtnb.report({"loss": 1.0})
     with pytest.raises(SessionError, match="inside a %%rtrain cell"):
         rtnb.report({"loss": 1.0}, step=3)
+
+
+def test_lasting_figures_drawn_before_the_page_said_its_theme_take_a_dark_pages_colours(
+    tmp_path, monkeypatch
+):
+    """Run All in a dark notebook: the next cells ran before the page's answer reached
+    the kernel, so their lasting figures took the light theme's grey (2.8:1 on dark);
+    they are drawn again once the page answers, and only then."""
+    from rtnb.widgets import _theme, static_figure_bundle
+
+    monkeypatch.setattr(_theme, "_light", True)
+    monkeypatch.setattr(_theme, "_answered", False)
+    monkeypatch.setattr(_theme, "_unthemed", [])
+    store = _spiky_store(tmp_path)
+    drawn: list[str] = []
+
+    def redraw() -> None:
+        figure = static_figure_bundle(store)["application/vnd.plotly.v1+json"]
+        drawn.append(figure["layout"]["font"]["color"])
+
+    redraw()
+    _theme.redraw_when_theme_known(redraw)
+    probe = _theme.theme_probe()
+    assert probe is not None, "anywidget is installed with rtnb"
+    assert drawn == [_theme.TEXT_ON_LIGHT]
+    probe.set_state({"light": False, "seen": True})  # what the page sends
+    assert drawn == [_theme.TEXT_ON_LIGHT, _theme.TEXT_ON_DARK]
+    _theme.redraw_when_theme_known(redraw)  # drawn once the theme is known: kept as is
+    probe.set_state({"light": True})
+    assert len(drawn) == 2

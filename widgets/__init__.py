@@ -8,7 +8,7 @@ from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport, format_header
 from rtnb.widgets._logs import RankLog
 from rtnb.widgets._plot import import_figure_widget_in_background
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
-from rtnb.widgets._static import ProgressLines, static_figure_bundle
+from rtnb.widgets._static import ProgressLines, show_static_figure, static_figure_bundle
 from rtnb.widgets._theme import ask_page_theme, stop_asking
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "has_live_frontend",
     "import_figure_widget_in_background",
     "runs_bundle",
+    "show_static_figure",
     "static_figure_bundle",
     "stop_asking",
 ]

@@ -309,7 +309,7 @@ class LiveMetrics(w.VBox):
         reads "model not found") by a static figure with its own buttons for log y,
         outliers and smoothing, plus the cell's output as text; a cell that reported
         nothing leaves only its text."""
-        from rtnb.widgets._static import static_figure_bundle
+        from rtnb.widgets._static import redraw_for_the_page_theme, static_figure_bundle
 
         with self._leave_lock:
             if self._display is None or self._closed or self._left:
@@ -331,6 +331,7 @@ class LiveMetrics(w.VBox):
             self._display.update(bundle, raw=True)
             if logs and self._logs_display is not None:
                 self._logs_display.update({"text/plain": logs}, raw=True)
+            redraw_for_the_page_theme(self._display, self.store, header, self.max_points)
         self.close()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import time
 from rtnb.widgets._live import format_header
 from rtnb.widgets._plot import build_figure, robust_range, smooth, trace_keys
 from rtnb.widgets._svg import figure_svg
+from rtnb.widgets._theme import redraw_when_theme_known
 
 __all__ = [
     "ACTIVE_BUTTON_COLOR",
@@ -21,6 +22,8 @@ __all__ = [
     "BUTTON_TEXT_COLOR",
     "ProgressLines",
     "static_figure",
+    "redraw_for_the_page_theme",
+    "show_static_figure",
     "static_figure_bundle",
 ]
 
@@ -221,3 +224,31 @@ def static_figure_bundle(
         "image/svg+xml": figure_svg(fig, title),
         "text/plain": summary,
     }
+
+
+def show_static_figure(store, title: str = "", metrics: list[str] | None = None) -> bool:
+    """Display :func:`static_figure_bundle` in this cell; False if nothing was reported."""
+    from IPython.display import display
+
+    bundle = static_figure_bundle(store, title, metrics=metrics)
+    if bundle is None:
+        return False
+    shown = display(bundle, raw=True, display_id=True)
+    redraw_for_the_page_theme(shown, store, title, metrics=metrics)
+    return True
+
+
+def redraw_for_the_page_theme(
+    shown, store, title: str = "", max_points: int = 500, metrics: list[str] | None = None
+) -> None:
+    """Draw the figure ``shown`` displays again once the page says its theme, if no page
+    had (Run All: the cell ran before the answer came) and the page is dark."""
+
+    def redraw() -> None:
+        bundle = static_figure_bundle(store, title, max_points, metrics)
+        # Through text: JupyterLab's plotly renderer ignores a new figure for one it
+        # drew; a new renderer draws it.
+        shown.update({"text/plain": bundle["text/plain"]}, raw=True)
+        shown.update(bundle, raw=True)
+
+    redraw_when_theme_known(redraw)

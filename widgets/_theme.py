@@ -11,7 +11,9 @@ lasting figure, the browser's timeline, the runs dashboard) uses that theme's
 colour. Views also carry a probe, so a theme switched while they are open (and the
 kernel is free) recolours their figures. Until a page answers (papermill, nbclient)
 the light theme's is used; a saved notebook opened later in another theme keeps
-the colours of the theme it was run in.
+the colours of the theme it was run in. Lasting figures drawn before the first
+answer (Run All: the next cells queue ahead of it) are drawn again once it comes
+(:func:`redraw_when_theme_known`), if the page is dark.
 """
 
 from __future__ import annotations
@@ -23,11 +25,24 @@ from collections.abc import Callable, Iterable
 
 from rtnb.widgets._comms import close_tree
 
-__all__ = ["ask_page_theme", "figure_text_color", "follow_theme", "stop_asking", "theme_probe"]
+__all__ = [
+    "ask_page_theme",
+    "figure_text_color",
+    "follow_theme",
+    "redraw_when_theme_known",
+    "stop_asking",
+    "theme_probe",
+]
 
 TEXT_ON_LIGHT = "#5c5c5c"  # 6.7:1 on white
 TEXT_ON_DARK = "#b0b0b0"  # 8.8:1 on #111111
 _light = True
+_answered = False  # a page has said its theme to this kernel
+# Redraws of lasting figures drawn before that; the oldest are dropped past the cap
+# (each holds its run's metrics).
+_unthemed: list[Callable[[], None]] = []
+_UNTHEMED_KEPT = 32
+_unthemed_lock = threading.Lock()
 
 _PROBE_ESM = """
 export default {
@@ -61,15 +76,42 @@ def theme_probe(on_change: Callable[[], None] | None = None):
         return None
     probe = probe_class(light=_light)
 
-    def seen(change) -> None:
+    def heard(_change) -> None:
+        # Both traits arrive in one message and notify once both are set.
         global _light
-        if change["new"] != _light:
-            _light = change["new"]
-            if on_change is not None:
-                on_change()
+        changed = probe.light != _light
+        _light = probe.light
+        _theme_heard()
+        if changed and on_change is not None:
+            on_change()
 
-    probe.observe(seen, names="light")
+    probe.observe(heard, names=["light", "seen"])
     return probe
+
+
+def redraw_when_theme_known(redraw: Callable[[], None]) -> None:
+    """``redraw`` a lasting figure just drawn once the page says its theme, if no page
+    has yet (its text took the light theme's colour, unreadable on a dark page)."""
+    with _unthemed_lock:
+        if _answered:
+            return
+        _unthemed.append(redraw)
+        del _unthemed[:-_UNTHEMED_KEPT]
+
+
+def _theme_heard() -> None:
+    global _answered
+    with _unthemed_lock:
+        if _answered:
+            return
+        _answered = True
+        pending = list(_unthemed)
+        _unthemed.clear()
+    if _light:
+        return  # they were drawn for it
+    for redraw in pending:
+        with contextlib.suppress(Exception):  # one that fails keeps its first colours
+            redraw()
 
 
 @functools.cache
