@@ -6,6 +6,7 @@ available from Python through ``rtnb.Session``.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
 import re
@@ -42,10 +43,16 @@ from rtnb import (
     stop_warm_ray,
     warm_ray_status,
 )
-from rtnb.core._config import BACKENDS, STRATEGIES, SessionConfig, declared_defaults
+from rtnb.core._config import (
+    BACKENDS,
+    STRATEGIES,
+    SessionConfig,
+    declared_defaults,
+    parse_workers,
+)
 from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
-from rtnb.errors import ConfigError
+from rtnb.errors import ConfigError, SessionError
 from rtnb.storage._checkpoints import checkpoints_table
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
@@ -92,12 +99,24 @@ _DEFAULTS = SessionConfig()  # the one place start's defaults come from
 _DECLARED = SimpleNamespace(**declared_defaults())
 
 
+def _workers(text: str) -> int | tuple[int, int]:
+    """``--workers`` and ``%rtnb scale``'s size: N, MIN-MAX (elastic) or 0 (local)."""
+    try:
+        return parse_workers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @magic_arguments()
 @argument(
     "--workers",
-    type=int,
+    type=_workers,
     default=_DECLARED.workers,
-    help=f"number of ranks (default {_DEFAULTS.workers})",
+    help=(
+        f"number of ranks (default {_DEFAULTS.workers}); MIN-MAX: elastic, as many as the "
+        "cluster places up to MAX; 0: local mode, one rank in this kernel, where "
+        "breakpoint() and %%debug reach the training code"
+    ),
 )
 @argument("--gpu", action="store_true", help="one GPU per rank; nccl backend")
 @argument(
@@ -192,7 +211,16 @@ def _restart_args(line):
 
 
 @magic_arguments()
-@argument("workers", type=int, help="new number of ranks")
+@argument(
+    "workers",
+    type=_workers,
+    nargs="?",
+    default=None,
+    help=(
+        "new number of ranks, MIN-MAX for an elastic group, 0 for local mode; none: an "
+        "elastic group grows now to what the cluster has room for"
+    ),
+)
 def _scale_args(line):
     """%rtnb scale options."""
 
@@ -248,6 +276,25 @@ def _runs_args(line):
 )
 def _plot_args(line):
     """%rtnb plot options."""
+
+
+@magic_arguments()
+@argument("file", help="the script to write, FILE.py")
+@argument("--run", default=None, help="the run to export (default: this session's run)")
+@argument(
+    "--storage",
+    default=None,
+    help="storage path or URI of the run (default: the session's, else ./rtnb_runs)",
+)
+@argument("--force", action="store_true", help="replace FILE.py even if it is not an rtnb export")
+def _export_args(line):
+    """%rtnb export options."""
+
+
+@magic_arguments()
+@argument("file", help="a Ray Train script (TorchTrainer(train_loop_per_worker, ...))")
+def _import_args(line):
+    """%rtnb import options."""
 
 
 _LEADING_OPTIONS = re.compile(
@@ -316,6 +363,18 @@ SUBCOMMANDS = [
     ),
     Subcommand(
         "result", "the run so far as an rtnb.Result (metrics, dataframe)", "result = %rtnb result"
+    ),
+    Subcommand(
+        "import",
+        "run a Ray Train script's train_loop_per_worker as a cell (its size and config)",
+        "%rtnb import train.py",
+        _import_args,
+    ),
+    Subcommand(
+        "export",
+        "the run's training as a Ray Train TorchTrainer script (also runs under torchrun)",
+        "%rtnb export train.py",
+        _export_args,
     ),
     Subcommand(
         "checkpoints",
@@ -474,9 +533,15 @@ class RtnbMagics(Magics):
 
     def _rtnb_scale(self, rest: str):
         args = parse_argstring(_scale_args, rest)
-        session = self._require().scale(args.workers)
-        if session.last_replay is not None:
-            print(f"rtnb: now {args.workers} ranks, state kept: {session.last_replay}")
+        session = self._require()
+        try:
+            session.scale(args.workers)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        if args.workers is None:
+            print(session.last_growth or "rtnb: the elastic group stays: no room for more ranks")
+        elif session.last_replay is not None:
+            print(f"rtnb: now {session.world_size} ranks, state kept: {session.last_replay}")
         display(session.status())
 
     def _rtnb_wait(self, rest: str):
@@ -661,6 +726,33 @@ class RtnbMagics(Magics):
         if not show_static_figure(store, title=f"run {run}", metrics=args.metric):
             print(f"rtnb: run {run!r} has reported no metrics yet")
         return None
+
+    def _rtnb_import(self, rest: str):
+        args = parse_argstring(_import_args, rest)
+        try:
+            script = self._require().prepare_import(args.file)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        for note in script.notes:
+            print(f"rtnb: {note}")
+        print(f"rtnb: running {script.loop}() of {script.path} on the ranks")
+        return self._run(script.code, parse_argstring(self.rtrain_cell, ""))
+
+    def _rtnb_export(self, rest: str):
+        args = parse_argstring(_export_args, rest)
+        run = args.run or (self.session.run_name if self.session else None)
+        if run is None:
+            raise UsageError(
+                "%rtnb export needs a run: start a session and run cells, or name one "
+                "with --run (`%rtnb runs` lists them)"
+            )
+        try:
+            exported = open_run(self._storage_of(args.storage), run, self.session).export(
+                args.file, force=args.force
+            )
+        except (ConfigError, SessionError) as exc:
+            raise UsageError(str(exc)) from None
+        print(exported)
 
     def _storage_of(self, storage: str | None) -> str:
         """``--storage``, else this session's, else the default."""

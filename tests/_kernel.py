@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ class Execution:
     results: list[dict] = field(default_factory=list)
     updates: list[dict] = field(default_factory=list)  # update_display_data, in order
     stream_times: list[float] = field(default_factory=list)
+    # (the prompt, what stdout showed when it was asked) for each input request
+    prompts: list[tuple[str, str]] = field(default_factory=list)
     elapsed_s: float = 0.0
 
     @property
@@ -53,43 +56,44 @@ class Kernel:
         self.kc.wait_for_ready(timeout=60)
 
     def execute(
-        self, code: str, timeout: float = 120.0, interrupt_after: float | None = None
+        self,
+        code: str,
+        timeout: float = 120.0,
+        interrupt_after: float | None = None,
+        stdin: list[str] | None = None,
     ) -> Execution:
+        """Run ``code``; ``stdin``: the answers typed, in order, to its input requests
+        (each request's prompt is kept with the output shown before it)."""
         result = Execution()
         start = time.monotonic()
-        msg_id = self.kc.execute(code)
+        answers = list(stdin or [])
+        msg_id = self.kc.execute(code, allow_stdin=stdin is not None)
         timer = None
         if interrupt_after is not None:
             timer = threading.Timer(interrupt_after, self.km.interrupt_kernel)
             timer.start()
+        request = None  # an input request waiting for the output sent before it
         try:
             while True:
                 remaining = timeout - (time.monotonic() - start)
                 if remaining <= 0:
                     raise TimeoutError(f"kernel did not finish within {timeout} s:\n{code}")
+                if stdin is not None and request is None:
+                    with contextlib.suppress(queue.Empty):
+                        request = self.kc.get_stdin_msg(timeout=0)
                 try:
-                    msg = self.kc.get_iopub_msg(timeout=remaining)
+                    msg = self.kc.get_iopub_msg(
+                        timeout=min(remaining, 0.2) if stdin is not None else remaining
+                    )
                 except queue.Empty:
+                    if request is not None:  # the output before it has all come
+                        result.prompts.append((request["content"]["prompt"], result.stdout))
+                        self.kc.input(answers.pop(0) if answers else "")
+                        request = None
                     continue
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
-                kind, content = msg["msg_type"], msg["content"]
-                if kind == "stream":
-                    setattr(
-                        result, content["name"], getattr(result, content["name"]) + content["text"]
-                    )
-                    result.stream_times.append(time.monotonic() - start)
-                elif kind == "error":
-                    result.ename, result.evalue, result.traceback = (
-                        content["ename"],
-                        content["evalue"],
-                        content["traceback"],
-                    )
-                elif kind in ("execute_result", "display_data"):
-                    result.results.append(content["data"])
-                elif kind == "update_display_data":
-                    result.updates.append(content["data"])
-                elif kind == "status" and content["execution_state"] == "idle":
+                if self._record(result, msg, start):
                     break
         finally:
             if timer is not None:
@@ -97,6 +101,27 @@ class Kernel:
         result.status = self._reply_to(msg_id)["content"]["status"]
         result.elapsed_s = time.monotonic() - start
         return result
+
+    @staticmethod
+    def _record(result: Execution, msg: dict, start: float) -> bool:
+        """Keep ``msg`` in ``result``; True once the kernel is idle again."""
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+            result.stream_times.append(time.monotonic() - start)
+        elif kind == "error":
+            result.ename, result.evalue, result.traceback = (
+                content["ename"],
+                content["evalue"],
+                content["traceback"],
+            )
+        elif kind in ("execute_result", "display_data"):
+            result.results.append(content["data"])
+        elif kind == "update_display_data":
+            result.updates.append(content["data"])
+        elif kind == "status" and content["execution_state"] == "idle":
+            return True
+        return False
 
     def _reply_to(self, msg_id: str) -> dict:
         # wait_for_ready() asks kernel_info once a second until one answer comes; a kernel

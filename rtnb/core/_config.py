@@ -11,7 +11,14 @@ from pathlib import Path
 from rtnb.core._redact import redact_uri
 from rtnb.errors import ConfigError
 
-__all__ = ["SessionConfig", "declared_defaults", "parse_ranks", "STRATEGIES", "BACKENDS"]
+__all__ = [
+    "SessionConfig",
+    "declared_defaults",
+    "parse_ranks",
+    "parse_workers",
+    "STRATEGIES",
+    "BACKENDS",
+]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BACKENDS = ("gloo", "nccl")
@@ -28,6 +35,9 @@ class SessionConfig:
     """
 
     workers: int = 2
+    # Elastic (``--workers MIN-MAX``, Ray Train's ``num_workers=(min, max)``): the
+    # group has as many ranks as the cluster places, up to ``workers``, at least this.
+    min_workers: int | None = None
     gpu: bool = False
     cpus_per_worker: float = 1.0
     strategy: str = "PACK"
@@ -58,8 +68,17 @@ class SessionConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ConfigError(f"--workers must be a whole number ≥ 1, got {self.workers!r}")
+        if isinstance(self.workers, (tuple, list)):
+            self.workers, self.min_workers = _elastic(self.workers)
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
+            raise ConfigError(
+                f"--workers must be a whole number ≥ 1 (or 0: local mode, in this kernel), "
+                f"got {self.workers!r}"
+            )
+        if self.min_workers is not None:
+            _elastic((self.min_workers, self.workers))
+            if self.min_workers == self.workers:
+                self.min_workers = None  # N-N is N
         if not self.cpus_per_worker >= 0:
             raise ConfigError(f"--cpus-per-worker must be ≥ 0, got {self.cpus_per_worker!r}")
         self.strategy = str(self.strategy).upper()
@@ -110,6 +129,26 @@ class SessionConfig:
             )
 
     @property
+    def local(self) -> bool:
+        """Local mode (``--workers 0``): one rank in the kernel's own process."""
+        return self.workers == 0
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the group asks for (local mode's one included; an elastic
+        group's most)."""
+        return max(1, self.workers)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None
+
+    @property
+    def workers_text(self) -> str:
+        """``--workers`` as typed: ``4``, ``2-4`` (elastic) or ``0`` (local mode)."""
+        return f"{self.min_workers}-{self.workers}" if self.elastic else str(self.workers)
+
+    @property
     def storage_path(self) -> str:
         """Where run directories go: --storage, else ``$RTNB_STORAGE``, else
         ``./rtnb_runs`` made absolute."""
@@ -152,6 +191,43 @@ def check_name(name: object, what: str = "run name") -> str:
             "digits, '.', '_' and '-' (no '..'): it names a directory under the storage path"
         )
     return name
+
+
+def parse_workers(text: str) -> int | tuple[int, int]:
+    """``--workers`` as typed: ``N``, or ``(MIN, MAX)`` from ``MIN-MAX``; one line for
+    anything else."""
+    text = str(text).strip()
+    try:
+        sizes = [int(part) for part in text.split("-", 1)]
+    except ValueError:
+        raise ConfigError(
+            f"--workers {text!r} is not a number of ranks (4), a range MIN-MAX for an "
+            "elastic group (2-4), or 0 (local mode)"
+        ) from None
+    if len(sizes) == 1:
+        return sizes[0]
+    high, low = _elastic(sizes)
+    return (low, high)
+
+
+def _elastic(sizes) -> tuple[int, int]:
+    """(max, min) of an elastic group's sizes (min, max); one line when they are wrong."""
+    try:
+        low, high = (int(n) for n in sizes)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"--workers {sizes!r}: an elastic group is MIN-MAX, two whole numbers (2-4)"
+        ) from None
+    if low < 1:
+        raise ConfigError(
+            f"--workers {low}-{high}: an elastic group has at least 1 rank (local mode is "
+            "--workers 0, on its own)"
+        )
+    if low > high:
+        raise ConfigError(
+            f"--workers {low}-{high}: MIN is more than MAX; write the smaller first ({high}-{low})"
+        )
+    return high, low
 
 
 def _check_address(address: str) -> str:

@@ -143,6 +143,9 @@ class RankUpdate:
     # A checkpoint write that failed (full disk, read-only, an object-store error):
     # the rank stopped writing and asks for the cell to stop at a common step.
     storage_error: str | None = None
+    # The cell's exception itself, with its frames, from a rank in the kernel's own
+    # process (local mode) only, for %debug; it never crosses a process.
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
 
 
 def to_wire(message: CellRequest | RankUpdate) -> bytes:

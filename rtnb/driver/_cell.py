@@ -467,6 +467,10 @@ class CellHandle:
         self._dispatch()
         return True
 
+    def note(self, text: str) -> None:
+        """A line from rtnb itself to this cell's viewers (rank -1 for the sinks)."""
+        self._note(text)
+
     def _note(self, text: str) -> None:
         for sink in list(self._sinks):
             try:
@@ -608,7 +612,13 @@ class CellHandle:
             return
         failures = {r: u.error for r, u in finished.items() if u.state is CellState.ERROR}
         if failures:
-            self._finish(error=CellError.from_failures(failures))
+            error = CellError.from_failures(failures)
+            here = next((u.exception for u in finished.values() if u.exception is not None), None)
+            if here is not None:
+                # A rank in this process (local mode): the error carries the cell's
+                # own frames, so %debug opens where the cell raised.
+                error = error.with_traceback(here.__traceback__)
+            self._finish(error=error)
             return
         value = PerRank({r: from_portable(finished[r].value) for r in sorted(finished)})
         self._finish(value=value)

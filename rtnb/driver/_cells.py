@@ -214,6 +214,12 @@ class CellFlow:
         """Check a cell, journal it, and return its handle (not yet dispatched).
         Output goes to ``output``; a foreground cell prints it by default."""
         with self._lock:
+            grown = None
+            if self._active is None or self._active.done():
+                # An elastic group below MAX takes back what the cluster has room
+                # for at a cell's start, never in a cell.
+                assert self._recovery is not None, "the session attaches its recovery flow"
+                grown = self._recovery.grow()
             group = self.require_group()
             if self._active is not None and not self._active.done():
                 raise SessionError(
@@ -262,6 +268,8 @@ class CellFlow:
                 handle.add_sink(output)
             elif not background:
                 handle.add_sink(print_sink())
+            if grown is not None:
+                handle.note(grown)
             self.metrics.begin(rank_list, total_steps)
             self._active = handle
             self._lifecycle.state_machine.to(GroupState.RUNNING, handle.name)

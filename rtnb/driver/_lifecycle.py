@@ -10,6 +10,7 @@ run record (``run.json``) current, since the group's ranks and state are in it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -20,7 +21,8 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._cluster import ClusterConnection, will_embed
 from rtnb.driver._commits import CheckpointCoordinator
-from rtnb.driver._group import RankGroup, RankLost, check_capacity
+from rtnb.driver._group import RankGroup, RankLost, WorkerGroup, check_capacity
+from rtnb.driver._local import LocalGroup
 from rtnb.driver._startup import StartProgress, StartReport
 from rtnb.driver._state import GroupState, StateChange, StateMachine
 from rtnb.errors import ClusterError, ConfigError, RtnbError, SessionError, one_line
@@ -32,10 +34,25 @@ from rtnb.storage._logs import RankLogs
 from rtnb.storage._metricslog import MetricsLog
 from rtnb.storage._rundir import RunDirectory
 
-__all__ = ["GroupLifecycle"]
+__all__ = ["GroupLifecycle", "new_group"]
+
+# An elastic group below MAX: how long the view of free resources may settle (the
+# last group's coming free) before the group starts with what fits; longer when it
+# grows back to a size already seen free.
+_ELASTIC_SETTLE_S = 1.5
+_ELASTIC_GROW_S = 10.0
+# How long a size above MIN may take to be placed before one rank less is tried.
+_ELASTIC_TRY_S = 8.0
 
 GroupFactory = Callable[[SessionConfig, str, str], RankGroup]
 Connector = Callable[..., ClusterConnection]
+
+
+def new_group(config: SessionConfig, run_name: str, storage_path: str) -> RankGroup:
+    """The group ``config`` asks for: ranks on Ray, or local mode's one in this kernel."""
+    if config.local:
+        return LocalGroup(config, run_name, storage_path)
+    return WorkerGroup(config, run_name, storage_path)
 
 
 class GroupLifecycle:
@@ -74,6 +91,8 @@ class GroupLifecycle:
         self._at_exit = at_exit
         self._started_at: float | None = None  # run.json's "started"
         self._lost: str | None = None  # set once the Ray under the group is gone
+        # Why the group has its size, when elastic ("elastic 2-4: 3 ranks (...)").
+        self.size_reason: str | None = None
         # What run.json says of the run's MLflow run (set by the tracking flow).
         self.tracking_record: Callable[[], dict] = dict
 
@@ -101,22 +120,7 @@ class GroupLifecycle:
             self.run_dir.ensure_writable()
             self._attach_outputs()
             prepare()
-            if will_embed(self.config.address) and not self.config.gpu:
-                # Known before Ray starts (~10 s): an embedded Ray has this machine.
-                check_capacity(self.config, {"CPU": os.cpu_count() or 1}, "this machine")
-            if self.connection is None:
-                with steps.phase("Ray", self._connect_doing()):
-                    self.connection = self._connector(
-                        self.config.address,
-                        timeout_s=self.config.connect_timeout_s,
-                        listen=self.config.listen,
-                        need_cpus=self.config.workers * self.config.cpus_per_worker,
-                        ranks=self.config.workers,
-                        progress=lambda text: steps.say(f"rtnb: {text}…"),
-                    )
-                self._at_exit()
-                if self.connection.watch is not None:
-                    self.connection.watch.subscribe(self._ray_went_away)
+            self._connect(steps)
             self.group = self._new_group(steps)
         except BaseException as exc:
             # A start that fails stops the embedded Ray it started (RankGroup.start
@@ -136,7 +140,40 @@ class GroupLifecycle:
         self._carry_on_run_record()
         self.continue_step_count()
         self.write_run_record()
-        self.journal.append(EntryKind.START, workers=self.config.workers, keep=replay)
+        self.journal.append(
+            EntryKind.START, workers=self.world_size, keep=replay, reason=self.size_reason
+        )
+
+    def _connect(self, steps: StartProgress) -> None:
+        """Join (or start) the Ray the group's ranks need; local mode needs none."""
+        if self.connection is not None or self.config.local:
+            return
+        self.check_fits(self.config)
+        with steps.phase("Ray", self._connect_doing()):
+            self.connection = self._connector(
+                self.config.address,
+                timeout_s=self.config.connect_timeout_s,
+                listen=self.config.listen,
+                need_cpus=self.config.workers * self.config.cpus_per_worker,
+                ranks=self.config.workers,
+                progress=lambda text: steps.say(f"rtnb: {text}…"),
+            )
+        self._at_exit()
+        if self.connection.watch is not None:
+            self.connection.watch.subscribe(self._ray_went_away)
+
+    def check_fits(self, config: SessionConfig) -> None:
+        """One line when a group of ``config``'s size cannot be placed: against the
+        cluster once connected, else against this machine for an embedded Ray
+        (known before Ray starts, ~10 s); local mode always fits."""
+        if config.local:
+            return
+        if config.elastic:  # fits when MIN does
+            config = dataclasses.replace(config, workers=config.min_workers, min_workers=None)
+        if self.connection is not None:
+            check_capacity(config)
+        elif will_embed(config.address) and not config.gpu:
+            check_capacity(config, {"CPU": os.cpu_count() or 1}, "this machine")
 
     def _attach_outputs(self) -> None:
         if self.metrics.log is None:
@@ -150,10 +187,83 @@ class GroupLifecycle:
                 )
             self.metrics.exporter = TensorBoardExporter(tensorboard_dir(self.run_dir.path))
 
-    def _new_group(self, progress: StartProgress | None = None) -> RankGroup:
-        group = self._group_factory(self.config, self.run_name, self.config.storage_path)
-        group.start(progress)
+    def _new_group(
+        self, progress: StartProgress | None = None, expect: int | None = None
+    ) -> RankGroup:
+        """A started group of the configured size; an elastic one (``--workers
+        MIN-MAX``) as large as the cluster places now, up to MAX (``expect``: the
+        size resources were seen for, waited for a little longer while the last
+        group's resources come free)."""
+        if not self.config.elastic:
+            group = self._group_factory(self.config, self.run_name, self.config.storage_path)
+            group.start(progress)
+            self.size_reason = None
+            return group
+        low, high = self.config.min_workers or 1, self.config.workers
+        size, room = self._elastic_size(expect)
+        while True:
+            last = size <= low
+            sized = dataclasses.replace(
+                self.config,
+                workers=size,
+                min_workers=None,
+                # A view of free resources can be stale (a lost node still counted):
+                # a size above MIN that does not place soon gives way to one less.
+                placement_timeout_s=(
+                    self.config.placement_timeout_s
+                    if last
+                    else min(self.config.placement_timeout_s, _ELASTIC_TRY_S)
+                ),
+            )
+            group = self._group_factory(sized, self.run_name, self.config.storage_path)
+            try:
+                group.start(progress)
+            except ClusterError:
+                if last:
+                    raise
+                size -= 1
+                room = min(room, size)
+                continue
+            break
+        self.size_reason = f"elastic {low}-{high}: {size} rank{'s' if size != 1 else ''}" + (
+            "" if size == high else f" (the cluster has room for {room})"
+        )
         return group
+
+    def _elastic_size(self, expect: int | None) -> tuple[int, int]:
+        """(the size to try, the ranks the cluster has room for): MAX when it fits,
+        else what fits once the view settled, at least MIN (else one line after
+        ``placement_timeout_s``)."""
+        cfg = self.config
+        low, high = cfg.min_workers or 1, cfg.workers
+        started = time.monotonic()
+        settle = _ELASTIC_SETTLE_S if expect is None else _ELASTIC_GROW_S
+        while True:
+            room = self.room_for_ranks()
+            waited = time.monotonic() - started
+            if room >= min(high, expect or high) or (room >= low and waited >= settle):
+                return min(room, high), room
+            if waited >= cfg.placement_timeout_s:
+                raise ClusterError(
+                    f"an elastic group of {cfg.workers_text} ranks needs at least {low}, but the "
+                    f"cluster has room for {room} ({cfg.cpus_per_worker:g} CPU"
+                    + (" and a GPU" if cfg.gpu else "")
+                    + f" each) after {cfg.placement_timeout_s:g} s: free resources, or "
+                    "start with a smaller MIN"
+                )
+            time.sleep(0.2)
+
+    def room_for_ranks(self, held: int = 0) -> int:
+        """How many ranks the cluster's free resources hold, plus ``held`` that a
+        group being replaced frees."""
+        import ray
+
+        cfg = self.config
+        free = ray.available_resources()
+        room = [int(free.get("CPU", 0) / cfg.cpus_per_worker + 1e-9)] if cfg.cpus_per_worker else []
+        if cfg.gpu:
+            room.append(int(free.get("GPU", 0) + 1e-9))
+        return (min(room) if room else cfg.workers) + held
 
     def _connect_doing(self) -> str:
         if will_embed(self.config.address) and _warm.wanted(self.config.listen):
@@ -202,6 +312,13 @@ class GroupLifecycle:
         )
 
     @property
+    def world_size(self) -> int:
+        """The running group's ranks (an elastic group's current size), else the
+        configured size."""
+        group = self.group
+        return group.world_size if group is not None else self.config.world_size
+
+    @property
     def is_ready(self) -> bool:
         return self._ready.is_set()
 
@@ -223,9 +340,11 @@ class GroupLifecycle:
         reason: str,
         fresh: bool = False,
         kind: EntryKind = EntryKind.RESTART,
+        expect: int | None = None,
     ) -> None:
         """Replace the group; ``fresh`` records that the ranks' state is gone (the
-        journal's replay starts after it)."""
+        journal's replay starts after it); ``expect``: the size an elastic group
+        grows back to (see ``_new_group``)."""
         if self.check_ray_lost():
             raise ClusterError(self._lost)
         with self._lock:
@@ -234,7 +353,8 @@ class GroupLifecycle:
             if group is not None:
                 group.shutdown(graceful=False)
             try:
-                self.group = self._new_group()
+                self._connect(StartProgress())  # local mode scaled out to Ray
+                self.group = self._new_group(expect=expect)
             except RtnbError as exc:
                 # A Ray that is shutting down (`rtnb warm stop --force`, a head's
                 # `ray stop`) kills the ranks and refuses new ones before its GCS
@@ -244,7 +364,9 @@ class GroupLifecycle:
                     raise ClusterError(lost) from None
                 self.state_machine.to(GroupState.FAILED, str(exc))
                 raise
-            self.journal.append(kind, workers=self.config.workers, keep=not fresh)
+            self.journal.append(
+                kind, workers=self.world_size, keep=not fresh, reason=self.size_reason or reason
+            )
             self.state_machine.to(GroupState.READY, reason)
             self.continue_step_count()
             self.write_run_record()

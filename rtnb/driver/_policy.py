@@ -152,6 +152,7 @@ class RecoveryOutcome:
     ray_lost: bool = False
     failure_summary: str = ""  # of the failure this outcome recovered from
     world_size: int = 0  # ranks in the rebuilt group
+    resized: str | None = None  # an elastic group rebuilt smaller: its size and why
 
     @property
     def attempt(self) -> str:
@@ -164,8 +165,9 @@ class RecoveryOutcome:
 
     def restart_note(self, cell: str) -> str:
         """The line a cell that runs again on the rebuilt group shows its viewers."""
+        size = f" with {self.resized}" if self.resized else ""
         return (
-            f"[rtnb] {self.failure_summary}; worker group rebuilt ({self.attempt}), "
+            f"[rtnb] {self.failure_summary}; worker group rebuilt{size} ({self.attempt}), "
             f"{self.replay}; {cell} restarted\n"
         )
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from rtnb.core._config import SessionConfig
-from rtnb.driver._group import RankLost, check_capacity
+from rtnb.driver._group import RankLost
 from rtnb.driver._lifecycle import GroupLifecycle
 from rtnb.driver._policy import (
     DURING_REBUILD,
@@ -135,6 +135,7 @@ class RecoveryFlow:
         self.checkpoints = checkpoints
         self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
         self.last_recovery: RecoveryOutcome | None = None
+        self._resized_from: tuple[int, int | None] = (config.workers, config.min_workers)
 
     # ---- after a failure ---------------------------------------------------------------
     def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
@@ -142,7 +143,7 @@ class RecoveryFlow:
         journal replayed up to it (entry ``before``), or end with an error. A rank
         that dies during the rebuild or replay is another failure, decided again."""
         while True:
-            failure = dataclasses.replace(failure, world_size=self.config.workers)
+            failure = dataclasses.replace(failure, world_size=self.lifecycle.world_size)
             decision = self.policy.decide(failure)
             if isinstance(decision, Raise):
                 return self._give_up(failure, decision)
@@ -166,7 +167,13 @@ class RecoveryFlow:
             report = self.replayer.replay(before)
             self.lifecycle.continue_step_count()
             self.last_recovery = RecoveryOutcome(
-                decision, report, failure_summary=failure.summary, world_size=self.config.workers
+                decision,
+                report,
+                failure_summary=failure.summary,
+                world_size=self.lifecycle.world_size,
+                resized=self.lifecycle.size_reason
+                if self.lifecycle.world_size < failure.world_size
+                else None,
             )
             return self.last_recovery
         except (RankLost, WorkerGroupError, RankDied) as exc:
@@ -239,26 +246,54 @@ class RecoveryFlow:
         if replay:
             self.replay_onto_new_group("restart --replay")
 
-    def resize(self, workers: int) -> int:
+    def resize(self, workers: int | tuple[int, int]) -> int:
         """Set the group's size in the options (checked: valid, and it fits the
-        cluster when a group runs); returns the old size."""
-        old = self.config.workers
-        self.config.workers = workers
+        cluster when a group runs): N ranks, or ``(MIN, MAX)`` for an elastic group;
+        returns the group's size now."""
+        old = self.lifecycle.world_size
+        before = self.config.workers, self.config.min_workers
+        if isinstance(workers, tuple):
+            self.config.workers = workers
+        else:
+            self.config.workers, self.config.min_workers = workers, None
         try:
             self.config.validate()
             if self.lifecycle.group is not None:
-                check_capacity(self.config)  # before the current group is taken down
+                self.lifecycle.check_fits(self.config)  # before the group is taken down
         except RtnbError:
-            self.config.workers = old
+            self.config.workers, self.config.min_workers = before
             raise
+        self._resized_from = before
         return old
+
+    def grow(self) -> str | None:
+        """An elastic group below MAX grows when the cluster has room again (at a
+        cell's start, never in a cell: a rebuild with the journal replayed); the
+        line saying so, or None when it stays."""
+        cfg, group = self.config, self.lifecycle.group
+        if not cfg.elastic or group is None or group.world_size >= cfg.workers:
+            return None
+        old = group.world_size
+        room = self.lifecycle.room_for_ranks(held=old)
+        if room <= old:
+            return None
+        self.lifecycle.rebuild(
+            f"elastic: the cluster has room for {min(room, cfg.workers)} ranks again",
+            kind=EntryKind.SCALE,
+            expect=min(room, cfg.workers),
+        )
+        new = self.lifecycle.world_size
+        report = self.replay_onto_new_group(f"grow {old} → {new}")
+        return (
+            f"[rtnb] elastic group grew from {old} to {new} ranks (resources came back); {report}\n"
+        )
 
     def scale(self, old: int) -> None:
         """Rebuild at the size :meth:`resize` set and replay the journal onto it."""
-        workers = self.config.workers
+        workers = self.config.workers_text
         try:
             self.lifecycle.rebuild(f"scaling from {old} to {workers} ranks", kind=EntryKind.SCALE)
         except RtnbError:
-            self.config.workers = old
+            self.config.workers, self.config.min_workers = self._resized_from
             raise
-        self.replay_onto_new_group(f"scale {old} → {workers}")
+        self.replay_onto_new_group(f"scale {old} → {self.lifecycle.world_size}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rtnb.core._redact import redact_uri
+from rtnb.driver._export import ExportedScript, export_run
 from rtnb.errors import SessionError
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoint import Checkpoint
@@ -78,6 +79,10 @@ class RunAccess:
         """The session's last training cell again from it, in the background (None:
         no training cell ran yet; the next one starts from it)."""
         return self._acting().resume(checkpoint_id, run=self._other(), background=True)
+
+    def export(self, path: str, force: bool = False) -> ExportedScript:
+        """Write its training as a Ray Train script at ``path`` (see ``_export``)."""
+        return export_run(self.storage, self.run, path, force, self._session if self.own else None)
 
     def _acting(self) -> Session:
         if self._session is None:

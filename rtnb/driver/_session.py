@@ -41,8 +41,10 @@ from rtnb.driver._cell import CellHandle
 from rtnb.driver._cells import CellFlow
 from rtnb.driver._cluster import ClusterConnection, connect
 from rtnb.driver._commits import CheckpointCoordinator
-from rtnb.driver._group import RankGroup, WorkerGroup
-from rtnb.driver._lifecycle import GroupLifecycle
+from rtnb.driver._export import ExportedScript, export_run
+from rtnb.driver._group import RankGroup
+from rtnb.driver._import import TrainScript, read_train_script
+from rtnb.driver._lifecycle import GroupLifecycle, new_group
 from rtnb.driver._output import OutputSink
 from rtnb.driver._policy import FailurePolicy, RecoveryOutcome, ReplayReport
 from rtnb.driver._recovery import RecoveryFlow, Replayer
@@ -113,7 +115,7 @@ class Session:
             self.journal,
             self.commits,
             self.metrics,
-            group_factory=group_factory or WorkerGroup,
+            group_factory=group_factory or new_group,
             connector=connector or connect,
             lock=lock,
             at_exit=_stop_sessions_at_exit,
@@ -147,6 +149,8 @@ class Session:
             self.config, self.run_name, self.checkpoints, self.commits, self.journal, self._cells
         )
         self._lock = lock
+        # The line of the last time an elastic group grew back (None: it did not).
+        self.last_growth: str | None = None
         _LIVE.add(self)
 
     # ---- what the flows hold -------------------------------------------------------------
@@ -197,7 +201,14 @@ class Session:
 
     @property
     def world_size(self) -> int:
-        return self.config.workers
+        """How many ranks the group has (1 in local mode, ``--workers 0``; an
+        elastic group's current size)."""
+        return self._lifecycle.world_size
+
+    @property
+    def size_reason(self) -> str | None:
+        """Why an elastic group has its size ("elastic 2-4: 3 ranks (...)")."""
+        return self._lifecycle.size_reason
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> Session:
@@ -245,14 +256,32 @@ class Session:
             self._recovery.restart(replay)
         return self
 
-    def scale(self, workers: int) -> Session:
+    def scale(self, workers: int | tuple[int, int] | None = None) -> Session:
         """A new group of ``workers`` ranks holding the same variables: the journal
         is replayed onto it (``prepare_data_loader`` re-shards for the new world
-        size) and the next training cell continues from the latest checkpoint."""
+        size) and the next training cell continues from the latest checkpoint.
+        ``(MIN, MAX)``: an elastic group; ``0``: local mode; None: an elastic group
+        below MAX grows now to what the cluster has room for (else at the next cell).
+
+        Example::
+
+            In [7]: session.scale(4)
+        """
+        if workers is None:
+            if not self.config.elastic:
+                raise ConfigError(
+                    "scale needs a size (N, MIN-MAX or 0); only an elastic group grows by itself"
+                )
+            self._cells.stop_active("stopped because the elastic group grows")
+            with self._lock:
+                self.last_growth = self._recovery.grow()
+            return self
         old = self._recovery.resize(workers)
         if self.state in (GroupState.NEW, GroupState.STOPPED):
             return self.start()
-        self._cells.stop_active(f"stopped because the worker group scales to {workers} ranks")
+        self._cells.stop_active(
+            f"stopped because the worker group scales to {self.config.workers_text} ranks"
+        )
         with self._lock:
             self._recovery.scale(old)
         return self
@@ -444,6 +473,43 @@ class Session:
             mlflow_run_id=self.mlflow_run_id,
             score_rule=score_rule(self.config.score, self.config.mode, self.metrics.metric_names()),
         )
+
+    def export(self, path: str, *, force: bool = False) -> ExportedScript:
+        """Write this run's training as a standalone Ray Train script (``%rtnb
+        export``): the cells that built the ranks' state, in order, as
+        ``train_loop_per_worker``, the pushed values as its config, the session's
+        options as ``ScalingConfig``/``RunConfig``; it never imports rtnb and also
+        runs under ``torchrun``. A file at ``path`` that is not an earlier export is
+        kept unless ``force``.
+
+        Example::
+
+            In [9]: session.export("train.py")
+        """
+        return export_run(self.config.storage_path, self.run_name, path, force, self)
+
+    def prepare_import(self, path: str) -> TrainScript:
+        """``%rtnb import``'s first half: read a Ray Train script (never running it
+        here) and scale the group to its ``ScalingConfig(num_workers=N)`` (the
+        journal keeps the ranks' state); the returned script's ``code`` is the cell
+        that runs its ``train_loop_per_worker`` with its ``train_loop_config``.
+
+        Example::
+
+            In [4]: script = session.prepare_import("train.py")
+            In [5]: session.run(script.code)
+        """
+        script = read_train_script(path)
+        if script.gpu and not self.config.gpu:
+            script.notes.append(
+                "the script asks for GPUs (use_gpu=True); this group has none: start one with --gpu"
+            )
+        if script.workers is not None and script.workers != self.config.workers:
+            self.scale(script.workers)
+            script.notes.insert(
+                0, f"scaled to the script's {script.workers} ranks: {self.last_replay}"
+            )
+        return script
 
     # ---- status ------------------------------------------------------------------------
     def status(self) -> GroupStatus:

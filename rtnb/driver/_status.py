@@ -48,8 +48,10 @@ def group_status(
         state=state_text,
         run_name=run_name,
         address=lifecycle.connection.address if lifecycle.connection else "-",
+        local=config.local,
         backend=config.backend or "",
-        world_size=config.workers,
+        world_size=lifecycle.world_size,
+        size_reason=lifecycle.size_reason or "",
         ranks=ranks,
         cell=cell,
         mlflow_run=mlflow_run,
@@ -76,6 +78,8 @@ class GroupStatus:
     ranks: list[RankStatus] = field(default_factory=list)
     cell: str = ""  # what runs now: "cell 3 (background), 12.5 s"
     mlflow_run: str = ""  # the MLflow run it is mirrored into (--mlflow)
+    local: bool = False  # local mode: rank 0 runs in the kernel's own process
+    size_reason: str = ""  # an elastic group: its size and why ("elastic 2-4: 3 ranks ...")
 
     def _rows(self) -> list[list[str]]:
         return [
@@ -87,8 +91,11 @@ class GroupStatus:
 
     def __str__(self) -> str:
         lines = [
-            f"rtnb run {self.run_name!r}: {self.state}, {self.world_size} ranks, "
-            f"{self.backend}, Ray {self.address}"
+            f"rtnb run {self.run_name!r}: {self.state}, {self.world_size} ranks"
+            + (f" ({self.size_reason})" if self.size_reason else "")
+            + ", "
+            f"{self.backend}, "
+            + ("local mode (rank 0 in this kernel)" if self.local else f"Ray {self.address}")
             + (f"; {self.cell}" if self.cell else "")
             + (f"; MLflow run {self.mlflow_run}" if self.mlflow_run else "")
         ]

@@ -96,6 +96,7 @@ class JournalEntry:
     outcome: CellOutcome | None = None
     duration_s: float | None = None
     reported: bool | None = None
+    reason: str | None = None  # START/SCALE/RESTART: why the group has this size
 
     def to_json(self) -> dict[str, Any]:
         # Fields at their default are left out, so entries stay small to read back.

@@ -14,26 +14,33 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["install_ray_train_aliases"]
+__all__ = ["install_ray_train_aliases", "remove_ray_train_aliases"]
+
+
+def _set(module, name: str, value) -> None:
+    """``module.name = value``, remembering Ray's own for remove_ray_train_aliases."""
+    _ORIGINALS.setdefault((module.__name__, name), getattr(module, name, _ABSENT))
+    setattr(module, name, value)
+
+
+_ABSENT = object()
+_ORIGINALS: dict[tuple[str, str], object] = {}
 
 
 def _patch_train(module) -> None:
     from rtnb.worker import _api as _train
 
-    module.report = _train.report
-    module.get_context = _train.get_context
-    module.get_checkpoint = _train.get_checkpoint
-    module.get_dataset_shard = _train.get_dataset_shard
+    for name in ("report", "get_context", "get_checkpoint", "get_dataset_shard"):
+        _set(module, name, getattr(_train, name))
 
 
 def _patch_train_torch(module) -> None:
     from rtnb.worker import _api as _train
 
-    module.prepare_model = _train.prepare_model
-    module.prepare_data_loader = _train.prepare_data_loader
-    module.get_device = _train.get_device
+    for name in ("prepare_model", "prepare_data_loader", "get_device"):
+        _set(module, name, getattr(_train, name))
     if hasattr(module, "get_devices"):
-        module.get_devices = _train.get_devices
+        _set(module, "get_devices", _train.get_devices)
 
 
 def _patch_train_transformers(module) -> None:
@@ -41,8 +48,8 @@ def _patch_train_transformers(module) -> None:
     # imports transformers itself: rtnb's versions cost nothing more then.
     from rtnb.worker import _hf
 
-    module.prepare_trainer = _hf.prepare_trainer
-    module.RayTrainReportCallback = _hf.RayTrainReportCallback
+    _set(module, "prepare_trainer", _hf.prepare_trainer)
+    _set(module, "RayTrainReportCallback", _hf.RayTrainReportCallback)
 
 
 _PATCHES = {
@@ -86,3 +93,17 @@ def install_ray_train_aliases() -> None:
             patch(sys.modules[name])
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
+
+
+def remove_ray_train_aliases() -> None:
+    """Ray Train's own names again (local mode ends: the kernel is no rank any more)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    for (module_name, name), original in list(_ORIGINALS.items()):
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        if original is _ABSENT:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, original)
+    _ORIGINALS.clear()

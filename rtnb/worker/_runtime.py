@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import linecache
+import sys
 import threading
 import time
 import traceback
@@ -27,7 +28,7 @@ from rtnb.core._context import set_current_rank
 from rtnb.core._messages import CellRequest, CellState, CheckpointOffer, RankUpdate
 from rtnb.core._reports import ReportColumns
 from rtnb.core._values import to_portable
-from rtnb.worker._capture import flush_std, install_capture
+from rtnb.worker._capture import flush_std, install_capture, install_thread_capture
 
 __all__ = [
     "CellStopped",
@@ -147,7 +148,12 @@ _COMPILED_KEPT = 32
 class RankRuntime:
     """One rank's persistent state and the machinery to run cells in it."""
 
-    def __init__(self, context: RankContext, capture_output: bool = True) -> None:
+    def __init__(
+        self, context: RankContext, capture_output: bool = True, in_kernel: bool = False
+    ) -> None:
+        """``in_kernel``: the rank of local mode, in the kernel's own process: only
+        its cell thread's output is captured (the kernel keeps its streams), and a
+        cell's exception is kept with its frames for ``%debug``."""
         global _CURRENT
         self.context = context
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -156,6 +162,7 @@ class RankRuntime:
         self._output: list[tuple[str, str]] = []
         self._output_chars = 0
         self._dropped_chars = 0
+        self.written_chars = 0  # every character of output the cells wrote
         self._reports = ReportColumns()
         # Guards _reports and the step of plain reports; taken inside _cond, never
         # the other way round.
@@ -196,14 +203,33 @@ class RankRuntime:
         # The cell the cell thread runs next, handed over under _cond (a queue's own
         # lock and condition cost a trivial cell's rank ~10% more CPU).
         self._job: CellRequest | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._cell_loop, name="rtnb-cell", daemon=True)
         self._thread.start()
         # The thread running the current cell (an interrupt is raised in it).
         self._cell_thread = self._thread.ident
         self._capture_output = capture_output
+        self._in_kernel = in_kernel
+        self._exception: BaseException | None = None  # in the kernel: the last cell's
+        self._uncapture = None
+        if in_kernel and capture_output:
+            self._uncapture = install_thread_capture(self._add_output, {self._thread.ident})
         # Ray Data shards by name (DataIterators), handed over by the driver.
         self.datasets: dict[str, Any] = {}
         _CURRENT = self
+
+    def close(self) -> None:
+        """End the cell thread once its cell (if any) ends and give the process its
+        streams back (a rank in the kernel's process: local mode)."""
+        global _CURRENT
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._uncapture is not None:
+            self._uncapture()
+            self._uncapture = None
+        if _CURRENT is self:
+            _CURRENT = None
 
     # ---- cells -------------------------------------------------------------------
     def start_cell(self, request: CellRequest, in_caller: bool = False) -> bool:
@@ -241,8 +267,10 @@ class RankRuntime:
     def _cell_loop(self) -> None:
         while True:
             with self._cond:
-                while self._job is None:
+                while self._job is None and not self._closed:
                     self._cond.wait()
+                if self._job is None:
+                    return
                 request, self._job = self._job, None
             self.execute(request)
 
@@ -250,9 +278,14 @@ class RankRuntime:
         """Run a started cell to its end in this thread and publish how it ended."""
         code, filename = request.code, request.filename
         self._cache_source(filename, code)
-        state, value, error = CellState.DONE, None, None
-        if self._capture_output:
+        state, value, error, exception = CellState.DONE, None, None, None
+        if self._capture_output and not self._in_kernel:
             install_capture(self._add_output)
+        hook = sys.breakpointhook
+        if request.replay:
+            # Nobody is at a replayed cell's breakpoint() (a recovery, a scale): it
+            # must not wait for a debugger's commands.
+            sys.breakpointhook = _no_breakpoint
         try:
             body, last = split_last_expression(code, filename)
             exec(body, self.namespace)
@@ -265,7 +298,11 @@ class RankRuntime:
         except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
             state = CellState.ERROR
             error = (_summary(exc), _user_traceback(exc, filename))
+            if self._in_kernel:
+                exception = exc
         finally:
+            if request.replay:
+                sys.breakpointhook = hook
             # A cell ends only once its last checkpoint is in storage and offered.
             try:
                 self._finish_upload()
@@ -276,6 +313,7 @@ class RankRuntime:
             flush_std()
         with self._cond:
             self._state, self._value, self._error = state, value, error
+            self._exception = exception
             self._stop_requested = False
             self._stop_target = None
             self._paused_at = None
@@ -375,6 +413,7 @@ class RankRuntime:
             checkpoints=checkpoints,
             value=self._value if self._state is CellState.DONE else None,
             error=self._error if self._state is CellState.ERROR else None,
+            exception=self._exception if self._state is CellState.ERROR else None,
             loaded_checkpoint=self._loaded_checkpoint,
             line=self.line,
             storage_error=self._storage_error,
@@ -383,6 +422,7 @@ class RankRuntime:
     # ---- output and reports (called from the cell thread) --------------------------
     def _add_output(self, stream: str, text: str) -> None:
         with self._cond:
+            self.written_chars += len(text)
             if self._output_chars + len(text) > _MAX_PENDING_CHARS:
                 self._dropped_chars += len(text)
                 return
@@ -597,6 +637,11 @@ class RankRuntime:
             raise CellStopped(f"stopped at step {self.step}")
 
     # ---- control calls (any thread) -------------------------------------------------
+    def wake_poll(self) -> None:
+        """Let a long-poll waiting to batch output answer now (it looks again)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def request_stop(self) -> int:
         with self._cond:
             if self._state is CellState.RUNNING:
@@ -651,6 +696,15 @@ class RankRuntime:
     @property
     def state(self) -> CellState:
         return self._state
+
+    @property
+    def cell_thread_id(self) -> int | None:
+        """The thread this rank's cells run in (the cell thread)."""
+        return self._thread.ident
+
+
+def _no_breakpoint(*_args, **_kwargs) -> None:
+    return None
 
 
 def _summary(exc: BaseException) -> str:
