@@ -32,10 +32,11 @@ EPOCHS = (
 )
 
 
-def _final_loss(output: str) -> float:
+def _final_losses(output: str) -> list[float]:
+    """The final loss each process printed (under torchrun: one per rank)."""
     found = re.findall(r"final metrics: \{[^}]*'loss': ([-0-9.e]+)", output)
     assert found, output[-3000:]
-    return float(found[-1])
+    return sorted(float(x) for x in found)
 
 
 def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cluster, tmp_path):
@@ -55,7 +56,7 @@ def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cl
             session.run("raise ValueError('a typo')")
         session.run(EPOCHS)
         session.run(EPOCHS, ranks=None)
-        ours = session.metrics.last[0].metrics["loss"]
+        ours = {r: session.metrics.last[r].metrics["loss"] for r in (0, 1)}
         expected = session.checkpoint_store().get(session.latest_checkpoint_id()).load_state()
         script = tmp_path / "train.py"
         exported = session.export(str(script))
@@ -78,10 +79,11 @@ def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cl
         [sys.executable, str(script)], capture_output=True, text=True, timeout=400, cwd=tmp_path
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert _final_loss(run.stdout) == pytest.approx(ours, rel=1e-5)
+    assert _final_losses(run.stdout) == pytest.approx([ours[0]], rel=1e-5), "rank 0's, as Ray's"
     path = re.findall(r"checkpoint: Checkpoint\(filesystem=\w+, path=([^)]+)\)", run.stdout)
     assert path, run.stdout[-2000:]
-    state = rtnb.Checkpoint.from_directory(path[-1]).load_state()
+    # Ray Train writes no rtnb manifest: the user vouches for the files.
+    state = rtnb.Checkpoint.from_directory(path[-1]).load_state(trusted=True)
     for name, tensor in expected["model"].items():
         assert torch.allclose(state["model"][name], tensor, atol=1e-6), name
 
@@ -98,7 +100,7 @@ def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cl
         env=env,
     )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
-    assert _final_loss(launched.stdout) == pytest.approx(ours, rel=1e-5)
+    assert _final_losses(launched.stdout) == pytest.approx(sorted(ours.values()), rel=1e-5)
 
 
 def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path):
@@ -136,6 +138,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 SCALE = 10.0
+ray.init(ignore_reinit_error=True)
 
 
 def train_func(config):
@@ -178,7 +181,7 @@ def test_import_runs_a_scripts_loop_on_the_group_at_its_size_and_config(ray_clus
         plan = session.prepare_import(str(script))
         assert session.world_size == 2 and "scaled to the script's 2 ranks" in plan.notes[0]
         assert any("main() (builds the trainer)" in n for n in plan.notes), plan.notes
-        assert any("ray.init()" in n for n in plan.notes), plan.notes
+        assert any("ray.init(" in n for n in plan.notes), plan.notes
         session.run(plan.code)
         rows = session.result().metrics_dataframe
         assert sorted(rows["loss"].tolist()) == pytest.approx(sorted([5.0, 2.5, 5 / 3] * 2))

@@ -107,16 +107,24 @@ class ExportedScript:
         return "\n".join(lines)
 
 
-def to_ray_train(code: str) -> tuple[str, set[str]]:
+def to_ray_train(
+    code: str, known: tuple[set[str], dict[str, str]] | None = None
+) -> tuple[str, set[str]]:
     """``code`` with rtnb's in-cell names written as Ray Train's, and the helper
     functions it then needs (``checkpoint_from_state``, ``load_state``). Only names
     are replaced (by their positions in the parsed code): comments, layout and
-    everything else stay as written."""
+    everything else stay as written. ``known``: the names earlier cells bound to
+    rtnb (a cell uses the ``import rtnb`` of an earlier one), added to here."""
     helpers: set[str] = set()
+    modules, names = known if known is not None else ({"rtnb"}, {})
+    modules.add("rtnb")
+    seen = _rtnb_aliases(ast.parse(code))
+    modules |= seen[0]
+    names.update(seen[1])
+    aliases = (modules, names)
     for rewrite in (_rewrite_load_state, _rewrite_from_state, _rewrite_names, _rewrite_imports):
         while True:
             tree = ast.parse(code)
-            aliases = _rtnb_aliases(tree)
             edits = rewrite(tree, code, aliases, helpers)
             if not edits:
                 break
@@ -266,6 +274,7 @@ def export_script(
     datasets: dict[str, str] = {}
     datasets_to_split: list[str] | str = "all"
     cells = 0
+    known: tuple[set[str], dict[str, str]] = ({"rtnb"}, {})  # rtnb's names, cell to cell
     for step in journal.replay_plan():
         entry = step.entry
         if step.skipped:
@@ -301,7 +310,7 @@ def export_script(
             notes.append(f"{_name(entry)} left out: a function sent by value (Session.run(fn))")
             body.append(f"# {_name(entry)} left out: a function sent by value (Session.run(fn))")
             continue
-        code, needed = to_ray_train((entry.code or "").rstrip() or "pass")
+        code, needed = to_ray_train((entry.code or "").rstrip() or "pass", known)
         helpers |= needed
         body.append(_on_ranks(entry, code, f"# ---- {_name(entry)}"))
         cells += 1
