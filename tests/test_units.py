@@ -47,7 +47,9 @@ def test_parse_ranks_rejects_bad_input_with_one_clear_line(spec, needle):
 @pytest.mark.parametrize(
     ("options", "needle"),
     [
-        ({"workers": 0}, "--workers"),
+        ({"workers": -1}, "--workers"),
+        ({"workers": (3, 2)}, "--workers 3-2"),
+        ({"workers": "4"}, "--workers"),
         ({"strategy": "DIAGONAL"}, "--strategy"),
         ({"backend": "mpi"}, "--backend"),
         ({"backend": "nccl"}, "--gpu"),
@@ -336,3 +338,51 @@ def test_start_options_are_the_session_configs_fields_with_its_defaults():
     assert config("--gpu").backend == "nccl"
     assert config("--gpu --backend gloo").backend == "gloo"
     assert config("") == SessionConfig()
+
+
+def test_workers_are_a_size_a_min_max_range_or_local_mode():
+    from rtnb.core._config import SessionConfig, parse_workers
+
+    assert parse_workers("4") == 4 and parse_workers("0") == 0
+    assert parse_workers("2-4") == (2, 4) and parse_workers(" 3-3 ") == (3, 3)
+    for bad, needle in [
+        ("3-2", "MIN is more than MAX"),
+        ("0-2", "at least 1"),
+        ("x", "not a number"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            parse_workers(bad)
+    elastic = SessionConfig(workers=(2, 4))
+    assert (elastic.workers, elastic.min_workers, elastic.workers_text) == (4, 2, "2-4")
+    assert SessionConfig(workers=(3, 3)).elastic is False, "N-N is N"
+    local = SessionConfig(workers=0)
+    assert local.local and local.world_size == 1 and not local.elastic
+
+
+def test_cells_are_written_in_ray_trains_names_with_their_comments_and_layout():
+    from rtnb.driver._export import to_ray_train
+
+    known: tuple[set[str], dict[str, str]] = ({"rtnb"}, {})
+    first, helpers = to_ray_train(
+        "import torch, rtnb as r  # the API\nfrom rtnb import report as rep", known
+    )
+    assert first == (
+        "import torch; import ray.train, ray.train.torch  # the API\n"
+        "from ray.train import report as rep"
+    ), first
+    later, helpers = to_ray_train(
+        "ckpt = r.get_checkpoint()\n"
+        "if ckpt:\n"
+        "    state = ckpt.load_state()   # résumé\n"
+        "model = r.prepare_model(net)\n"
+        "rep({'loss': 1.0}, checkpoint=r.Checkpoint.from_state({'w': 1}))\n",
+        known,
+    )
+    assert later == (
+        "ckpt = ray.train.get_checkpoint()\n"
+        "if ckpt:\n"
+        "    state = load_state(ckpt)   # résumé\n"
+        "model = ray.train.torch.prepare_model(net)\n"
+        "rep({'loss': 1.0}, checkpoint=checkpoint_from_state({'w': 1}))\n"
+    ), later
+    assert helpers == {"load_state", "checkpoint_from_state"}
