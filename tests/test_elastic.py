@@ -10,21 +10,9 @@ import pytest
 
 import rtnb
 from tests.conftest import WorkerNode, wait_for_free_cpus
+from tests.test_node_loss import TRAIN  # a resumable loop: all-reduce, checkpoints
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-TRAIN = (
-    "import time, rtnb, torch, torch.distributed as dist\n"
-    "ck = rtnb.get_checkpoint()\n"
-    "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
-    "t = torch.zeros(1)\n"
-    "while i < 60:\n"
-    "    time.sleep(0.05)\n"
-    "    dist.all_reduce(t)\n"
-    "    rtnb.report({'i': i}, checkpoint=rtnb.Checkpoint.from_state({'i': i}) if dist.get_rank() == 0 else None)\n"
-    "    i += 1\n"
-    "i"
-)
 
 
 def _node(ray_head, cpus: int) -> WorkerNode:

@@ -92,9 +92,10 @@ for n, how in enumerate(("foreground", "background")):
     t = time.monotonic(); s.stop(); kill_out["stop_s"] = time.monotonic() - t
     out["kills"].append(kill_out)
 # Ray's driver ends its process 60 s after its GCS stopped answering; this one lives.
-# (Waited out where the driver joined the warm Ray and a user's head; the GCS-only
-# kill goes through the same warm-Ray join as the host's, and the wait costs a minute.)
-if victim != "gcs":
+# (Waited out once, in the real kernel that joined the warm Ray: every join of rtnb's
+# goes through the one ray.init that lifts the rule, and each wait costs a minute
+# of the suite's 25.)
+if victim == "host":
     time.sleep(max(0.0, 65 - (time.monotonic() - first_kill)))
 out["alive_after_s"] = time.monotonic() - first_kill
 if victim == "address":  # the user starts a head again
@@ -168,7 +169,7 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
         assert kill["stop_s"] < 1.0, kill
     # The immediate new start had the ranks' variables back from the journal.
     assert out["kills"][1]["x"] in ({"0": 41, "1": 41}, {0: 41, 1: 41}), out["kills"][1]
-    if victim != "gcs":
+    if victim == "host":
         assert out["alive_after_s"] >= 60, out
     assert out["after"] in ({"0": 42, "1": 42}, {0: 42, 1: 42}), out["after"]
 

@@ -42,7 +42,7 @@ __all__ = ["GroupLifecycle", "new_group"]
 _ELASTIC_SETTLE_S = 1.5
 _ELASTIC_GROW_S = 10.0
 # How long a size above MIN may take to be placed before one rank less is tried.
-_ELASTIC_TRY_S = 8.0
+_ELASTIC_TRY_S = 3.0
 
 GroupFactory = Callable[[SessionConfig, str, str], RankGroup]
 Connector = Callable[..., ClusterConnection]
@@ -188,12 +188,17 @@ class GroupLifecycle:
             self.metrics.exporter = TensorBoardExporter(tensorboard_dir(self.run_dir.path))
 
     def _new_group(
-        self, progress: StartProgress | None = None, expect: int | None = None
+        self,
+        progress: StartProgress | None = None,
+        expect: int | None = None,
+        without: int | None = None,
     ) -> RankGroup:
         """A started group of the configured size; an elastic one (``--workers
         MIN-MAX``) as large as the cluster places now, up to MAX (``expect``: the
         size resources were seen for, waited for a little longer while the last
-        group's resources come free)."""
+        group's resources come free; ``without``: the size the last group has
+        without the ranks a failure took, tried next when the cluster's view, still
+        counting a lost node, offered more than it places)."""
         if not self.config.elastic:
             group = self._group_factory(self.config, self.run_name, self.config.storage_path)
             group.start(progress)
@@ -221,7 +226,8 @@ class GroupLifecycle:
             except ClusterError:
                 if last:
                     raise
-                size -= 1
+                size = max(low, min(size - 1, without or size))
+                without = None
                 room = min(room, size)
                 continue
             break
@@ -341,20 +347,22 @@ class GroupLifecycle:
         fresh: bool = False,
         kind: EntryKind = EntryKind.RESTART,
         expect: int | None = None,
+        lost: int = 0,
     ) -> None:
         """Replace the group; ``fresh`` records that the ranks' state is gone (the
         journal's replay starts after it); ``expect``: the size an elastic group
-        grows back to (see ``_new_group``)."""
+        grows back to; ``lost``: the ranks a failure took (see ``_new_group``)."""
         if self.check_ray_lost():
             raise ClusterError(self._lost)
         with self._lock:
             self.state_machine.to(GroupState.RESTARTING, reason)
             group, self.group = self.group, None
+            without = group.world_size - lost if group is not None and lost else None
             if group is not None:
                 group.shutdown(graceful=False)
             try:
                 self._connect(StartProgress())  # local mode scaled out to Ray
-                self.group = self._new_group(expect=expect)
+                self.group = self._new_group(expect=expect, without=without)
             except RtnbError as exc:
                 # A Ray that is shutting down (`rtnb warm stop --force`, a head's
                 # `ray stop`) kills the ranks and refuses new ones before its GCS

@@ -159,7 +159,10 @@ class RecoveryFlow:
         try:
             if isinstance(decision, Shrink):
                 self.config.workers = decision.workers
-            self.lifecycle.rebuild(f"{failure.summary} ({decision.attempt})")
+            self.lifecycle.rebuild(
+                f"{failure.summary} ({decision.attempt})",
+                lost=sum(1 for rank in failure.dead if rank >= 0),
+            )
             # Files a dead rank left half-written never got a manifest: drop them.
             self.checkpoints.drop_pending()
             self.checkpoints.cleanup_incomplete()
