@@ -118,3 +118,12 @@ def test_a_rank_lost_mid_epoch_scale_and_replay_get_the_datasets_again(ray_clust
     with rtnb.Session(workers=2, replay=True, **options) as again:
         assert "scratch" in str(again.last_replay) and "pass it again" in str(again.last_replay)
         _assert_split(again.run(EPOCH), 2, 120)
+
+
+def test_datasets_given_before_a_group_exists_are_refused_and_not_kept(ray_cluster, tmp_path):
+    import ray
+
+    session = rtnb.Session(workers=2, cpus_per_worker=0.5, storage=str(tmp_path))
+    with pytest.raises(rtnb.SessionError, match="no worker group is running"):
+        session.set_datasets(train=ray.data.range(8))
+    assert session.dataset_names == [], "a refused hand-over is not kept for the next one"

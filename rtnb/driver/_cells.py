@@ -349,8 +349,10 @@ class CellFlow:
         """Hand Ray Datasets to the ranks (added to those handed before), split for
         this group as Ray Train splits them; journaled, so every later group gets
         them again."""
-        record = self._datasets.record(datasets, data_config)
+        # A group first: datasets refused for want of one must not stay in the set
+        # the next hand-over (or a replay) would give the ranks.
         self.require_group(wait_s=_WAIT_FOR_GROUP_S)
+        record = self._datasets.record(datasets, data_config)
         data = pickle.dumps(record)
         self._journal.append(EntryKind.DATASETS, values=data, names=record.names)
         self._hand(record, *self._datasets.resolve(record))

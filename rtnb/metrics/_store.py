@@ -285,8 +285,11 @@ class MetricsStore:
             self.generation += 1
             if self.log is not None:
                 self.log.add(rank, batch)
-            if self.exporter is not None:
-                self.exporter.add(rank, list(batch.rows()))
+            exporter = self.exporter
+        if exporter is not None:
+            # Outside the store's lock: a mirror may write to its own store here
+            # (MLflow's batches), and the live view reads this store meanwhile.
+            exporter.add(rank, list(batch.rows()))
         for callback in list(self._subscribers):
             try:
                 callback(rank, batch)
@@ -324,8 +327,9 @@ class MetricsStore:
         with self._lock:
             if self.log is not None:
                 self.log.flush()
-            if self.exporter is not None:
-                self.exporter.flush()
+            exporter = self.exporter
+        if exporter is not None:
+            exporter.flush()  # outside the lock, as in add
 
     # ---- reading ---------------------------------------------------------------------
     def metric_names(self) -> list[str]:
