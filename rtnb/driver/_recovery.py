@@ -276,8 +276,13 @@ class RecoveryFlow:
         cfg, group = self.config, self.lifecycle.group
         if not cfg.elastic or group is None or group.world_size >= cfg.workers:
             return None
+        if self.lifecycle.ray_lost:
+            return None  # the cell says so itself
         old = group.world_size
-        room = self.lifecycle.room_for_ranks(held=old)
+        try:
+            room = self.lifecycle.room_for_ranks(held=old)
+        except Exception:  # noqa: BLE001 - no view of the cluster now: grow another time
+            return None
         if room <= old:
             return None
         self.lifecycle.rebuild(
