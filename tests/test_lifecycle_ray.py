@@ -54,8 +54,10 @@ def test_restart_gives_fresh_ranks_and_scale_changes_the_world_size(session):
     )
     assert value == {0: (3, 3.0), 1: (3, 3.0), 2: (3, 3.0)}
     with pytest.raises(rtnb.ConfigError):
-        session.scale(0)
-    assert session.world_size == 3
+        session.scale(-1)
+    with pytest.raises(rtnb.ConfigError, match="MIN is more than MAX"):
+        session.scale((3, 1))
+    assert session.world_size == 3 and session.config.workers == 3, "the group keeps its size"
 
 
 def test_more_workers_than_cpus_is_refused_before_anything_is_held(ray_cluster):

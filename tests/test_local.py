@@ -164,8 +164,9 @@ def test_breakpoint_and_debug_reach_local_code_and_scale_2_keeps_its_variables(k
     assert scaled.status == "ok", scaled.text + str(scaled.traceback)
     pulled = kernel.execute("ys = %rtnb pull y\nprint(ys)")
     assert "[42, 42]" in pulled.stdout, pulled.text
-    where = kernel.execute("%%rtrain\nimport os\nos.getpid()")
-    assert where.status == "ok" and pid not in where.stdout, where.text
+    where = kernel.execute("%%rtrain\nimport os\nprint('pid', os.getpid())")
+    rank_pids = re.findall(r"\[rank \d\] pid (\d+)", where.stdout)
+    assert where.status == "ok" and len(rank_pids) == 2 and pid not in rank_pids, where.text
     stop = kernel.execute("%rtnb stop")
     assert stop.status == "ok", stop.text
 
