@@ -187,7 +187,6 @@ def _rewrite_from_state(tree, code, aliases, helpers) -> list:
 
 
 def _rewrite_names(tree, code, aliases, helpers) -> list:
-    modules, names = aliases
     edits = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_rtnb(node, aliases):
