@@ -11,7 +11,7 @@ def load_ipython_extension(ipython) -> None:
     magics = RtnbMagics(shell=ipython)
     ipython.register_magics(magics)
     hook = completer(magics)
-    for command in ("%rtnb", "%rtrain", "%%rtrain"):
+    for command in ("%rtnb", "%%rtnb", "%rtrain", "%%rtrain"):
         ipython.set_hook("complete_command", hook, str_key=command)
 
 

@@ -14,7 +14,7 @@ import shlex
 from types import SimpleNamespace
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 from rtnb.magics._help import Subcommand, complete, full_help, parser_flags, subcommand_help
@@ -25,6 +25,8 @@ from rtnb.widgets import (
     ProgressLines,
     RankLog,
     RunsDashboard,
+    SweepProgress,
+    SweepView,
     ask_page_theme,
     has_live_frontend,
     import_figure_widget_in_background,
@@ -38,9 +40,11 @@ from rtnb import (
     MetricsStore,
     RunAccess,
     Session,
+    Sweep,
     list_runs,
     open_run,
     stop_warm_ray,
+    sweep,
     warm_ray_status,
 )
 from rtnb.core._config import (
@@ -52,6 +56,7 @@ from rtnb.core._config import (
 )
 from rtnb.core._redact import redact_uri
 from rtnb.driver._output import print_sink
+from rtnb.driver._sweep import on_sweep_start
 from rtnb.errors import ConfigError, SessionError
 from rtnb.storage._checkpoints import checkpoints_table
 
@@ -297,6 +302,38 @@ def _import_args(line):
     """%rtnb import options."""
 
 
+@magic_arguments()
+@argument("space", help="the notebook variable holding the search space, e.g. space")
+@argument("--metric", default=None, help="the reported metric to optimise, e.g. loss")
+@argument("--mode", default=None, choices=("min", "max"), help="min or max")
+@argument("--num-samples", type=int, default=1, help="trials (times over a grid)")
+@argument(
+    "--max-concurrent-trials",
+    type=int,
+    default=None,
+    help="trials at once (default: as many as the free CPUs hold)",
+)
+@argument(
+    "--scheduler",
+    default=None,
+    help="asha, median, fifo, or a notebook variable holding a Tune scheduler",
+)
+@argument(
+    "--search-alg",
+    default=None,
+    help="optuna, or a notebook variable holding a Tune Searcher",
+)
+@argument("--workers", type=int, default=2, help="ranks per trial")
+@argument("--cpus-per-worker", type=float, default=None, help="CPUs per rank (e.g. 0.5)")
+@argument("--gpu", action="store_true", help="one GPU per rank")
+@argument("--max-failures", type=int, default=0, help="retries of a failed trial")
+@argument("--name", default=None, help="the sweep's name; trials are runs NAME-tNNN")
+@argument("--storage", default=None, help="where the trials' runs go (default: the session's)")
+@argument("--background", action="store_true", help="return at once; the view keeps updating")
+def _sweep_args(line):
+    """%%rtnb sweep options (the cell is the trial's training code)."""
+
+
 _LEADING_OPTIONS = re.compile(
     r"\s*(?:(?:--(?:background|quiet|no-live|once)|--(?:ranks|timeout|steps)[ =]\S+)\s*)*"
 )
@@ -395,6 +432,12 @@ SUBCOMMANDS = [
         _resume_args,
     ),
     Subcommand(
+        "sweep",
+        "a Tune search, each trial on a reused group of ranks (the cell is its code)",
+        "%%rtnb sweep space --metric loss --mode min --num-samples 8 --scheduler asha",
+        _sweep_args,
+    ),
+    Subcommand(
         "warm",
         "the warm Ray: attached kernels, spare ranks, idle timeout (stop: end it now)",
         "%rtnb warm stop",
@@ -413,15 +456,18 @@ class RtnbMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.session: Session | None = None
         self.last_view = None  # the widget of the latest cell, for inspection
+        self.last_sweep: Sweep | None = None
+        self._unwatch_sweeps = on_sweep_start(self._show_sweep)
 
     def shutdown(self) -> None:
+        self._unwatch_sweeps()
         if self.session is not None:
             self.session.stop()
             self.session = None
 
     # ---- %rtnb -------------------------------------------------------------------------
-    @line_magic
-    def rtnb(self, line: str = ""):
+    @line_cell_magic
+    def rtnb(self, line: str = "", cell: str | None = None):
         """Start, inspect and stop the worker group that %%rtrain cells run on.
 
         Subcommands::
@@ -444,6 +490,8 @@ class RtnbMagics(Magics):
             %rtnb resume [latest|ID] [--run RUN]   re-run the last training cell from it
             %rtnb load [latest|ID] [--run RUN]     rtnb.get_checkpoint() returns it on every rank
             %rtnb warm [stop [--force]]   the warm Ray: kernels, spare ranks, idle timeout
+            %%rtnb sweep SPACE --metric M --mode min|max [--num-samples N] [--scheduler asha]
+                                    a Tune search; the cell is each trial's training code
 
         Example::
 
@@ -471,8 +519,15 @@ class RtnbMagics(Magics):
             raise UsageError(
                 f"%rtnb has no subcommand {sub!r}; {hint}use one of: " + ", ".join(_SUBCOMMANDS)
             )
+        if (sub == "sweep") != (cell is not None):
+            raise UsageError(
+                "%%rtnb sweep takes the trial's training code as its cell: "
+                "`%%rtnb sweep space --metric loss --mode min`"
+                if sub == "sweep"
+                else f"only `%%rtnb sweep` takes a cell; `%rtnb {sub}` is a line magic"
+            )
         try:
-            return handler(rest)
+            return handler(rest) if cell is None else handler(rest, cell)
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
 
@@ -639,6 +694,56 @@ class RtnbMagics(Magics):
         for status in running:
             print(status.summary(this_pid=os.getpid()))
         return None
+
+    def _rtnb_sweep(self, rest: str, cell: str):
+        args = parse_argstring(_sweep_args, rest)
+        namespace = self.shell.user_ns
+        if args.space not in namespace:
+            raise UsageError(
+                f"{args.space!r} is not defined in the notebook: make the search space first, "
+                "e.g. space = {'lr': tune.loguniform(1e-4, 1e-1)}"
+            )
+        session = self.session
+        storage = args.storage or (session.config.storage_path if session is not None else None)
+        self.last_sweep = sweep(
+            cell,
+            namespace[args.space],
+            metric=args.metric,
+            mode=args.mode,
+            num_samples=args.num_samples,
+            max_concurrent_trials=args.max_concurrent_trials,
+            scheduler=self._tune_object(args.scheduler, "scheduler"),
+            search_alg=self._tune_object(args.search_alg, "search-alg"),
+            workers=args.workers,
+            cpus_per_worker=args.cpus_per_worker,
+            gpu=args.gpu,
+            max_failures=args.max_failures,
+            name=args.name,
+            storage=storage,
+            background=args.background,
+        )
+        return self.last_sweep
+
+    def _tune_object(self, text: str | None, flag: str):
+        """--scheduler/--search-alg: a short name (the engine knows them), or a
+        notebook variable."""
+        names = ("asha", "median", "fifo") if flag == "scheduler" else ("optuna",)
+        if text is None or text in names:
+            return text
+        if text not in self.shell.user_ns:
+            raise UsageError(
+                f"--{flag} {text!r}: neither {', '.join(names)} nor a variable of the notebook"
+            )
+        return self.shell.user_ns[text]
+
+    def _show_sweep(self, started: Sweep) -> None:
+        """Every sweep of this kernel (``%%rtnb sweep`` or ``rtnb.sweep``) gets its view."""
+        if has_live_frontend():
+            self.last_view = SweepView(
+                started, resume=lambda index: _resume_trial_in_view(self, started, index)
+            ).show()
+        else:
+            SweepProgress(started)
 
     def _rtnb_result(self, rest: str):
         self._no_args("result", rest)
@@ -930,6 +1035,25 @@ def _resume_in_view(session: Session, run: RunAccess, checkpoint_id: str):
     view = LiveMetrics(session.metrics, handle)
     return (
         f"{handle.name} is running in the background from it (`%rtnb wait` for its value)",
+        view,
+    )
+
+
+def _resume_trial_in_view(magics: RtnbMagics, started: Sweep, index: int | None):
+    """The sweep view's Resume: the trial's config and checkpoint go to the notebook's
+    group, and the sweep's code runs on from there in the background."""
+    session = magics.session
+    if session is None or not session.started:
+        return (
+            f"start the notebook's group first (`%rtnb start --storage {redact_uri(started.storage)}`), "
+            "then Resume"
+        )
+    handle = started.resume_trial(session, index, background=True)
+    trial = started.best_trial() if index is None else started.trials[index]
+    view = LiveMetrics(session.metrics, handle)
+    return (
+        f"trial {trial.index} ({trial.config}) carries on in {handle.name} in the background "
+        "(`%rtnb wait` for its value)",
         view,
     )
 

@@ -36,6 +36,10 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 _EXPORTS: dict[str, str] = {
     # driver side (the notebook)
     "Session": "rtnb.driver._session",
+    "Sweep": "rtnb.driver._sweep",
+    "SweepTrial": "rtnb.driver._sweep",
+    "TrialState": "rtnb.driver._sweep",
+    "sweep": "rtnb.driver._sweep",
     "CellHandle": "rtnb.driver._cell",
     "Failure": "rtnb.driver._policy",
     "FailurePolicy": "rtnb.driver._policy",
@@ -63,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "CellStopped": "rtnb.worker._runtime",
     "RankContext": "rtnb.worker._runtime",
     "get_checkpoint": "rtnb.worker._api",
+    "get_config": "rtnb.worker._api",
     "get_context": "rtnb.worker._api",
     "get_dataset_shard": "rtnb.worker._api",
     "prepare_trainer": "rtnb.worker._hf",
@@ -116,10 +121,14 @@ __all__ = [
     "Shrink",
     "StateChange",
     "StorageError",
+    "Sweep",
+    "SweepTrial",
+    "TrialState",
     "WaitTimeout",
     "WarmRayStatus",
     "WorkerGroupError",
     "get_checkpoint",
+    "get_config",
     "get_context",
     "get_dataset_shard",
     "get_device",
@@ -132,6 +141,7 @@ __all__ = [
     "prepare_trainer",
     "report",
     "stop_warm_ray",
+    "sweep",
     "unload_ipython_extension",
     "warm_ray_status",
 ]
@@ -172,6 +182,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.driver._session import Session
     from rtnb.driver._state import GroupState, StateChange
     from rtnb.driver._status import GroupStatus
+    from rtnb.driver._sweep import Sweep, SweepTrial, TrialState, sweep
     from rtnb.driver._warmctl import WarmRayStatus, stop_warm_ray, warm_ray_status
     from rtnb.errors import (
         CellError,
@@ -190,6 +201,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.storage._result import Result, list_runs
     from rtnb.worker._api import (
         get_checkpoint,
+        get_config,
         get_context,
         get_dataset_shard,
         get_device,

@@ -9,6 +9,7 @@ from rtnb.widgets._logs import RankLog
 from rtnb.widgets._plot import import_figure_widget_in_background
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, show_static_figure, static_figure_bundle
+from rtnb.widgets._sweep import SweepProgress, SweepView, sweep_bundle
 from rtnb.widgets._theme import ask_page_theme, stop_asking
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "ProgressLines",
     "RankLog",
     "RunsDashboard",
+    "SweepProgress",
+    "SweepView",
     "ask_page_theme",
     "format_header",
     "has_live_frontend",
@@ -26,4 +29,5 @@ __all__ = [
     "show_static_figure",
     "static_figure_bundle",
     "stop_asking",
+    "sweep_bundle",
 ]

@@ -6,7 +6,7 @@ The worker sets it when its runtime starts; in the driver it stays unset, so
 
 from __future__ import annotations
 
-__all__ = ["current_rank", "set_current_rank"]
+__all__ = ["CONFIG_NAME", "current_rank", "set_current_rank"]
 
 _RANK: int | None = None
 
@@ -18,3 +18,8 @@ def set_current_rank(rank: int | None) -> None:
 
 def current_rank() -> int:
     return _RANK if _RANK is not None else 0
+
+
+# The rank variable holding a function's or a sweep trial's config (Ray Train's
+# train_loop_config): ``rtnb.get_config()`` reads it, the driver pushes it.
+CONFIG_NAME = "__rtnb_config__"

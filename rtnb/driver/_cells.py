@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rtnb.core._config import SessionConfig, parse_ranks
+from rtnb.core._context import CONFIG_NAME
 from rtnb.core._messages import CellRequest
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
@@ -53,7 +54,7 @@ __all__ = ["CellFlow", "check_syntax"]
 
 # pull/push during a recovery wait this long for the rebuilt group before saying so.
 _WAIT_FOR_GROUP_S = 60.0
-_FUNCTION_NAMES = ("__rtnb_fn__", "__rtnb_config__")
+_FUNCTION_NAMES = ("__rtnb_fn__", CONFIG_NAME)
 
 
 class CellFlow:

@@ -337,6 +337,12 @@ class WorkerGroup:
     def push(self, ranks: list[int], values: Any) -> list[Any]:
         return [self.actors[r].push.remote(values) for r in ranks]
 
+    def renew(self, run_name: str, storage_path: str) -> list[Any]:
+        """The ranks become those of run ``run_name`` with fresh namespaces (the same
+        processes and process group): a sweep lends this group to its next trial."""
+        self.run_name, self.storage_path = run_name, storage_path
+        return [a.renew.remote(run_name, storage_path) for a in self.actors]
+
     def hand_datasets(self, datasets: dict[str, Any], data_config: Any) -> list[Any]:
         """Split ``datasets`` for these ranks with Ray Train's ``DataConfig`` (its
         streaming split, with the ranks' nodes as locality hints) and give each rank

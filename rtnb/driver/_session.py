@@ -530,6 +530,12 @@ class Session:
         )
 
 
+def any_session_started() -> bool:
+    """Whether a session of this process has a group (a sweep that joined Ray for its
+    trials leaves it running then)."""
+    return any(session.started for session in list(_LIVE))
+
+
 def _announce_to_batch_runner(storage: str, run_name: str) -> None:
     """Under ``rtnb run``, tell the runner which run directory this notebook uses, so
     it can keep the output notebook there."""

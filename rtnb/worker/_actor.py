@@ -7,6 +7,7 @@ calls (poll, stop, pull) are served while the cell thread is busy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import socket
@@ -17,7 +18,8 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from rtnb.core._messages import CellRequest, RankPlace, from_wire, to_wire
+from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
+from rtnb.worker._capture import release_capture
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
@@ -137,6 +139,21 @@ class RankActor:
         if threads and "torch" in sys.modules:
             # torch read OMP_NUM_THREADS when the spare imported it, before this env.
             sys.modules["torch"].set_num_threads(int(threads))
+
+    def renew(self, run_name: str, storage_path: str) -> None:
+        """Become this rank of run ``run_name`` with a fresh namespace, keeping the
+        process, its torch import and its process group: a sweep's next trial on
+        the same group starts without paying a group's start. Process-wide state
+        (torch's RNG, modules the last trial imported) carries over."""
+        old = self.runtime
+        if old.state is CellState.RUNNING:
+            raise RuntimeError(f"rank {old.context.world_rank} is still running a cell")
+        old.close()
+        release_capture()
+        context = dataclasses.replace(
+            old.context, run_name=run_name, storage_path=storage_path, extra={}
+        )
+        self.runtime = RankRuntime(context)
 
     # ---- set-up ----------------------------------------------------------------------
     def describe(self) -> RankPlace:

@@ -10,6 +10,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from rtnb.core._context import CONFIG_NAME
 from rtnb.core._reports import portable_metric
 from rtnb.errors import RtnbError, SessionError
 from rtnb.worker import _runtime as _rank
@@ -17,6 +18,7 @@ from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
 __all__ = [
     "get_checkpoint",
+    "get_config",
     "get_context",
     "get_dataset_shard",
     "get_device",
@@ -40,6 +42,19 @@ def _runtime(what: str) -> RankRuntime:
 def get_context() -> RankContext:
     """This rank's world_rank, world_size, local_rank, node_rank, device and run name."""
     return _runtime("get_context").context
+
+
+def get_config() -> dict[str, Any]:
+    """The config of this sweep trial (or of the function ``Session.run(fn,
+    config=...)`` runs): Ray Train's ``train_loop_config``. Empty outside one.
+
+    Example::
+
+        In [5]: %%rtnb sweep space --metric loss
+           ...: lr = rtnb.get_config()["lr"]
+    """
+    config = _runtime("get_config").namespace.get(CONFIG_NAME)
+    return dict(config) if isinstance(config, Mapping) else {}
 
 
 def get_device():

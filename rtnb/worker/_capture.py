@@ -69,6 +69,16 @@ def install_capture(sink: Callable[[str, str], None]) -> None:
         sys.stderr = CaptureStream(sink, "stderr", sys.__stderr__)
 
 
+def release_capture() -> None:
+    """Give the process its own streams back (a rank that becomes another run's:
+    the next cell captures into the new runtime)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, CaptureStream):
+            stream.flush()
+            setattr(sys, name, stream._original)
+
+
 def install_thread_capture(
     sink: Callable[[str, str], None], threads: Collection[int]
 ) -> Callable[[], None]:
