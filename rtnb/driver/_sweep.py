@@ -46,7 +46,14 @@ from rtnb.driver._cells import check_syntax
 from rtnb.driver._cluster import ClusterConnection, connect
 from rtnb.driver._group import RankGroup, WorkerGroup
 from rtnb.driver._startup import StartProgress
-from rtnb.errors import CellInterrupted, ClusterError, ConfigError, RtnbError, one_line
+from rtnb.errors import (
+    CellError,
+    CellInterrupted,
+    ClusterError,
+    ConfigError,
+    RtnbError,
+    one_line,
+)
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore
 from rtnb.storage._rundir import RunDirectory
@@ -117,6 +124,7 @@ class SweepTrial:
     stopped_at: int | None = None  # the iteration the scheduler stopped it at
     note: str = ""  # why it stopped, or its error, in one line
     failures: int = 0
+    value: Any = None  # the cell's value per rank, when it ran to its end
     started: float = 0.0
     ended: float = 0.0
     reported: set[str] = field(default_factory=set)
@@ -795,6 +803,7 @@ class SweepRunner:
         if error is None:  # ran to its end (a stop that came too late to matter)
             state, note = TrialState.TERMINATED, ""
             trial.stopped_at = None
+            trial.value = handle.wait(0)
         elif running.stop_reason is not None:
             state, note = TrialState.STOPPED, running.stop_reason
         elif self.sweep.stop_requested:
@@ -934,6 +943,12 @@ def sweep(
     searcher = _check_searcher(search_alg)
     metric, mode = _metric_and_mode(metric, mode, scheduler, searcher)
     _check_reports(code, metric)
+    if searcher is not None:
+        try:
+            # False when the searcher was made with its own space: it keeps that.
+            searcher.set_search_properties(metric, mode, copy.deepcopy(space))
+        except ValueError as exc:
+            raise ConfigError(f"the search algorithm refused the sweep: {one_line(exc)}") from None
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ConfigError(f"num_samples must be a whole number ≥ 1, got {num_samples!r}")
     if max_concurrent_trials is not None and (
@@ -1011,7 +1026,15 @@ def _check_train(train: Any) -> str | Callable:
             f"not {type(train).__name__}"
         )
     code = textwrap.dedent(train)
-    check_syntax(code, "<sweep trial>")
+    try:
+        check_syntax(code, "<sweep trial>")
+    except CellError as exc:
+        raise CellError(
+            str(exc)
+            .replace("the cell has", "the trial's code has", 1)
+            .replace("was not sent to the ranks", "no trial started", 1),
+            exc_type="SyntaxError",
+        ) from None
     return code
 
 
