@@ -1052,8 +1052,8 @@ def _resume_trial_in_view(magics: RtnbMagics, started: Sweep, index: int | None)
     trial = started.best_trial() if index is None else started.trials[index]
     view = LiveMetrics(session.metrics, handle)
     return (
-        f"trial {trial.index} ({trial.config}) carries on in {handle.name} in the background "
-        "(`%rtnb wait` for its value)",
+        f"trial {trial.index} ({trial.config}) carries on in the notebook's group, in the "
+        "background (`%rtnb wait` for its value)",
         view,
     )
 

@@ -646,3 +646,62 @@ def test_a_saved_notebook_reopened_with_a_new_kernel_keeps_its_figure(lab, tmp_p
     assert before["traces"] == 3, "rank 0, rank 1 and the mean"
     assert {"log y", "raw", "EMA 0.9"} <= set(before["buttons"])
     assert before["type"] == "linear" and after["type"] == "log"
+
+
+def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_path):
+    """A sweep of two trials on a reused group: the view's per-trial curves grow while
+    it runs, picking a row shows only that trial, and once it is over the lasting
+    figure and table stay while Resume carries the best trial on in the notebook's
+    group (its checkpoint loaded, its config on the ranks)."""
+    from tests.test_sweep import TRIAL
+
+    url, root = lab
+    runs = tmp_path / "runs"
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --cpus-per-worker 0.5 --storage {runs} --name nb",
+            "from ray import tune\n"
+            "space = {'lr': tune.grid_search([0.3, 0.02]), 'steps': 40, 'pause': 0.3}",
+            "%%rtnb sweep space --metric loss --mode min --cpus-per-worker 0.5 --name watched\n"
+            + TRIAL,
+            "%rtnb wait\n%rtnb pull lr",
+            "%rtnb stop",
+        ],
+    )
+    noise: list[str] = []
+    with _opened(url, name, tmp_path, noise) as page:
+        page.keyboard.press("Shift+Enter")  # the space
+        _wait_idle(page)
+        page.keyboard.press("Shift+Enter")  # the sweep
+        view = page.locator(".jp-OutputArea-output:has(.rtnb-sweep-rows)")
+        view.wait_for(timeout=60_000)
+        samples = _seen_growing(page, 60, cell=2)
+        assert len(samples) >= 3 and samples[-1][0] > samples[0][0], samples
+        assert len(samples[-1]) == 3, "two trials and the stopped-early marks"
+        # Pick trial 1's row: only its curve stays visible.
+        view.locator(".rtnb-sweep-rows select").select_option(index=[1])  # sorted by trial
+        page.wait_for_function(
+            "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
+            " const p = c && c.querySelector('.js-plotly-plot');"
+            " return p && p.data && p.data[0].visible === false && p.data[1].visible !== false; }",
+            timeout=30_000,
+        )
+        _wait_idle(page, timeout_s=120)
+        cell = page.locator(".jp-Cell").nth(2)
+        cell.locator(".jp-RenderedPlotly, .js-plotly-plot").first.wait_for(timeout=30_000)
+        table = cell.locator(".jp-OutputArea-output:has-text('last loss')").first.inner_text()
+        assert "lr=0.3" in table and "lr=0.02" in table
+        panel = cell.locator(".jp-OutputArea-output:has(button:has-text('Resume'))")
+        panel.locator("button:has-text('Resume')").click()
+        page.wait_for_selector("text=carries on in the notebook", timeout=60_000)
+        page.locator(".jp-Cell").nth(3).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Shift+Enter")  # wait for the resumed cell, pull lr
+        _wait_idle(page, timeout_s=120)
+        pulled = page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea-output").last.inner_text()
+        page.screenshot(path=str(tmp_path / "sweep.png"), full_page=True)
+        page.keyboard.press("Shift+Enter")  # stop
+        _wait_idle(page)
+    assert "0.3, 0.3" in pulled.replace("[", "").replace("]", ""), pulled
+    assert not noise, f"the kernel heard from comms it had closed: {noise}"

@@ -23,7 +23,7 @@ from rtnb.widgets._theme import follow_theme, redraw_when_theme_known
 
 from rtnb.core._text import align_rows
 
-__all__ = ["SweepProgress", "SweepView", "sweep_bundle", "sweep_table"]
+__all__ = ["SweepProgress", "SweepResume", "SweepView", "sweep_bundle", "sweep_table"]
 
 _CSS = (
     "<style>.rtnb-sweep-rows select{font-family:var(--jp-code-font-family,monospace);"
@@ -202,6 +202,8 @@ class SweepView(w.VBox):
         self._lock = threading.Lock()
         self._display = None
         self._table_display = None
+        self._actions_display = None
+        self.resume_panel: SweepResume | None = None
         self._left = False
         self.redraws = 0
         follow_theme(self, lambda: [self.figure], self._lock)
@@ -244,18 +246,7 @@ class SweepView(w.VBox):
         if self._resume is None:
             return
         pick = next(iter(self._shown)) if len(self._shown) == 1 else None
-        try:
-            outcome = self._resume(pick)
-            if isinstance(outcome, tuple):
-                outcome, view = outcome
-                for old in self.activity.children:
-                    close_view(old)
-                self.activity.children = (view,)
-            self.message.value = html.escape(str(outcome or ""))
-        except Exception as exc:  # noqa: BLE001 - shown to the user, one line
-            self.message.value = (
-                f'<span style="{_ERROR_STYLE}">{html.escape(f"Resume failed: {exc}")}</span>'
-            )
+        _resume_into(self._resume, pick, self.message, self.activity)
 
     # ---- drawing -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -319,13 +310,15 @@ class SweepView(w.VBox):
     # ---- showing and the end ------------------------------------------------------------
     def show(self) -> SweepView:
         """Display the view; at the sweep's end the same place gets a static figure and
-        the table below it as text, which a saved notebook keeps."""
+        the table below it as text, which a saved notebook keeps, and under them a
+        Resume for any trial (while this kernel runs)."""
         from IPython.display import display
 
         shown = display(self, display_id=True)
         table = display({"text/plain": ""}, raw=True, display_id=True)
+        actions = display({"text/plain": ""}, raw=True, display_id=True)
         with self._lock:
-            self._display, self._table_display = shown, table
+            self._display, self._table_display, self._actions_display = shown, table, actions
         if self.sweep.ended_at is not None:
             self._leave_lasting_output()
         return self
@@ -335,8 +328,6 @@ class SweepView(w.VBox):
             if self._display is None or self._left:
                 return
             self._left = True
-        if self.activity.children:
-            return  # a resumed trial's live view is below: the widget stays with it
         bundle = sweep_bundle(self.sweep)
         table = bundle.pop("text/plain")
         self._display.update({**bundle, "text/plain": self.sweep.state_text()}, raw=True)
@@ -351,12 +342,70 @@ class SweepView(w.VBox):
             display_.update({**again, "text/plain": self.sweep.state_text()}, raw=True)
 
         redraw_when_theme_known(redraw)
+        if self._resume is not None and self._actions_display is not None and self.sweep.trials:
+            # Resume stays at hand once the sweep is over (what a user wants to do
+            # then); the curves above last in the saved notebook, this does not.
+            self.resume_panel = SweepResume(self.sweep, self._resume, self.activity.children)
+            self._actions_display.update(self.resume_panel)
+            self.activity.children = ()
         self.close()
 
     def close(self) -> None:
         self._stopped.set()
         self._unsubscribe()
         close_tree(self)
+
+
+class SweepResume(w.VBox):
+    """After a sweep: pick a trial (the best first) and carry it on in the notebook's
+    group; ``resume(index)`` as for :class:`SweepView`."""
+
+    def __init__(self, sweep, resume: Callable[[int | None], object], activity=()) -> None:
+        self.sweep = sweep
+        self._resume = resume
+        order = sort_trials(sweep.trials, "last", sweep.mode)
+        self.pick = w.Dropdown(
+            options=[
+                (
+                    f"trial {t.index}: {_config_text(t.config)} · {sweep.metric} "
+                    f"{_number(t.score(sweep.mode))} · {t.state}",
+                    t.index,
+                )
+                for t in order
+            ],
+            description="trial",
+            layout=w.Layout(width="auto", min_width="420px"),
+        )
+        self.button = w.Button(
+            description="Resume",
+            tooltip="carry the trial on in the notebook's group (its config and checkpoint)",
+        )
+        self.message = w.HTML()
+        self.activity = w.Box(list(activity), layout=w.Layout(flex_flow="column"))
+        self.button.on_click(lambda _b: self._act())
+        super().__init__(
+            [w.HBox([self.pick, self.button]), self.message, self.activity],
+            layout=w.Layout(width="100%"),
+        )
+
+    def _act(self) -> None:
+        _resume_into(self._resume, self.pick.value, self.message, self.activity)
+
+
+def _resume_into(resume, pick: int | None, message, activity) -> None:
+    """Run a Resume: its line in ``message``, its live view (if any) in ``activity``."""
+    try:
+        outcome = resume(pick)
+        if isinstance(outcome, tuple):
+            outcome, view = outcome
+            for old in activity.children:
+                close_view(old)
+            activity.children = (view,)
+        message.value = html.escape(str(outcome or ""))
+    except Exception as exc:  # noqa: BLE001 - shown to the user, one line
+        message.value = (
+            f'<span style="{_ERROR_STYLE}">{html.escape(f"Resume failed: {exc}")}</span>'
+        )
 
 
 class SweepProgress:

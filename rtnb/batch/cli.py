@@ -307,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     except RtnbError as exc:
         print(f"rtnb: {exc}", file=sys.stderr)
         return 2
-    kept = "".join(f"\nrtnb: a copy is kept in the run directory: {k}" for k in result.kept_in)
+    shown = result.kept_in[:2]
+    kept = "".join(f"\nrtnb: a copy is kept in the run directory: {k}" for k in shown)
+    if len(result.kept_in) > len(shown):
+        # A sweep's trials are runs too: each keeps the notebook that made it.
+        kept += f"\nrtnb: ... and in {len(result.kept_in) - len(shown)} more run directories"
     if result.ok:
         print(
             f"rtnb: {result.input_path.name} ran to completion; output notebook: "

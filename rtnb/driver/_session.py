@@ -530,10 +530,9 @@ class Session:
         )
 
 
-def any_session_started() -> bool:
-    """Whether a session of this process has a group (a sweep that joined Ray for its
-    trials leaves it running then)."""
-    return any(session.started for session in list(_LIVE))
+def started_sessions() -> list[Session]:
+    """The sessions of this process that have a group."""
+    return [session for session in list(_LIVE) if session.started]
 
 
 def _announce_to_batch_runner(storage: str, run_name: str) -> None:

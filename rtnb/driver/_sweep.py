@@ -35,6 +35,7 @@ import queue
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -544,17 +545,31 @@ class Sweep:
             return None
         return CheckpointStore.of_run(self.storage, best.run_name).get(info.id)
 
-    def resume_trial(self, session: Any, trial: int | None = None, *, background: bool = False):
+    def resume_trial(
+        self, session: Any = None, trial: int | None = None, *, background: bool = False
+    ):
         """Carry trial ``trial`` (default: the best) on in ``session``, the notebook's
-        own group: its config is pushed to the ranks (as variables and
-        ``rtnb.get_config()``), its checkpoint loaded (``rtnb.get_checkpoint()``)
-        and the sweep's training code run again from there. Returns the cell's value
-        (its handle with ``background``).
+        own group (default: the one this kernel started, ``%rtnb start``): its config
+        is pushed to the ranks (as variables and ``rtnb.get_config()``), its
+        checkpoint loaded (``rtnb.get_checkpoint()``) and the sweep's training code
+        run again from there. Returns the cell's value (its handle with
+        ``background``).
 
         Example::
 
-            In [8]: sweep.resume_trial(session)
+            In [8]: sweep.resume_best()
         """
+        if session is None:
+            running = _notebook_sessions()
+            if len(running) != 1:
+                raise ConfigError(
+                    "start the notebook's group first (`%rtnb start`), then resume the trial "
+                    "into it"
+                    if not running
+                    else "several groups run in this kernel: pass the session, "
+                    "sweep.resume_trial(session)"
+                )
+            session = running[0]
         chosen = self.best_trial() if trial is None else self._trial(trial)
         if chosen is None:
             raise ConfigError(f"sweep {self.name} has no trial that reported {self.metric!r} yet")
@@ -720,6 +735,7 @@ class SweepRunner:
             ),
         )
         running.session = session
+        _TRIAL_SESSIONS.add(session)
         self.running[trial.index] = running
         trial.state, trial.started = TrialState.RUNNING, time.time()
         session.start()
@@ -865,12 +881,9 @@ class SweepRunner:
         for trial in self.trials:
             if not trial.state.ended:
                 sweep.end_trial(trial, TrialState.STOPPED, reason)
-        if self.own_connection:
-            from rtnb.driver._session import any_session_started
-
-            if not any_session_started():
-                with contextlib.suppress(Exception):
-                    self.connection.shutdown()
+        if self.own_connection and not _notebook_sessions():
+            with contextlib.suppress(Exception):
+                self.connection.shutdown()
         sweep.ended_at = time.time()
         self._write_record()
         sweep.finish()
@@ -1000,12 +1013,9 @@ def sweep(
         )
         RunDirectory(trial_config.storage_path, name).ensure_writable()
     except BaseException:
-        if own:
-            from rtnb.driver._session import any_session_started
-
-            if not any_session_started():
-                with contextlib.suppress(Exception):
-                    connection.shutdown()
+        if own and not _notebook_sessions():
+            with contextlib.suppress(Exception):
+                connection.shutdown()
         raise
     for viewer in list(_VIEWERS):
         with contextlib.suppress(Exception):
@@ -1241,6 +1251,16 @@ def _concurrency(config: SessionConfig, asked: int | None, total: int | None) ->
 
 
 # ---- small helpers --------------------------------------------------------------------------
+_TRIAL_SESSIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _notebook_sessions() -> list:
+    """The sessions of this process that have a group, sweeps' trials left out."""
+    from rtnb.driver._session import started_sessions
+
+    return [s for s in started_sessions() if s not in _TRIAL_SESSIONS]
+
+
 def _config_values(config: Mapping[str, Any]) -> dict[str, Any]:
     """The rank variables a trial's config becomes: each key that is a name, and the
     whole config for ``rtnb.get_config()``."""
