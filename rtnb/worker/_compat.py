@@ -2,8 +2,8 @@
 
 Inside a rank, ``ray.train.report/get_context/get_checkpoint/get_dataset_shard``,
 ``ray.train.torch.prepare_model/prepare_data_loader/get_device`` and
-``ray.train.huggingface.transformers.prepare_trainer/RayTrainReportCallback`` are pointed at
-rtnb's versions. The patch is applied when the user's code imports those modules
+``ray.train.huggingface.transformers.prepare_trainer/RayTrainReportCallback`` and a Tune
+function trainable's ``ray.tune.report/get_checkpoint`` are pointed at rtnb's versions. The patch is applied when the user's code imports those modules
 (an import hook), because importing ``ray.train.torch`` costs ~3 s that a rank
 that never uses it should not pay at start-up.
 """
@@ -52,8 +52,17 @@ def _patch_train_transformers(module) -> None:
     _set(module, "RayTrainReportCallback", _hf.RayTrainReportCallback)
 
 
+def _patch_tune(module) -> None:
+    # A Tune function trainable's own names: its body runs as a sweep's trial cell.
+    from rtnb.worker import _api as _train
+
+    for name in ("report", "get_checkpoint"):
+        _set(module, name, getattr(_train, name))
+
+
 _PATCHES = {
     "ray.train": _patch_train,
+    "ray.tune": _patch_tune,
     "ray.train.torch": _patch_train_torch,
     "ray.train.huggingface.transformers": _patch_train_transformers,
 }
