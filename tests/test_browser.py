@@ -662,7 +662,7 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         [
             f"%load_ext rtnb\n%rtnb start --cpus-per-worker 0.5 --storage {runs} --name nb",
             "from ray import tune\n"
-            "space = {'lr': tune.grid_search([0.3, 0.02]), 'steps': 40, 'pause': 0.3}",
+            "space = {'lr': tune.grid_search([0.3, 0.02]), 'steps': 24, 'pause': 0.3}",
             "%%rtnb sweep space --metric loss --mode min --cpus-per-worker 0.5 --name watched\n"
             + TRIAL,
             "%rtnb wait\n%rtnb pull lr",

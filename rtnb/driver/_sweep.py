@@ -128,7 +128,6 @@ class SweepTrial:
     value: Any = None  # the cell's value per rank, when it ran to its end
     started: float = 0.0
     ended: float = 0.0
-    reported: set[str] = field(default_factory=set)
 
     @property
     def iterations(self) -> int:
@@ -143,9 +142,7 @@ class SweepTrial:
         return min(self.values) if mode == "min" else max(self.values)
 
     def copy(self) -> SweepTrial:
-        return dataclasses.replace(
-            self, steps=list(self.steps), values=list(self.values), reported=set(self.reported)
-        )
+        return dataclasses.replace(self, steps=list(self.steps), values=list(self.values))
 
     def row(self, mode: str) -> dict[str, Any]:
         return {
@@ -368,7 +365,9 @@ class _Running:
     handle: Any = None
     stop_reason: str | None = None
     last_result: dict[str, Any] | None = None
+    # Steps not every rank reported yet: {step: {rank: value}}.
     pending: dict[int, dict[int, float]] = field(default_factory=dict)
+    reported: set[str] = field(default_factory=set)  # every metric name the trial reported
     unsubscribe: Callable[[], None] | None = None
 
 
@@ -703,6 +702,8 @@ class SweepRunner:
             trial_id = f"{self.sweep.name}_{index:05d}"
             suggestion = self.suggestions.next(trial_id)
             if suggestion is None:
+                if not self.running:  # nothing will ever tell it more: it is done
+                    self.suggestions.finished = True
                 return
             config, tag = suggestion
             trial = SweepTrial(
@@ -738,7 +739,14 @@ class SweepRunner:
         _TRIAL_SESSIONS.add(session)
         self.running[trial.index] = running
         trial.state, trial.started = TrialState.RUNNING, time.time()
-        session.start()
+        try:
+            session.start()
+        except BaseException as exc:
+            self.running.pop(trial.index, None)
+            self.sweep.end_trial(
+                trial, TrialState.ERROR, f"its group did not start: {one_line(exc)}"
+            )
+            raise
         self.sweep.groups_started = self.pool.started
         running.unsubscribe = session.metrics.subscribe(
             lambda rank, batch: self._on_reports(running, rank, batch)
@@ -763,15 +771,19 @@ class SweepRunner:
         trial, metric = running.trial, self.sweep.metric
         world = running.session.world_size
         for step, _when, metrics in batch.rows():
-            trial.reported.update(metrics)
+            running.reported.update(metrics)
             value = metrics.get(metric)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             ranks = running.pending.setdefault(step, {})
             ranks[rank] = float(value)
             if len(ranks) >= world:
-                del running.pending[step]
-                self.events.put(("result", trial.index, step, sum(ranks.values()) / len(ranks)))
+                # Every rank is past the steps before it: one some rank never reported
+                # (an attempt a rank died in, a metric not every rank reports) is
+                # the mean over those that did.
+                for done in sorted(s for s in running.pending if s <= step):
+                    got = running.pending.pop(done)
+                    self.events.put(("result", trial.index, done, sum(got.values()) / len(got)))
 
     def _handle(self, event: tuple) -> None:
         kind, index = event[0], event[1]
@@ -815,6 +827,11 @@ class SweepRunner:
 
         trial, handle = running.trial, running.handle
         error = handle.error
+        # Steps some ranks never reported (a metric only rank 0 reports, a stop between
+        # ranks' reports): their mean over the ranks that did, in order.
+        for step in sorted(running.pending):
+            got = running.pending.pop(step)
+            self.sweep.add_result(trial, step, sum(got.values()) / len(got))
         last = running.last_result
         if error is None:  # ran to its end (a stop that came too late to matter)
             state, note = TrialState.TERMINATED, ""
@@ -846,10 +863,10 @@ class SweepRunner:
                 self.suggestions.searcher.on_trial_complete(trial.trial_id, result=last)
         self.sweep.end_trial(trial, state, note)
         self._close_trial(running)
-        if state is TrialState.TERMINATED and not trial.values and trial.reported:
+        if state is TrialState.TERMINATED and not trial.values and running.reported:
             raise ConfigError(
                 f"trial {trial.index} ended without reporting {self.sweep.metric!r} (it "
-                f"reported {', '.join(sorted(trial.reported - {'step'})) or 'only steps'}): "
+                f"reported {', '.join(sorted(running.reported - {'step'})) or 'only steps'}): "
                 "name a metric the training code reports"
             )
 
