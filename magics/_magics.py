@@ -720,9 +720,10 @@ class RtnbMagics(Magics):
             max_failures=args.max_failures,
             name=args.name,
             storage=storage,
-            background=args.background,
+            background=True,
         )
-        return self.last_sweep
+        # Kept before waiting: an interrupted or failed sweep's trials stay at hand.
+        return self.last_sweep if args.background else self.last_sweep.wait()
 
     def _tune_object(self, text: str | None, flag: str):
         """--scheduler/--search-alg: a short name (the engine knows them), or a

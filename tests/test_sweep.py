@@ -220,6 +220,7 @@ def test_failed_trials_are_retried_per_failure_config_and_a_lost_rank_is_recover
     assert "ValueError: broken every time" in by_kind["broken"].note
     assert by_kind["broken"].failures == 1
     assert by_kind["dies"].state is rtnb.TrialState.TERMINATED, by_kind["dies"].note
+    assert by_kind["dies"].failures == 1, "a lost rank is one failure of the trial, retried"
     # The attempt rank 1 died in counts too (rank 0 reported it alone), then the rerun.
     losses = [1.0, 0.5, 1 / 3, 0.25, 0.2]
     assert by_kind["dies"].values[-5:] == pytest.approx(losses)
@@ -230,7 +231,7 @@ def test_failed_trials_are_retried_per_failure_config_and_a_lost_rank_is_recover
 def test_bad_sweeps_are_refused_in_one_line_before_any_trial_starts(ray_cluster, tmp_path):
     import optuna
     from ray import tune
-    from ray.tune.schedulers import HyperBandScheduler
+    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
 
     storage = str(tmp_path)
     space = {"lr": tune.loguniform(1e-4, 1e-1)}
@@ -265,6 +266,16 @@ def test_bad_sweeps_are_refused_in_one_line_before_any_trial_starts(ray_cluster,
         (
             dict(train=code, param_space=space, metric="loss", mode="min", num_samples=0),
             "num_samples must be",
+        ),
+        (
+            dict(
+                train=code,
+                param_space=space,
+                metric="loss",
+                mode="min",
+                scheduler=ASHAScheduler(metric="loss", mode="max"),
+            ),
+            "AsyncHyperBandScheduler was made with mode='max'",
         ),
         (
             dict(
@@ -387,3 +398,35 @@ def test_an_optuna_search_suggests_each_trial_from_the_results_so_far(ray_cluste
     assert sweep.groups_started == 1
     best = max(trials, key=lambda t: t.values[-1])
     assert sweep.best_trial().index == best.index
+
+
+def test_a_metric_only_rank_0_reports_and_a_trial_that_reports_nothing(ray_cluster, tmp_path):
+    """As Ray Train code often does: every rank calls report(), rank 0 alone with the
+    metric. And a hyperparameter named like a keyword, and the median stopping rule
+    with a trial that ends without a result (it must not break the rule's books)."""
+    from ray import tune
+
+    code = (
+        "import rtnb\n"
+        "lam = rtnb.get_config()['lambda']\n"
+        "rank = rtnb.get_context().get_world_rank()\n"
+        "for s in range(6 if lam else 0):\n"
+        "    rtnb.report({'loss': lam * (6 - s)} if rank == 0 else {})\n"
+    )
+    sweep = rtnb.sweep(
+        code,
+        {"lambda": tune.grid_search([1.0, 0.1, 0.0])},
+        metric="loss",
+        mode="min",
+        scheduler="median",
+        max_concurrent_trials=1,
+        workers=2,
+        cpus_per_worker=0.5,
+        storage=str(tmp_path),
+        name="rank0",
+    )
+    first, second, silent = sweep.trials
+    assert first.values == pytest.approx([1.0 * (6 - s) for s in range(6)])
+    assert second.values == pytest.approx([0.1 * (6 - s) for s in range(6)])
+    assert silent.state is rtnb.TrialState.TERMINATED and silent.values == []
+    assert sweep.best_config == {"lambda": 0.1} and sweep.error is None

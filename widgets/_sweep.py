@@ -266,6 +266,8 @@ class SweepView(w.VBox):
             self._redraw_locked()
 
     def _redraw_locked(self) -> None:
+        if self._left:
+            return  # closed: its widgets are gone
         sweep = self.sweep
         trials = sweep.trials
         error = (
@@ -353,7 +355,9 @@ class SweepView(w.VBox):
     def close(self) -> None:
         self._stopped.set()
         self._unsubscribe()
-        close_tree(self)
+        with self._lock:  # not while the redraw thread draws
+            self._left = True
+            close_tree(self)
 
 
 class SweepResume(w.VBox):

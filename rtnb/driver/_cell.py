@@ -146,6 +146,7 @@ class CellHandle:
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
         self._sinks: list[OutputSink] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
+        self._callbacks_lock = threading.Lock()
         self._done = threading.Event()
         self._settled = threading.Event()  # the done-callbacks have run
         self._finishing_thread: threading.Thread | None = None
@@ -185,10 +186,13 @@ class CellHandle:
         self._sinks.append(sink)
 
     def add_done_callback(self, callback: Callable[[CellHandle], None]) -> None:
-        if self._done.is_set():
-            callback(self)
-        else:
-            self._done_callbacks.append(callback)
+        # Checked and kept under the lock the end takes its list with: a cell ending
+        # between the two would otherwise never call it back.
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._done_callbacks.append(callback)
+                return
+        callback(self)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -658,9 +662,11 @@ class CellHandle:
                 self.states[rank] = "stopped"
         if not self.replay:
             self._context.cell_ended(self)
-        self._done.set()
+        with self._callbacks_lock:
+            self._done.set()
+            callbacks = list(self._done_callbacks)
         try:
-            for callback in self._done_callbacks:
+            for callback in callbacks:
                 try:
                     callback(self)
                 except Exception:  # noqa: BLE001

@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import enum
 import inspect
+import keyword
 import math
 import queue
 import textwrap
@@ -263,14 +264,20 @@ class LentGroup:
         self._run_name = run_name
         self._storage_path = storage_path
         self._group: WorkerGroup | None = None
+        self._sound = True
 
     def start(self, progress: StartProgress | None = None) -> None:
         self._group = self._pool.take(self._run_name, self._storage_path, progress)
 
+    def discard_on_return(self) -> None:
+        """Its trial failed: whatever the session's stop says, the group is shut down
+        (a broken process group, a CUDA error, must not reach the next trial)."""
+        self._sound = False
+
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
         group, self._group = self._group, None
         if group is not None:
-            self._pool.give_back(group, clean=graceful)
+            self._pool.give_back(group, clean=graceful and self._sound)
 
     def __getattr__(self, name: str) -> Any:
         # The rank protocol, the ranks and the size are the lent group's.
@@ -364,9 +371,12 @@ class _Running:
     tune_trial: Any
     handle: Any = None
     stop_reason: str | None = None
+    at_end: bool = False  # the scheduler's stop came at its max_t: the trial's end
     last_result: dict[str, Any] | None = None
-    # Steps not every rank reported yet: {step: {rank: value}}.
-    pending: dict[int, dict[int, float]] = field(default_factory=dict)
+    iterations: int = 0  # results the scheduler was given (Tune's training_iteration)
+    # Steps not settled yet: {step: {rank: {metric: value}}}; each rank's newest step.
+    pending: dict[int, dict[int, dict[str, float]]] = field(default_factory=dict)
+    progress: dict[int, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)  # every metric name the trial reported
     unsubscribe: Callable[[], None] | None = None
 
@@ -463,12 +473,20 @@ class Sweep:
                     raise WaitTimeout(f"sweep {self.name} is still running after {timeout:g} s")
         except KeyboardInterrupt:
             self.stop("interrupted (Ctrl-C / kernel interrupt)")
-            self._done.wait(self.trial_config.stop_grace_s + 30.0)
-            raise CellInterrupted(
-                f"sweep {self.name} interrupted: {self.state_text()}; every trial stopped at "
-                "a step boundary, their committed checkpoints kept, every group freed"
-            ) from None
+            ended = self._done.wait(self.trial_config.stop_grace_s + 30.0)
+            interrupted = CellInterrupted(
+                f"sweep {self.name} interrupted: {self.state_text()}; "
+                + (
+                    "every trial stopped at a step boundary, their committed checkpoints "
+                    "kept, every group freed"
+                    if ended
+                    else "its trials are still stopping (sweep.wait() for the end)"
+                )
+            )
+            interrupted.sweep = self  # what it found so far stays at hand
+            raise interrupted from None
         if self.error is not None:
+            self.error.sweep = self
             raise self.error
         return self
 
@@ -642,7 +660,13 @@ class Sweep:
 
 # ---- the flow -----------------------------------------------------------------------------
 class SweepRunner:
-    """Owns one sweep's flow, in a thread of its own (see the module docstring)."""
+    """Owns one sweep's flow, in a thread of its own (see the module docstring).
+
+    Failures follow Tune's ``FailureConfig``: a trial whose cell fails (its code
+    raised, a rank died) is retried ``max_failures`` times (-1: always) on a fresh
+    group from its latest checkpoint, then marked ``error``; ``fail_fast`` ends the
+    sweep at the first error. The trial's own session does not recover by itself
+    (``max_failures=0`` there), so each failure counts once."""
 
     def __init__(
         self,
@@ -650,6 +674,7 @@ class SweepRunner:
         suggestions: _Suggestions,
         scheduler: Any,
         max_failures: int,
+        fail_fast: bool,
         connection: ClusterConnection,
         own_connection: bool,
     ) -> None:
@@ -657,6 +682,7 @@ class SweepRunner:
         self.suggestions = suggestions
         self.scheduler = scheduler
         self.max_failures = max_failures
+        self.fail_fast = fail_fast
         self.connection = connection
         self.own_connection = own_connection
         self.pool = GroupPool(handle.trial_config, handle.max_concurrent_trials)
@@ -664,6 +690,8 @@ class SweepRunner:
         self.events: queue.Queue = queue.Queue()
         self.running: dict[int, _Running] = {}
         self.trials: list[SweepTrial] = []  # the sweep's, in order (the runner's to change)
+        # Where a scheduler's max_t is (a stop there is the trial's end, not early).
+        self.max_t = getattr(scheduler, "_max_t", None)
         self.thread = threading.Thread(
             target=self._run, name=f"rtnb-sweep-{handle.name}", daemon=True
         )
@@ -685,6 +713,10 @@ class SweepRunner:
                 try:
                     event = self.events.get(timeout=_TICK_S)
                 except queue.Empty:
+                    # A cell whose end was not heard of (never expected; never a hang).
+                    for running in list(self.running.values()):
+                        if running.handle is not None and running.handle.done():
+                            self.events.put(("ended", running.trial.index, running.handle))
                     continue
                 self._handle(event)
         except RtnbError as exc:
@@ -741,17 +773,15 @@ class SweepRunner:
         trial.state, trial.started = TrialState.RUNNING, time.time()
         try:
             session.start()
-        except BaseException as exc:
-            self.running.pop(trial.index, None)
-            self.sweep.end_trial(
-                trial, TrialState.ERROR, f"its group did not start: {one_line(exc)}"
+            self.sweep.groups_started = self.pool.started
+            running.unsubscribe = session.metrics.subscribe(
+                lambda rank, batch: self._on_reports(running, rank, batch)
             )
-            raise
-        self.sweep.groups_started = self.pool.started
-        running.unsubscribe = session.metrics.subscribe(
-            lambda rank, batch: self._on_reports(running, rank, batch)
-        )
-        self._run_cell(running)
+            self._run_cell(running)
+        except RtnbError as exc:
+            # This trial fails; the sweep goes on (as Tune's would), unless fail_fast.
+            self._trial_failed(running, f"it could not start: {one_line(exc)}")
+            return
         self._write_record()
 
     def _run_cell(self, running: _Running) -> None:
@@ -766,24 +796,27 @@ class SweepRunner:
         handle.add_done_callback(lambda h: self.events.put(("ended", trial.index, h)))
 
     def _on_reports(self, running: _Running, rank: int, batch) -> None:
-        """A rank's reports (the cell's poll thread): each step all ranks reported
-        becomes one result, their mean."""
-        trial, metric = running.trial, self.sweep.metric
+        """A rank's reports (the cell's poll thread): each step becomes one result,
+        the mean of every number the ranks reported for it, once every rank is past it
+        (its reports arrive in order, so then nothing more of that step will come). A
+        metric only some ranks report is the mean over those that did; a rank that
+        reports nothing at all holds the results back until the trial ends."""
         world = running.session.world_size
         for step, _when, metrics in batch.rows():
             running.reported.update(metrics)
-            value = metrics.get(metric)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            ranks = running.pending.setdefault(step, {})
-            ranks[rank] = float(value)
-            if len(ranks) >= world:
-                # Every rank is past the steps before it: one some rank never reported
-                # (an attempt a rank died in, a metric not every rank reports) is
-                # the mean over those that did.
-                for done in sorted(s for s in running.pending if s <= step):
-                    got = running.pending.pop(done)
-                    self.events.put(("result", trial.index, done, sum(got.values()) / len(got)))
+            running.progress[rank] = max(running.progress.get(rank, -1), step)
+            numbers = {
+                k: float(v)
+                for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            if numbers:
+                running.pending.setdefault(step, {})[rank] = numbers
+        if len(running.progress) < world:
+            return
+        behind = min(running.progress.values())
+        for done in sorted(s for s in running.pending if s <= behind):
+            self.events.put(("result", running.trial.index, done, _mean(running.pending.pop(done))))
 
     def _handle(self, event: tuple) -> None:
         kind, index = event[0], event[1]
@@ -795,87 +828,131 @@ class SweepRunner:
         elif kind == "ended" and event[2] is running.handle:
             self._ended(running)
 
-    def _result(self, running: _Running, step: int, value: float) -> None:
+    def _result(self, running: _Running, step: int, means: dict[str, float]) -> None:
         from ray.tune.schedulers import TrialScheduler
 
-        trial = running.trial
-        self.sweep.add_result(trial, step, value)
+        trial, metric = running.trial, self.sweep.metric
+        if running.stop_reason is not None or metric not in means:
+            return  # what comes after a stop is not the trial's: the scheduler had it end
+        running.iterations += 1
         result = {
-            self.sweep.metric: value,
-            "training_iteration": trial.iterations,
+            **means,
+            "training_iteration": running.iterations,
             "step": step,
             "time_total_s": time.time() - trial.started,
             "trial_id": trial.trial_id,
         }
-        if running.stop_reason is not None:
-            return
+        self.sweep.add_result(trial, step, means[metric])
         decision = self.scheduler.on_trial_result(self.controller, running.tune_trial, result)
         running.tune_trial.update_last_result(result)
         running.last_result = result
         if decision in (TrialScheduler.STOP, TrialScheduler.PAUSE):
-            trial.stopped_at = trial.iterations
+            at_end = self.max_t is not None and running.iterations >= self.max_t
             running.stop_reason = (
-                f"stopped early by {type(self.scheduler).__name__} at iteration "
-                f"{trial.iterations} (step {step})"
+                f"ran its max_t={self.max_t} iterations"
+                if at_end
+                else f"stopped early by {type(self.scheduler).__name__} at iteration "
+                f"{running.iterations} (step {step})"
             )
-            running.handle.stop(running.stop_reason)
+            running.at_end = at_end
+            trial.stopped_at = None if at_end else running.iterations
+            if running.handle is not None and not running.handle.done():
+                running.handle.stop(running.stop_reason)
         elif self.suggestions.searcher is not None:
             self.suggestions.searcher.on_trial_result(trial.trial_id, result)
 
     def _ended(self, running: _Running) -> None:
-        from ray.tune.experiment import Trial
-
         trial, handle = running.trial, running.handle
         error = handle.error
-        # Steps some ranks never reported (a metric only rank 0 reports, a stop between
-        # ranks' reports): their mean over the ranks that did, in order.
-        for step in sorted(running.pending):
-            got = running.pending.pop(step)
-            self.sweep.add_result(trial, step, sum(got.values()) / len(got))
-        last = running.last_result
-        if error is None:  # ran to its end (a stop that came too late to matter)
+        for step in sorted(running.pending):  # what no rank will report more of
+            self._result(running, step, _mean(running.pending.pop(step)))
+        if error is None or running.at_end:
             state, note = TrialState.TERMINATED, ""
             trial.stopped_at = None
-            trial.value = handle.wait(0)
+            trial.value = handle.wait(0) if error is None else None
         elif running.stop_reason is not None:
             state, note = TrialState.STOPPED, running.stop_reason
         elif self.sweep.stop_requested:
             state, note = TrialState.STOPPED, self.sweep.stop_reason
-        elif trial.failures < self.max_failures:
-            trial.failures += 1
-            trial.note = f"retry {trial.failures} of {self.max_failures}: {one_line(error)}"
-            with contextlib.suppress(RtnbError):
-                if running.session.latest_checkpoint_id():
-                    running.session.load("latest")
-            self._run_cell(running)
+        elif self.max_failures < 0 or trial.failures < self.max_failures:
+            self._retry(running, error)
             return
         else:
-            state, note = TrialState.ERROR, one_line(error)
-        if state is TrialState.ERROR:
-            running.tune_trial.set_status(Trial.ERROR)
-            self.scheduler.on_trial_error(self.controller, running.tune_trial)
-            if self.suggestions.searcher is not None:
-                self.suggestions.searcher.on_trial_complete(trial.trial_id, error=True)
-        else:
-            running.tune_trial.set_status(Trial.TERMINATED)
-            self.scheduler.on_trial_complete(self.controller, running.tune_trial, last or {})
-            if self.suggestions.searcher is not None:
-                self.suggestions.searcher.on_trial_complete(trial.trial_id, result=last)
-        self.sweep.end_trial(trial, state, note)
-        self._close_trial(running)
+            self._trial_failed(running, one_line(error))
+            return
         if state is TrialState.TERMINATED and not trial.values and running.reported:
+            self._close_trial(running, TrialState.ERROR, "it never reported the metric")
             raise ConfigError(
                 f"trial {trial.index} ended without reporting {self.sweep.metric!r} (it "
                 f"reported {', '.join(sorted(running.reported - {'step'})) or 'only steps'}): "
                 "name a metric the training code reports"
             )
+        self._tell_tune_it_ended(running)
+        self._close_trial(running, state, note)
 
-    def _close_trial(self, running: _Running) -> None:
+    def _retry(self, running: _Running, error: BaseException) -> None:
+        """Run the trial again on a fresh group (as Tune restarts a trial on a new
+        actor), from its latest checkpoint."""
+        from ray.tune.experiment import Trial
+
+        trial = running.trial
+        trial.failures += 1
+        trial.note = f"retry {trial.failures}: {one_line(error)}"
+        running.pending.clear()
+        running.progress.clear()  # the new attempt's steps start from its checkpoint
+        running.tune_trial.set_status(Trial.RUNNING)
+        try:
+            running.session.restart()
+            if running.session.latest_checkpoint_id():
+                running.session.load("latest")
+            self._run_cell(running)
+        except RtnbError as exc:
+            self._trial_failed(running, f"its retry could not start: {one_line(exc)}")
+
+    def _trial_failed(self, running: _Running, note: str) -> None:
+        from ray.tune.experiment import Trial
+
+        trial = running.trial
+        running.tune_trial.set_status(Trial.ERROR)
+        self.scheduler.on_trial_error(self.controller, running.tune_trial)
+        if self.suggestions.searcher is not None:
+            self.suggestions.searcher.on_trial_complete(trial.trial_id, error=True)
+        self._close_trial(running, TrialState.ERROR, note)
+        if self.fail_fast:
+            raise ConfigError(
+                f"trial {trial.index} failed and the sweep fails fast (FailureConfig"
+                f"(fail_fast=True)): {note}"
+            )
+
+    def _tell_tune_it_ended(self, running: _Running) -> None:
+        from ray.tune.experiment import Trial
+
+        running.tune_trial.set_status(Trial.TERMINATED)
+        if running.last_result is None:
+            # Nothing to complete with (a scheduler keeps what it is given: the median
+            # rule would read an empty result's time): the trial is taken off instead.
+            self.scheduler.on_trial_remove(self.controller, running.tune_trial)
+        else:
+            self.scheduler.on_trial_complete(
+                self.controller, running.tune_trial, running.last_result
+            )
+        if self.suggestions.searcher is not None:
+            self.suggestions.searcher.on_trial_complete(
+                running.trial.trial_id, result=running.last_result
+            )
+
+    def _close_trial(self, running: _Running, state: TrialState, note: str) -> None:
+        """The trial's session stops; its group goes back to the pool only after an
+        end that leaves it sound (a failed trial's group is shut down)."""
+        self.sweep.end_trial(running.trial, state, note)
         self.running.pop(running.trial.index, None)
         if running.unsubscribe is not None:
             running.unsubscribe()
+        session = running.session
+        if state is TrialState.ERROR and isinstance(session.group, LentGroup):
+            session.group.discard_on_return()
         with contextlib.suppress(Exception):
-            running.session.stop()
+            session.stop()
         self._write_record()
         self.sweep.emit(SweepEvent(SweepEventKind.ENDED, running.trial.index))
 
@@ -891,9 +968,9 @@ class SweepRunner:
         for running in list(self.running.values()):
             if running.handle is not None:
                 running.handle.wait_left(grace)
-            trial = running.trial
-            sweep.end_trial(trial, TrialState.STOPPED, trial.note or running.stop_reason or reason)
-            self._close_trial(running)
+            self._close_trial(
+                running, TrialState.STOPPED, running.trial.note or running.stop_reason or reason
+            )
         self.pool.close()
         for trial in self.trials:
             if not trial.state.ended:
@@ -910,6 +987,15 @@ class SweepRunner:
             RunDirectory(self.sweep.storage, self.sweep.name).write_json(
                 SWEEP_RECORD, _jsonable(self.sweep.record())
             )
+
+
+def _mean(per_rank: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the ranks that reported it."""
+    sums: dict[str, list[float]] = {}
+    for numbers in per_rank.values():
+        for name, value in numbers.items():
+            sums.setdefault(name, []).append(value)
+    return {name: sum(values) / len(values) for name, values in sums.items()}
 
 
 # ---- the entry point ----------------------------------------------------------------------
@@ -964,8 +1050,11 @@ def sweep(
         max_concurrent_trials = max_concurrent_trials or tune_config.max_concurrent_trials
         scheduler = scheduler or tune_config.scheduler
         search_alg = search_alg or tune_config.search_alg
-    if failure_config is not None and max_failures is None:
-        max_failures = max(0, int(failure_config.max_failures))
+    fail_fast = False
+    if failure_config is not None:
+        if max_failures is None:
+            max_failures = int(failure_config.max_failures)  # -1: retry always, as in Tune
+        fail_fast = bool(failure_config.fail_fast)
     max_failures = int(max_failures or 0)
     code = _check_train(train)
     space = _check_space(param_space)
@@ -996,7 +1085,9 @@ def sweep(
             gpu=gpu,
             address=address,
             storage=storage,
-            max_failures=max_failures,
+            # The runner retries a failed trial (FailureConfig); its session does not
+            # recover by itself, so each failure counts once.
+            max_failures=0,
             score=metric,
             mode=mode,
             **({"cpus_per_worker": cpus_per_worker} if cpus_per_worker is not None else {}),
@@ -1037,7 +1128,7 @@ def sweep(
     for viewer in list(_VIEWERS):
         with contextlib.suppress(Exception):
             viewer(handle)
-    SweepRunner(handle, suggestions, scheduler, max_failures, connection, own).start()
+    SweepRunner(handle, suggestions, scheduler, max_failures, fail_fast, connection, own).start()
     if background:
         return handle
     return handle.wait()
@@ -1154,8 +1245,15 @@ def _metric_and_mode(metric: Any, mode: Any, scheduler: Any, searcher: Any) -> t
     for source in (scheduler, searcher):
         if source is None:
             continue
-        metric = metric or getattr(source, "_metric", None)
-        mode = mode or getattr(source, "_mode", None)
+        own = getattr(source, "_metric", None), getattr(source, "_mode", None)
+        for given, its, what in ((metric, own[0], "metric"), (mode, own[1], "mode")):
+            if given and its and given != its:
+                raise ConfigError(
+                    f"the sweep's {what} is {given!r} but {type(source).__name__} was made "
+                    f"with {what}={its!r}: give it in one place"
+                )
+        metric = metric or own[0]
+        mode = mode or own[1]
     if not metric or not isinstance(metric, str):
         raise ConfigError(
             "name the metric the sweep optimises: metric='loss' (a key the training code "
@@ -1279,9 +1377,14 @@ def _notebook_sessions() -> list:
 
 
 def _config_values(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The rank variables a trial's config becomes: each key that is a name, and the
-    whole config for ``rtnb.get_config()``."""
-    values = {k: v for k, v in config.items() if isinstance(k, str) and k.isidentifier()}
+    """The rank variables a trial's config becomes: each key that can be a variable
+    (``lambda`` cannot: ``rtnb.get_config()["lambda"]``), and the whole config for
+    ``rtnb.get_config()``."""
+    values = {
+        k: v
+        for k, v in config.items()
+        if isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k)
+    }
     values[CONFIG_NAME] = dict(config)
     return values
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import queue
 import socket
@@ -150,6 +151,13 @@ class RankActor:
             raise RuntimeError(f"rank {old.context.world_rank} is still running a cell")
         old.close()
         release_capture()
+        old.namespace.clear()
+        # A cell's functions hold its namespace in a cycle: the last trial's model and
+        # optimizer go now, not when the collector happens to run.
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         context = dataclasses.replace(
             old.context, run_name=run_name, storage_path=storage_path, extra={}
         )
