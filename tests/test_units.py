@@ -444,3 +444,14 @@ def test_a_sweeps_table_sorts_by_score_with_the_best_marked():
     head, *rows = sweep_table(Sweep(), key="last")
     assert "last loss" in head and rows[0].startswith("*2")
     assert "lr=0.3" in rows[2] and "stopped" in rows[2]
+
+
+def test_an_exported_trial_reads_its_config_from_the_loops_argument():
+    from rtnb.driver._export import to_ray_train
+
+    code, _helpers = to_ray_train(
+        "import rtnb\nlr = rtnb.get_config()['lr']\nrtnb.report({'lr': lr})"
+    )
+    assert "rtnb" not in code.replace("__rtnb_config__", "")
+    assert "lr = dict(loop_config.get('__rtnb_config__', loop_config))['lr']" in code
+    assert "ray.train.report({'lr': lr})" in code

@@ -24,6 +24,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtnb.core._context import CONFIG_NAME
 from rtnb.storage._journal import EntryKind, Journal, JournalEntry
 
 __all__ = [
@@ -52,6 +53,7 @@ _RAY_NAMES = {
     "prepare_trainer": "ray.train.huggingface.transformers.prepare_trainer",
     "RayTrainReportCallback": "ray.train.huggingface.transformers.RayTrainReportCallback",
 }
+_GET_CONFIG = f"dict(loop_config.get({CONFIG_NAME!r}, loop_config))"
 _FROM_STATE = "checkpoint_from_state"
 _LOAD_STATE = "load_state"
 
@@ -189,7 +191,11 @@ def _rewrite_from_state(tree, code, aliases, helpers) -> list:
 def _rewrite_names(tree, code, aliases, helpers) -> list:
     edits = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _is_rtnb(node, aliases):
+        if isinstance(node, ast.Call) and _is_rtnb(node.func, aliases, "get_config"):
+            # Ray Train hands the config to train_loop_per_worker: the loop's argument
+            # (a sweep trial's config was pushed whole, under rtnb's name for it).
+            edits.append((node, _GET_CONFIG))
+        elif isinstance(node, ast.Attribute) and _is_rtnb(node, aliases):
             if node.attr in _RAY_NAMES:
                 edits.append((node, _RAY_NAMES[node.attr]))
     return _outermost(code, edits)
