@@ -305,6 +305,7 @@ def test_the_live_view_draws_every_trials_reports_in_a_real_kernel(ray_cluster, 
         setup = kernel.execute(
             "%load_ext rtnb\n"
             "from ray import tune\n"
+            f"TRIAL = {TRIAL!r}\n"
             "space = {'lr': tune.grid_search([0.3, 0.01]), 'steps': 12, 'pause': 0.02}\n"
         )
         assert setup.status == "ok", setup.text + setup.evalue
@@ -328,8 +329,29 @@ def test_the_live_view_draws_every_trials_reports_in_a_real_kernel(ray_cluster, 
         assert "application/vnd.plotly.v1+json" in kinds and "image/svg+xml" in kinds
         tables = [d["text/plain"] for d in run.updates if "last loss" in d.get("text/plain", "")]
         assert tables and "lr=0.3" in tables[-1]
+        # Kernel -> Interrupt during a long sweep: one line, every trial stopped at a
+        # step, the handle kept, every CPU free.
+        long = kernel.execute(
+            "slow = {'lr': tune.grid_search([0.1, 0.2, 0.3]), 'steps': 10000, 'pause': 0.02}\n"
+            "get_ipython().run_cell_magic('rtnb', 'sweep slow --metric loss --mode min "
+            f"--cpus-per-worker 0.5 --max-concurrent-trials 2 --storage {tmp_path} --name cut', "
+            "TRIAL)",
+            timeout=120,
+            interrupt_after=15,
+        )
+        assert long.ename == "CellInterrupted" and "sweep cut interrupted" in long.evalue, (
+            long.ename,
+            long.evalue,
+            long.text[-2000:],
+        )
+        after = kernel.execute(
+            "cut = get_ipython().magics_manager.registry['RtnbMagics'].last_sweep\n"
+            "print(sorted(str(t.state) for t in cut.trials), cut.done())\n"
+        )
+        assert "['stopped', 'stopped'] True" in after.stdout, after.text
     finally:
         kernel.shutdown()
+    assert wait_for_free_cpus(4.0) >= 4.0, "the interrupted sweep left no group behind"
     for t in ("live-t000", "live-t001"):
         assert _means(str(tmp_path), t)[:12], "each trial's reports are in its run"
 
