@@ -662,7 +662,7 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         [
             f"%load_ext rtnb\n%rtnb start --cpus-per-worker 0.5 --storage {runs} --name nb",
             "from ray import tune\n"
-            "space = {'lr': tune.grid_search([0.3, 0.02]), 'steps': 24, 'pause': 0.3}",
+            "space = {'lr': tune.grid_search([0.3, 0.02]), 'steps': 40, 'pause': 0.3}",
             "%%rtnb sweep space --metric loss --mode min --cpus-per-worker 0.5 --name watched\n"
             + TRIAL,
             "%rtnb wait\n%rtnb pull lr",
@@ -676,6 +676,13 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         page.keyboard.press("Shift+Enter")  # the sweep
         view = page.locator(".jp-OutputArea-output:has(.rtnb-sweep-rows)")
         view.wait_for(timeout=60_000)
+        # Both trials started (one after the other: the second's group starts later).
+        page.wait_for_function(
+            "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
+            " const p = c && c.querySelector('.js-plotly-plot');"
+            " return p && p.data && p.data.length === 3 && p.data[1].y && p.data[1].y.length > 0; }",
+            timeout=90_000,
+        )
         samples = _seen_growing(page, 60, cell=2)
         assert len(samples) >= 3 and samples[-1][0] > samples[0][0], samples
         assert len(samples[-1]) == 3, "two trials and the stopped-early marks"
