@@ -699,9 +699,15 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         cell.locator(".jp-RenderedPlotly, .js-plotly-plot").first.wait_for(timeout=30_000)
         table = cell.locator(".jp-OutputArea-output:has-text('last loss')").first.inner_text()
         assert "lr=0.3" in table and "lr=0.02" in table
-        panel = cell.locator(".jp-OutputArea-output:has(button:has-text('Resume'))")
-        panel.locator("button:has-text('Resume')").click()
-        page.wait_for_selector("text=carries on in the notebook", timeout=60_000)
+        # The live view is gone (its buttons belong to closed widgets), the panel is up.
+        page.wait_for_function(
+            "() => !document.querySelectorAll('.jp-Cell')[2].querySelector('.rtnb-sweep-rows')",
+            timeout=60_000,
+        )
+        resume = cell.locator(".rtnb-sweep-resume button:has-text('Resume')")
+        resume.wait_for(timeout=60_000)
+        resume.click()
+        page.wait_for_selector("text=carries on in the notebook", timeout=90_000)
         page.locator(".jp-Cell").nth(3).click()
         page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")  # wait for the resumed cell, pull lr

@@ -391,6 +391,7 @@ class SweepResume(w.VBox):
             [w.HBox([self.pick, self.button]), self.message, self.activity],
             layout=w.Layout(width="100%"),
         )
+        self.add_class("rtnb-sweep-resume")
 
     def _act(self) -> None:
         _resume_into(self._resume, self.pick.value, self.message, self.activity)
