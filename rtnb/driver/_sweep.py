@@ -454,11 +454,17 @@ class Sweep:
         counts = {s: sum(t.state is s for t in trials) for s in TrialState}
         parts = [f"{counts[s]} {s}" for s in TrialState if counts[s]]
         total = f"{len(trials)}" + (f" of {self.total}" if self.total else "")
-        if self.ended_at is not None:
-            how = "failed" if self.error else "interrupted" if self.interrupted else "done"
-        else:
-            how = "running"
-        return f"sweep {self.name} · {how} · {total} trials ({', '.join(parts) or 'none yet'})"
+        return (
+            f"sweep {self.name} · {self.outcome} · {total} trials "
+            f"({', '.join(parts) or 'none yet'})"
+        )
+
+    @property
+    def outcome(self) -> str:
+        """running, done, interrupted or failed."""
+        if self.ended_at is None:
+            return "running"
+        return "failed" if self.error else "interrupted" if self.interrupted else "done"
 
     # ---- waiting and stopping -------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Sweep:
@@ -632,13 +638,7 @@ class Sweep:
             "name": self.name,
             "metric": self.metric,
             "mode": self.mode,
-            "state": "failed"
-            if self.error
-            else "interrupted"
-            if self.interrupted
-            else "done"
-            if self.ended_at is not None
-            else "running",
+            "state": self.outcome,
             "error": str(self.error) if self.error else None,
             "started": self.started_at,
             "ended": self.ended_at,
