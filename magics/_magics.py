@@ -176,6 +176,14 @@ def _workers(text: str) -> int | tuple[int, int]:
     help="seconds an interrupted cell gets per stop phase",
 )
 @argument(
+    "--hang-after",
+    dest="hang_after_s",
+    type=float,
+    default=_DECLARED.hang_after_s,
+    metavar="S",
+    help="show every rank's stack when a cell reports and prints nothing for S s (0: off)",
+)
+@argument(
     "--replay",
     action="store_true",
     help="rebuild the ranks' state from the journal of run --name (a new kernel)",
@@ -187,6 +195,12 @@ def _workers(text: str) -> int | tuple[int, int]:
 )
 def _start_args(line):
     """%rtnb start options."""
+
+
+@magic_arguments()
+@_ranks_option
+def _stacks_args(line):
+    """Every rank's stack right now, identical ones folded, the odd ranks first."""
 
 
 @magic_arguments()
@@ -375,6 +389,12 @@ SUBCOMMANDS = [
     ),
     Subcommand(
         "wait", "the value of the last --background cell", "%rtnb wait --timeout 60", _wait_args
+    ),
+    Subcommand(
+        "stacks",
+        "where every rank's cell is now: stacks folded, the odd ranks first (hang doctor)",
+        "%rtnb stacks",
+        _stacks_args,
     ),
     Subcommand(
         "pull", "a rank variable -> a list in the notebook", "%rtnb pull loss --ranks 0", _pull_args
@@ -602,6 +622,10 @@ class RtnbMagics(Magics):
     def _rtnb_wait(self, rest: str):
         args = parse_argstring(_wait_args, rest)
         return _shown(self._require().wait(args.timeout))
+
+    def _rtnb_stacks(self, rest: str):
+        args = parse_argstring(_stacks_args, rest)
+        return self._require().stacks(ranks=args.ranks)
 
     def _rtnb_pull(self, rest: str):
         args = parse_argstring(_pull_args, rest)
@@ -937,7 +961,9 @@ class RtnbMagics(Magics):
                 )
                 if not args.quiet:
                     if live:
-                        self.last_view = LiveMetrics(session.metrics, handle).show()
+                        self.last_view = LiveMetrics(
+                            session.metrics, handle, stacks=session.stacks
+                        ).show()
                     else:
                         self.last_view = RankLog(handle)
                         display(self.last_view)

@@ -49,6 +49,8 @@ def format_header(
     label: str | None = None,
     running_ranks: set[int] | None = None,
     resumed_from: str | None = None,
+    resources: dict | None = None,
+    climbing: list[int] | None = None,
 ) -> str:
     """One line: the cell (``label``, e.g. Jupyter's ``[5]``, else rtnb's cell
     number), state, restarts, the last step reported (numbered as the loop numbers
@@ -80,6 +82,14 @@ def format_header(
         for r in progress.stragglers
         if state == "running" and (running_ranks is None or r in running_ranks)
     ]
+    if resources and state == "running":
+        parts.append(_resources_text(resources))
+    if climbing:
+        parts.append(
+            '<span style="color:var(--jp-error-color1, #d32f2f)">⚠ memory climbing: rank '
+            + ", ".join(str(r) for r in climbing)
+            + "</span>"
+        )
     if stragglers:
         ranks = ", ".join(str(r) for r in stragglers)
         # The theme's own error colour: 5:1 on light and dark (a fixed #c0392b was
@@ -88,6 +98,32 @@ def format_header(
             f'<span style="color:var(--jp-error-color1, #d32f2f)">⚠ straggler: rank {ranks}</span>'
         )
     return " · ".join(parts)
+
+
+def _resources_text(resources: dict) -> str:
+    """Each rank's CPU and memory (and GPU) for a few ranks; for many, the mean and
+    the rank using the most."""
+    samples = list(resources.values())
+    gpu = [s for s in samples if s.gpu_util is not None]
+    if len(resources) <= 4:
+        cpu = "/".join(f"{s.cpu_percent:.0f}" for s in samples)
+        rss = "/".join(f"{s.rss_bytes / 2**20:.0f}" for s in samples)
+        text = f"CPU {cpu}% · RSS {rss} MB"
+        if gpu:
+            util = "/".join(f"{s.gpu_util:.0f}" for s in gpu)
+            mem = "/".join(f"{(s.gpu_mem_bytes or 0) / 2**30:.1f}" for s in gpu)
+            text += f" · GPU {util}% {mem} GB"
+        return text
+    top_cpu = max(resources, key=lambda r: resources[r].cpu_percent)
+    top_rss = max(resources, key=lambda r: resources[r].rss_bytes)
+    mean_cpu = sum(s.cpu_percent for s in samples) / len(samples)
+    text = (
+        f"CPU mean {mean_cpu:.0f}% (max {resources[top_cpu].cpu_percent:.0f}% rank {top_cpu})"
+        f" · RSS max {resources[top_rss].rss_bytes / 2**20:.0f} MB (rank {top_rss})"
+    )
+    if gpu:
+        text += f" · GPU mean {sum(s.gpu_util for s in gpu) / len(gpu):.0f}%"
+    return text
 
 
 class LiveMetrics(w.VBox):
@@ -107,7 +143,12 @@ class LiveMetrics(w.VBox):
         max_points: int = 1000,
         label: str | None = None,
         replay_output: bool = True,
+        stacks=None,
     ) -> None:
+        """``stacks``: a callable giving every rank's stack (``Session.stacks``) for
+        the view's Stacks button; shown for a background cell only, since the kernel
+        hears a click only when it is free (a hung foreground cell gets its stacks
+        from the hang doctor, unasked)."""
         self.store = store
         self.handle = handle
         # The cell's name in the header: Jupyter's "[5]", as its handle knows it.
@@ -115,6 +156,16 @@ class LiveMetrics(w.VBox):
         self.max_points = max_points
         self._period = 1.0 / max_hz
         self._header = w.HTML(value="starting…")
+        # Every rank's stack: the hang doctor's (a quiet cell) or the Stacks button's.
+        self._stacks_view = w.HTML(value="", layout=w.Layout(max_height="320px", overflow="auto"))
+        self._shown_hang = None
+        self._read_stacks = stacks
+        self._stacks_button = w.Button(
+            description="Stacks",
+            tooltip="where every rank's cell is now (%rtnb stacks)",
+            layout=w.Layout(width="80px", display="" if stacks is not None else "none"),
+        )
+        self._stacks_button.on_click(self._on_stacks)
         self._x_axis = w.Dropdown(
             options=[("step", "step"), ("wall time", "time")],
             value="step",
@@ -143,7 +194,14 @@ class LiveMetrics(w.VBox):
             layout=w.Layout(width="130px"),
         )
         self._controls = w.HBox(
-            [self._x_axis, self._smoothing, self._log_y, self._outliers, self._ranks],
+            [
+                self._x_axis,
+                self._smoothing,
+                self._log_y,
+                self._outliers,
+                self._ranks,
+                self._stacks_button,
+            ],
             layout=w.Layout(flex_flow="row wrap"),
         )
         # The full output width (plotly's autosize follows the box as it resizes).
@@ -157,6 +215,7 @@ class LiveMetrics(w.VBox):
         super().__init__(
             [
                 self._header,
+                self._stacks_view,
                 self._controls,
                 self._plot_box,
                 w.HBox([self._log_filter]),
@@ -229,6 +288,14 @@ class LiveMetrics(w.VBox):
             pass
         finally:
             self._lock.release()
+
+    def _on_stacks(self, _button) -> None:
+        if self._read_stacks is None or self._stopped.is_set():
+            return
+        try:
+            self._stacks_view.value = self._read_stacks().html()
+        except Exception as exc:  # noqa: BLE001 - one line in the view, never a traceback
+            self._stacks_view.value = f"<i>stacks unavailable: {html.escape(str(exc))}</i>"
 
     def _mark_logs(self) -> None:
         self._logs_dirty = True
@@ -367,7 +434,16 @@ class LiveMetrics(w.VBox):
             label=self.label,
             resumed_from=getattr(handle, "resumed_from", None),
             running_ranks=({r for r, s in states.items() if s == "running"} if states else None),
+            resources=self.store.system_latest() if hasattr(self.store, "system_latest") else None,
+            climbing=self.store.memory_climbing()
+            if hasattr(self.store, "memory_climbing")
+            else None,
         )
+        hang = getattr(handle, "hang", None)
+        if hang is not self._shown_hang:
+            # The hang doctor's stacks while the cell is quiet; gone once it moves on.
+            self._shown_hang = hang
+            self._stacks_view.value = hang.html() if hang is not None else ""
 
     def _redraw_locked(self) -> None:
         store = self.store

@@ -57,6 +57,9 @@ class SessionConfig:
     # Local --storage is refused when ranks span nodes unless it is declared shared.
     allow_local_storage: bool = False
     stop_grace_s: float = 3.0
+    # A running cell that reported and printed nothing for this long is shown with
+    # every rank's stack (the hang doctor); 0 turns it off.
+    hang_after_s: float = 120.0
     # Where an embedded Ray listens: 127.0.0.1 unless asked (--listen HOST), so a
     # laptop on a shared network exposes nothing. Ignored when joining a cluster.
     listen: str | None = None
@@ -115,6 +118,10 @@ class SessionConfig:
             raise ConfigError(f"--mode must be 'min' or 'max', got {self.mode!r}")
         if not self.stop_grace_s > 0:
             raise ConfigError(f"--stop-grace must be > 0 seconds, got {self.stop_grace_s!r}")
+        if not (isinstance(self.hang_after_s, (int, float)) and self.hang_after_s >= 0):
+            raise ConfigError(
+                f"--hang-after must be ≥ 0 seconds (0: off), got {self.hang_after_s!r}"
+            )
         if not isinstance(self.env, dict):
             raise ConfigError(
                 f"env must be a dict of environment variables for the ranks, got "

@@ -143,6 +143,8 @@ class RankUpdate:
     # A checkpoint write that failed (full disk, read-only, an object-store error):
     # the rank stopped writing and asks for the cell to stop at a common step.
     storage_error: str | None = None
+    # What the rank's process used since the last poll (ResourceSample, ≤ 1 a second).
+    resources: list[Any] = field(default_factory=list)
     # The cell's exception itself, with its frames, from a rank in the kernel's own
     # process (local mode) only, for %debug; it never crosses a process.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

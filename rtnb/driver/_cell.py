@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
+from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._group import RankGroup
 from rtnb.driver._output import OutputSink
@@ -102,6 +103,13 @@ class CellContext(Protocol):
 
     def cell_ended(self, handle: CellHandle) -> None: ...
 
+    @property
+    def hang_after_s(self) -> float: ...
+
+    def stacks(
+        self, ranks: list[int] | None = None, stalled_s: float | None = None
+    ) -> GroupStacks: ...
+
 
 class CellHandle:
     """A cell running (or finished) on the ranks of a session.
@@ -161,6 +169,11 @@ class CellHandle:
         # files, the metrics record, the logs, a commit): the cell stops at one step.
         self._storage_failure: str | None = None
         self._restart_noted = True
+        # The hang doctor: when the ranks last reported or printed, and every rank's
+        # stack once they have been quiet for the context's hang_after_s.
+        self._last_activity = time.monotonic()
+        self.hang: GroupStacks | None = None
+        self._hang_reading = False
 
     def _begin_attempt(self) -> None:
         """What one run of the cell on one group knows of its ranks; all of it starts
@@ -391,6 +404,7 @@ class CellHandle:
                 raise _Restart()
             self._commit()
             self._check_timeout()
+            self._watch_for_hang()
             if self._stopping.advance(group, self._unfinished(), self._last, self.steps):
                 raise _Restart()
 
@@ -524,6 +538,9 @@ class CellHandle:
 
     def _apply(self, update: RankUpdate) -> None:
         rank = update.rank
+        if update.output or update.reports or update.step != self.steps.get(rank, -1):
+            self._last_activity = time.monotonic()
+            self.hang = None
         self._last[rank] = update
         self.steps[rank] = update.step
         self.lines[rank] = update.line
@@ -541,6 +558,8 @@ class CellHandle:
                 self._storage_failed(
                     f"the metrics record could not be written: {context.metrics.log.failure}"
                 )
+        if update.resources and not self.replay:
+            context.metrics.add_system(rank, update.resources)
         for offer in update.checkpoints:
             context.checkpoints.offer(rank, offer)
         logs = context.logs
@@ -571,6 +590,40 @@ class CellHandle:
                     f"[rtnb: output beyond {_LOG_BYTES // 1_000_000} MB is kept in {where}]\n",
                 )
             )
+
+    # ---- the hang doctor ---------------------------------------------------------------
+    def _watch_for_hang(self) -> None:
+        """Once the ranks have reported and printed nothing for ``hang_after_s``,
+        read every rank's stack (in a thread: a rank that does not answer is read
+        with py-spy, which takes a while) and say where each waits."""
+        after = self._context.hang_after_s
+        if not after or self.replay or self._stopping.requested or self._hang_reading:
+            return
+        quiet = time.monotonic() - self._last_activity
+        if self.hang is not None or quiet < after:
+            return
+        self._hang_reading = True
+        threading.Thread(
+            target=self._read_hang, args=(quiet,), name=f"rtnb-hang-{self.cell_id}", daemon=True
+        ).start()
+
+    def _read_hang(self, quiet: float) -> None:
+        try:
+            stacks = self._context.stacks(self._unfinished(), stalled_s=quiet)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must never end the cell
+            self._note(
+                f"[rtnb] {self.name}: no report or output for {quiet:.0f} s ({one_line(exc)})\n"
+            )
+            return
+        finally:
+            self._hang_reading = False
+        if time.monotonic() - self._last_activity < quiet or self.done():
+            return  # it moved on while the stacks were read
+        self.hang = stacks
+        self._note(
+            f"[rtnb] {self.name} has reported and printed nothing for {quiet:.0f} s: "
+            f"{stacks.headline()} (`%rtnb stacks` for the full stacks)\n"
+        )
 
     # ---- stopping ----------------------------------------------------------------------
     def _check_timeout(self) -> None:

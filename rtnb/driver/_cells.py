@@ -26,10 +26,12 @@ from typing import Any
 from rtnb.core._config import SessionConfig, parse_ranks
 from rtnb.core._context import CONFIG_NAME
 from rtnb.core._messages import CellRequest
+from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
 from rtnb.driver._commits import CheckpointCoordinator
 from rtnb.driver._datasets import DatasetHandOver, DatasetRecord, split_failed
+from rtnb.driver._doctor import StackReader
 from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._lifecycle import GroupLifecycle
 from rtnb.driver._output import OutputSink, print_sink
@@ -89,6 +91,7 @@ class CellFlow:
         # The last cell that reported, and its name in the notebook: what Resume runs.
         self.last_training: tuple[str, str | None] | None = None
         self._datasets = DatasetHandOver()
+        self._stacks = StackReader()
 
     # ---- the CellContext a handle gets ---------------------------------------------------
     @property
@@ -126,6 +129,18 @@ class CellFlow:
 
     def latest_checkpoint_id(self) -> str | None:
         return self._commits.latest_id()
+
+    @property
+    def hang_after_s(self) -> float:
+        return self.config.hang_after_s
+
+    def stacks(self, ranks: list[int] | None = None, stalled_s: float | None = None) -> GroupStacks:
+        """Where every rank (or ``ranks``) is right now (the hang doctor)."""
+        group = self.require_group()
+        chosen = list(range(group.world_size)) if ranks is None else list(ranks)
+        return self._stacks.read(
+            group, chosen, stalled_s=stalled_s, in_kernel=self.config.workers == 0
+        )
 
     def attach_recovery(self, recovery: RecoveryFlow) -> None:
         self._recovery = recovery

@@ -92,6 +92,8 @@ class RankGroup(Protocol):
 
     def interrupt(self, rank: int) -> Any: ...
 
+    def stack(self, rank: int) -> Any: ...
+
     def set_step(self, step: int, line: int) -> list[Any]: ...
 
     def pull(self, ranks: list[int], name: str) -> list[Any]: ...
@@ -327,6 +329,9 @@ class WorkerGroup:
 
     def interrupt(self, rank: int) -> Any:
         return self.actors[rank].interrupt.remote()
+
+    def stack(self, rank: int) -> Any:
+        return self.actors[rank].stack.remote()
 
     def set_step(self, step: int, line: int) -> list[Any]:
         return [a.set_step.remote(step, line) for a in self.actors]

@@ -29,7 +29,13 @@ from rtnb.errors import ClusterError, ConfigError, RtnbError, SessionError, one_
 from rtnb.metrics._store import MetricsStore
 from rtnb.metrics._tensorboard import TensorBoardExporter
 from rtnb.storage._journal import EntryKind, Journal
-from rtnb.storage._layout import RunRecord, read_run_record, tensorboard_dir, write_run_record
+from rtnb.storage._layout import (
+    SYSTEM_METRICS,
+    RunRecord,
+    read_run_record,
+    tensorboard_dir,
+    write_run_record,
+)
 from rtnb.storage._logs import RankLogs
 from rtnb.storage._metricslog import MetricsLog
 from rtnb.storage._rundir import RunDirectory
@@ -178,6 +184,7 @@ class GroupLifecycle:
     def _attach_outputs(self) -> None:
         if self.metrics.log is None:
             self.metrics.log = MetricsLog(self.run_dir)
+            self.metrics.system_log = MetricsLog(self.run_dir, SYSTEM_METRICS)
         if self.logs is None:
             self.logs = RankLogs(self.run_dir)
         if self.config.tensorboard and self.metrics.exporter is None:

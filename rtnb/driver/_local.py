@@ -181,6 +181,9 @@ class LocalGroup:
     def interrupt(self, rank: int) -> Any:
         return self._call(lambda: self._rank().interrupt())
 
+    def stack(self, rank: int) -> Any:
+        return self._call(lambda: self._rank().stack())
+
     def set_step(self, step: int, line: int) -> list[Any]:
         def set_step() -> None:
             runtime = self._rank()

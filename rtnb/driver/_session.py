@@ -35,6 +35,7 @@ from typing import Any
 from rtnb.core._config import SessionConfig
 from rtnb.core._redact import redact_uri
 from rtnb.core._score import score_rule
+from rtnb.core._stacks import GroupStacks
 from rtnb.core._text import mean_over_ranks
 from rtnb.core._values import PerRank
 from rtnb.driver._cell import CellHandle
@@ -398,6 +399,17 @@ class Session:
     @property
     def active_cell(self) -> CellHandle | None:
         return self._cells.active
+
+    def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
+        """Where each rank's cell is right now, identical stacks folded and the odd
+        ranks first (``%rtnb stacks``); works while a cell runs, in the background
+        or from another thread. A rank whose Python does not answer within a second
+        (native code holding the GIL) is read with ``py-spy dump``.
+
+        In [1]: session.stacks()
+        rank 1: in all_reduce (torch/distributed/distributed_c10d.py:2950) at cell [5] line 12
+        """
+        return self._cells.stacks(ranks)
 
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
         """The value of ``name`` on each rank, in rank order (``%rtnb pull``)."""

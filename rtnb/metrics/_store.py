@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtnb.core._reports import ReportBatch
+from rtnb.core._resources import ResourceSample, memory_climbing
 from rtnb.metrics._series import BoundedSeries
+
+_SYSTEM_KEPT = 120  # samples per rank (two minutes at 1 Hz)
 
 __all__ = ["MetricsStore", "Progress", "Report"]
 
@@ -190,6 +193,10 @@ class MetricsStore:
         self.earlier: list[dict[str, BoundedSeries]] = []
         self._line_last: dict[int, int] = {}  # each rank's last step on the current line
         self._subscribers: list[Callable[[int, ReportBatch], None]] = []
+        # The ranks' resource samples: not training metrics (no subplot, no step
+        # count); their own record (system_log) and the exporters get them.
+        self.system: dict[int, deque[ResourceSample]] = {}
+        self.system_log: Any = None
 
     # ---- writing ---------------------------------------------------------------------
     @classmethod
@@ -296,6 +303,29 @@ class MetricsStore:
             except Exception:  # noqa: BLE001 - a broken view must not stop training
                 pass
 
+    def add_system(self, rank: int, samples: list[ResourceSample]) -> None:
+        """One rank's resource samples (CPU, memory, GPU), as ``sys/...`` metrics."""
+        if not samples:
+            return
+        with self._lock:
+            self.system.setdefault(rank, deque(maxlen=_SYSTEM_KEPT)).extend(samples)
+            log, exporter = self.system_log, self.exporter
+        batch = ReportBatch.from_records([(s.step, s.time, s.metrics()) for s in samples])
+        if log is not None:
+            log.add(rank, batch)
+        if exporter is not None:
+            exporter.add(rank, list(batch.rows()))
+
+    def system_latest(self) -> dict[int, ResourceSample]:
+        with self._lock:
+            return {r: kept[-1] for r, kept in sorted(self.system.items()) if kept}
+
+    def memory_climbing(self) -> list[int]:
+        """Ranks whose memory has climbed steadily over their recent samples."""
+        with self._lock:
+            kept = {r: list(s) for r, s in self.system.items()}
+        return sorted(r for r, samples in kept.items() if memory_climbing(samples))
+
     def _start_line_locked(self) -> None:
         """A rank's steps went back: what was drawn so far becomes an earlier line
         (the mean over the ranks, or the one rank's curve) and the plot starts a
@@ -327,6 +357,8 @@ class MetricsStore:
         with self._lock:
             if self.log is not None:
                 self.log.flush()
+            if self.system_log is not None:
+                self.system_log.flush()
             exporter = self.exporter
         if exporter is not None:
             exporter.flush()  # outside the lock, as in add

@@ -26,6 +26,7 @@ __all__ = [
     "LOGS",
     "MANIFEST",
     "METRICS",
+    "SYSTEM_METRICS",
     "RUN_RECORD",
     "RunRecord",
     "checkpoint_dir",
@@ -43,6 +44,9 @@ __all__ = [
 RUN_RECORD = "run.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics"
+# What each rank's process used (CPU, memory, GPU): kept apart from the training
+# metrics, which readers take step by step.
+SYSTEM_METRICS = "metrics/system"
 LOGS = "logs"
 JOURNAL = "journal"
 TENSORBOARD = "tensorboard"

@@ -19,15 +19,16 @@ from typing import Any
 
 from rtnb.core._reports import ReportBatch, unpack_column
 from rtnb.storage._appendlog import RankAppendLog
-from rtnb.storage._layout import METRICS
+from rtnb.storage._layout import METRICS, SYSTEM_METRICS
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["MetricsLog", "read_metrics"]
 
 
 class MetricsLog:
-    def __init__(self, run_dir: RunDirectory) -> None:
-        self._log = RankAppendLog(run_dir, METRICS, ".jsonl")
+    def __init__(self, run_dir: RunDirectory, folder: str = METRICS) -> None:
+        """``folder``: ``SYSTEM_METRICS`` for the ranks' resource samples."""
+        self._log = RankAppendLog(run_dir, folder, ".jsonl")
         self.dir = self._log.dir
 
     def add(self, rank: int, batch: ReportBatch) -> None:
@@ -56,14 +57,20 @@ def _rows(line: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def read_metrics(run_dir: RunDirectory) -> list[dict]:
-    """Every report in the run directory, rank by rank, in the order reported."""
+def read_metrics(run_dir: RunDirectory, system: bool = False) -> list[dict]:
+    """Every report in the run directory, rank by rank, in the order reported;
+    ``system``: the ranks' resource samples instead (``sys/cpu``, ``sys/rss_mb``, ...)."""
     from pyarrow import fs as pafs
 
-    base = posixpath.join(run_dir.path, METRICS)
+    base = posixpath.join(run_dir.path, SYSTEM_METRICS if system else METRICS)
     infos = run_dir.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    inner = posixpath.relpath(SYSTEM_METRICS, METRICS) + "/"
     files = sorted(
-        i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".jsonl")
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.File
+        and i.path.endswith(".jsonl")
+        and (system or not posixpath.relpath(i.path, base).startswith(inner))
     )
 
     def order(path: str) -> tuple[int, str]:

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
+from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
 
@@ -424,6 +425,9 @@ class RankActor:
 
     def interrupt(self) -> bool:
         return self.runtime.interrupt()
+
+    def stack(self) -> RankStack:
+        return self.runtime.stack()
 
     def pull(self, name: str):
         return self.runtime.pull(name)

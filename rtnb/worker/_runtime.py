@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import linecache
+import os
 import sys
 import threading
 import time
@@ -27,6 +28,8 @@ from typing import Any
 from rtnb.core._context import set_current_rank
 from rtnb.core._messages import CellRequest, CellState, CheckpointOffer, RankUpdate
 from rtnb.core._reports import ReportColumns
+from rtnb.core._resources import ResourceSampler
+from rtnb.core._stacks import RankStack, thread_stack
 from rtnb.core._values import to_portable
 from rtnb.worker._capture import flush_std, install_capture, install_thread_capture
 
@@ -216,6 +219,9 @@ class RankRuntime:
             self._uncapture = install_thread_capture(self._add_output, {self._thread.ident})
         # Ray Data shards by name (DataIterators), handed over by the driver.
         self.datasets: dict[str, Any] = {}
+        # CPU, memory and GPU of this process, sampled by the long-poll (≤ 1 Hz).
+        # Made at the first poll: the rank's device is known by then.
+        self._sampler: ResourceSampler | None = None
         _CURRENT = self
 
     def close(self) -> None:
@@ -354,6 +360,12 @@ class RankRuntime:
             update, reports = self._drain_locked()
         # Packed outside the lock, so report() in the training loop never waits on it.
         update.reports = reports.take()
+        if self._sampler is None:
+            self._sampler = ResourceSampler(gpu_index=_gpu_index(self.context.device))
+        if self._sampler.due() and update.state is CellState.RUNNING and not self._replay:
+            sample = self._sampler.sample(update.step)
+            if sample is not None:
+                update.resources = [sample]
         return update
 
     def final_update(self, timeout: float) -> RankUpdate | None:
@@ -671,6 +683,14 @@ class RankRuntime:
         )
         return hit == 1
 
+    def stack(self) -> RankStack:
+        """Where the cell thread is right now (``%rtnb stacks``), from the user's
+        cell code on; answered on a control thread while the cell runs."""
+        with self._cond:
+            running = self._state is CellState.RUNNING
+            ident = self._cell_thread
+        return thread_stack(self.context.world_rank, ident, running, os.getpid())
+
     def pull(self, name: str) -> tuple[bool, bytes | None, str]:
         if name not in self.namespace:
             return False, None, ""
@@ -701,6 +721,21 @@ class RankRuntime:
     def cell_thread_id(self) -> int | None:
         """The thread this rank's cells run in (the cell thread)."""
         return self._thread.ident
+
+
+def _gpu_index(device: str) -> int | None:
+    """The NVML index of a rank's ``cuda:N`` device (None on CPU). NVML numbers
+    every GPU of the machine; CUDA only those in ``CUDA_VISIBLE_DEVICES``."""
+    if not device.startswith("cuda"):
+        return None
+    _, _, index = device.partition(":")
+    cuda = int(index) if index.isdigit() else 0
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
+    if cuda < len(visible) and visible[cuda].isdigit():
+        return int(visible[cuda])
+    return cuda
 
 
 def _no_breakpoint(*_args, **_kwargs) -> None:

@@ -1,0 +1,112 @@
+"""How long ``%rtnb stacks`` takes on 2 ranks while a training cell runs (goal ≤ 200 ms).
+
+One run of this script, an embedded 2-CPU Ray: a 2-rank group runs a loop of
+matrix products, an ``all_reduce`` and a ``report()`` per step in a background
+cell; ``session.stacks()`` is timed 40 times (p50, p95, max). The peer is what
+users are told to do for a stuck distributed job: ``py-spy dump`` of every rank's
+process, one after another (the same two processes, timed the same way). Also: the
+loop's step time with stacks read twice a second against without, so reading them
+is shown not to slow the training.
+
+    .venv/bin/python benchmarks/stacks_latency.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import tempfile
+import time
+
+LOOP = """
+import time, torch, torch.distributed as dist, rtnb
+torch.set_num_threads(1)
+a = torch.randn(128, 128)
+def train(steps):
+    # A count of steps, never a deadline: ranks that stop on their own clocks leave
+    # a peer in its next all_reduce (the hang %rtnb stacks is for).
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = torch.tanh(a @ a)
+        dist.all_reduce(t)
+        rtnb.report({"loss": float(t[0, 0])})
+    return (time.perf_counter() - t0) / steps
+"""
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(samples)
+    return (
+        statistics.median(ordered) * 1e3,
+        ordered[int(0.95 * (len(ordered) - 1))] * 1e3,
+        ordered[-1] * 1e3,
+    )
+
+
+def main() -> None:
+    from _common import embedded_ray, quiet
+
+    import rtnb
+    from rtnb.driver._doctor import py_spy_path
+
+    embedded_ray()
+    session = rtnb.Session(workers=2, storage=tempfile.mkdtemp(prefix="rtnb-bench-")).start()
+    try:
+        session.run(LOOP, output=quiet)
+        per_step = max(session.run("train(500)", output=quiet).values())  # warm up
+        handle = session.run_background(f"train({int(60 / per_step)})", output=quiet)
+        time.sleep(1.0)
+        ours = []
+        for _ in range(40):
+            began = time.perf_counter()
+            stacks = session.stacks()
+            ours.append(time.perf_counter() - began)
+            assert all(s.cell_frame is not None for s in stacks.stacks.values()), stacks.text()
+            time.sleep(0.1)
+        pids = [info.pid for info in session.group.ranks]
+        spy = py_spy_path()
+        theirs = []
+        if spy is not None:
+            for _ in range(10):
+                began = time.perf_counter()
+                for pid in pids:
+                    subprocess.run(
+                        [spy, "dump", "--pid", str(pid)], capture_output=True, check=True
+                    )
+                theirs.append(time.perf_counter() - began)
+        handle.stop()
+        try:
+            handle.wait(30)
+        except rtnb.CellInterrupted:
+            pass
+        # The training loop's step time with stacks read twice a second, and without.
+        without, reading = [], []
+        for _ in range(3):
+            steps = int(3 / per_step)
+            without.append(max(session.run(f"train({steps})", output=quiet).values()))
+            handle = session.run_background(f"train({steps})", output=quiet)
+            while not handle.done():
+                session.stacks()
+                time.sleep(0.5)
+            reading.append(max(handle.wait(30).values()))
+    finally:
+        session.stop()
+    p50, p95, worst = _percentiles(ours)
+    print(
+        f"%rtnb stacks on 2 ranks during training: p50 {p50:.1f} ms, p95 {p95:.1f} ms, max {worst:.1f} ms (goal ≤ 200 ms)"
+    )
+    if theirs:
+        t50, t95, tmax = _percentiles(theirs)
+        print(
+            f"py-spy dump of both ranks' processes: p50 {t50:.1f} ms, p95 {t95:.1f} ms, "
+            f"max {tmax:.1f} ms; ratio rtnb/py-spy (p50): {p50 / t50:.2f}x"
+        )
+    ratio = statistics.median(reading) / statistics.median(without)
+    print(
+        f"step time with stacks read every 0.5 s vs without: {statistics.median(reading) * 1e3:.2f} "
+        f"vs {statistics.median(without) * 1e3:.2f} ms ({ratio:.3f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""See inside a running group: every rank's stack (``%rtnb stacks``), and the hang
+doctor, which shows them unasked once a cell has been quiet for ``--hang-after``."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# Rank 1 skips step 2's all_reduce and waits for a file instead: rank 0 is left in
+# the collective (the classic hang) until the test writes the file.
+SKIPS_ALL_REDUCE = """\
+import os, time, torch, torch.distributed as dist, rtnb
+rank = rtnb.get_context().world_rank
+for step in range(4):
+    t = torch.ones(1)
+    if rank == 1 and step == 2:
+        while not os.path.exists(FLAG): time.sleep(0.05)
+    dist.all_reduce(t)
+    rtnb.report({"total": float(t)})
+"""
+
+
+@pytest.fixture(scope="module")
+def session(ray_cluster, tmp_path_factory):
+    import rtnb
+
+    session = rtnb.Session(
+        workers=2,
+        stop_grace_s=1.0,
+        hang_after_s=3.0,
+        storage=str(tmp_path_factory.mktemp("runs")),
+    )
+    session.start()
+    yield session
+    session.stop()
+
+
+def _wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_with_the_cell_line_each_rank_waits_at(
+    session, tmp_path
+):
+    flag = tmp_path / "go"
+    session.push({"FLAG": str(flag)})
+    notes: list[str] = []
+    handle = session.run_background(SKIPS_ALL_REDUCE, label="[7]")
+    handle.add_sink(lambda rank, stream, text: notes.append(text) if rank < 0 else None)
+    try:
+        hang = _wait_for(lambda: handle.hang, 30, "the hang doctor")
+        assert hang.stalled_s >= 3.0
+        sets = {s.ranks: s for s in hang.sets}
+        assert set(sets) == {(0,), (1,)}
+        # Rank 1 is the odd one: rank 0 waits inside the collective for it.
+        assert sets[(1,)].odd and not sets[(0,)].odd
+        assert hang.odd_ranks == [1]
+        rank0, rank1 = hang.stacks[0], hang.stacks[1]
+        assert rank0.cell_frame.where == "cell [7] line 7"  # dist.all_reduce(t)
+        assert rank0.innermost.function == "all_reduce"
+        assert "torch/distributed" in rank0.innermost.filename
+        assert rank1.cell_frame.where == "cell [7] line 6"  # the while loop
+        assert rank1.cell_frame.text == "while not os.path.exists(FLAG): time.sleep(0.05)"
+        headline = hang.headline()
+        assert headline.startswith("rank 1: in <module> at cell [7] line 6; rank 0: in all_reduce")
+        assert "at cell [7] line 7" in headline
+        # rtnb's own frames (the exec machinery, the actor) are not shown.
+        assert not any("rtnb/" in f.filename for s in hang.stacks.values() for f in s.frames)
+        _wait_for(lambda: any("reported and printed nothing" in n for n in notes), 10, "the note")
+        note = next(n for n in notes if "reported and printed nothing" in n)
+        assert "rank 1: in <module> at cell [7] line 6" in note
+        # Asked again from the notebook while the cell still hangs: the same answer,
+        # each stack taken by the rank itself.
+        began = time.monotonic()
+        asked = session.stacks()
+        assert time.monotonic() - began < 2.0
+        assert asked.stalled_s is None
+        assert {r: s.cell_frame.where for r, s in asked.stacks.items()} == {
+            0: "cell [7] line 7",
+            1: "cell [7] line 6",
+        }
+        assert all(str(m) == "python" for m in asked.methods.values())
+        assert "rank 1" in asked.html() and "differs" in asked.text()
+    finally:
+        flag.touch()
+    handle.wait(60)
+    assert handle.steps == {0: 3, 1: 3}
+    # The cell went on: the diagnosis is gone with the quiet.
+    assert handle.hang is None
+    idle = session.stacks()
+    assert all(not s.running for s in idle.stacks.values())
+    assert idle.headline() == "ranks 0-1: no cell running"
+
+
+def test_a_rank_stuck_in_native_code_holding_the_gil_is_read_with_py_spy(session, tmp_path):
+    from rtnb.driver._doctor import py_spy_path
+
+    if py_spy_path() is None:
+        pytest.skip("py-spy is not installed here")
+    # ctypes.PyDLL keeps the GIL through the call: the rank's actor cannot answer.
+    code = (
+        "import ctypes, rtnb\n"
+        "if rtnb.get_context().world_rank == 1:\n"
+        "    ctypes.PyDLL(None).sleep(6)\n"
+    )
+    handle = session.run_background(code, label="[9]")
+    time.sleep(1.0)  # the rank is inside sleep(): nothing to wait on from here
+    stacks = session.stacks()
+    rank1 = stacks.stacks[1]
+    if str(rank1.method) == "none" and "ptrace" in rank1.note:
+        pytest.skip(f"this machine forbids py-spy: {rank1.note}")
+    assert str(rank1.method) == "py-spy", rank1.note
+    assert rank1.cell_frame.where == "cell [9] line 3"
+    assert "did not answer" in rank1.note
+    assert "[py-spy]" in stacks.text()
+    assert not stacks.stacks[0].running  # rank 0 finished its (empty) part
+    handle.wait(30)
+    # Its stack call, queued while the GIL was held, was answered since: asked
+    # again, rank 1 answers for itself.
+    again = session.stacks()
+    assert str(again.stacks[1].method) == "python"
+
+
+def test_stacks_in_a_real_kernel_the_magic_the_live_views_hang_panel_and_its_button(
+    ray_cluster, tmp_path
+):
+    from tests._kernel import Kernel
+
+    flag = tmp_path / "go"
+    kernel = Kernel(cwd=str(tmp_path), env={**os.environ, "RTNB_LIVE": "1"})
+    try:
+        start = kernel.execute(
+            "%load_ext rtnb\n"
+            f"%rtnb start --workers 2 --cpus-per-worker 0.5 --hang-after 2 --storage {tmp_path}\n"
+            f"FLAG = {str(flag)!r}\n"
+            "%rtnb push FLAG",
+            timeout=180,
+        )
+        assert start.status == "ok", start.text + start.evalue
+        cell = kernel.execute("%%rtrain --background\n" + SKIPS_ALL_REDUCE, timeout=60)
+        assert cell.status == "ok", cell.text + cell.evalue
+        # The hang doctor fills the live view's panel unasked.
+        panel = kernel.execute(
+            "import time\n"
+            "view = get_ipython().magics_manager.registry['RtnbMagics'].last_view\n"
+            "deadline = time.monotonic() + 30\n"
+            "while 'rtnb-stacks' not in view._stacks_view.value and time.monotonic() < deadline:\n"
+            "    time.sleep(0.2)\n"
+            "print(view._stacks_view.value)",
+            timeout=60,
+        )
+        assert panel.status == "ok", panel.text + panel.evalue
+        assert "no report or output for" in panel.text
+        assert "rank 1" in panel.text and "line 6" in panel.text
+        # %rtnb stacks from another cell, while the background cell hangs.
+        asked = kernel.execute("%rtnb stacks", timeout=60)
+        assert asked.status == "ok", asked.text + asked.evalue
+        shown = asked.results[0]
+        assert "rank 1: in <module> at cell" in shown["text/plain"]
+        assert "rank 0: in all_reduce" in shown["text/plain"]
+        assert "differs" in shown["text/plain"] and "rtnb-stacks" in shown["text/html"]
+        # The view's Stacks button asks the same.
+        button = kernel.execute(
+            "view._stacks_view.value = ''\n"
+            "view._stacks_button.click()\n"
+            "print(view._stacks_view.value.count('rtnb-stack-set'))",
+            timeout=60,
+        )
+        assert button.status == "ok", button.text + button.evalue
+        assert button.text.strip().endswith("2")
+        flag.touch()
+        done = kernel.execute("%rtnb wait --timeout 60\n%rtnb stop", timeout=120)
+        assert done.status == "ok", done.text + done.evalue
+    finally:
+        kernel.shutdown()
+
+
+def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_the_metrics(
+    session,
+):
+    from rtnb.storage._metricslog import read_metrics
+    from rtnb.storage._rundir import RunDirectory
+    from rtnb.widgets._live import format_header
+
+    code = (
+        "import time, rtnb\n"
+        "kept = []\n"
+        "for step in range(25):\n"
+        "    kept.append(bytearray(2_000_000))\n"
+        "    rtnb.report({'loss': 1.0 / (step + 1)})\n"
+        "    time.sleep(0.1)\n"
+    )
+    session.run(code, output=lambda *_: None)
+    latest = session.metrics.system_latest()
+    assert sorted(latest) == [0, 1]
+    assert all(s.rss_bytes > 50 * 2**20 and s.cpu_percent >= 0 for s in latest.values())
+    header = format_header(session.metrics.progress(), "running", resources=latest, climbing=[1])
+    assert "CPU " in header and " MB" in header and "memory climbing: rank 1" in header
+    session.metrics.flush()
+    run_dir = RunDirectory(session.config.storage, session.run_name)
+    system = read_metrics(run_dir, system=True)
+    assert {r["rank"] for r in system} == {0, 1}
+    assert all({"sys/cpu", "sys/rss_mb"} <= set(r) for r in system)
+    # A 2.5 s cell: one sample a second per rank at most.
+    assert 2 <= sum(1 for r in system if r["rank"] == 0) <= 4
+    # The training metrics stay as reported: no sys/ column, 25 steps per rank.
+    trained = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert not any(k.startswith("sys/") for r in read_metrics(run_dir) for k in r)
+    assert len(trained) >= 50
