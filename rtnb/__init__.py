@@ -68,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "RankContext": "rtnb.worker._runtime",
     "get_checkpoint": "rtnb.worker._api",
     "get_config": "rtnb.worker._api",
+    "control": "rtnb.worker._api",
     "get_context": "rtnb.worker._api",
     "get_dataset_shard": "rtnb.worker._api",
     "prepare_trainer": "rtnb.worker._hf",
@@ -128,6 +129,7 @@ __all__ = [
     "WarmRayStatus",
     "WorkerGroupError",
     "get_checkpoint",
+    "control",
     "get_config",
     "get_context",
     "get_dataset_shard",
@@ -200,6 +202,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.storage._checkpoints import CheckpointInfo
     from rtnb.storage._result import Result, list_runs
     from rtnb.worker._api import (
+        control,
         get_checkpoint,
         get_config,
         get_context,

@@ -234,6 +234,7 @@ class LiveMetrics(w.VBox):
         self._keys: list = []
         self._y_type = "linear"
         self._drawn_generation = -1
+        self._markers_drawn = 0
         # Ranks the user took off the plot (few ranks), or picked to add to the band
         # (many): kept here, not read back from the list, whose options change under
         # it and whose frontend may echo a selection back late.
@@ -476,7 +477,10 @@ class LiveMetrics(w.VBox):
         keys = trace_keys(store, drawn, expected)
         if not keys:
             return
-        if keys != self._keys or self.figure is None:
+        markers = len(store.markers)
+        if keys != self._keys or self.figure is None or markers != self._markers_drawn:
+            # A control change's line is drawn by a new figure (few: by hand).
+            self._markers_drawn = markers
             self._keys = keys
             self._y_type = "log" if self._log_y.value else "linear"
             self.figure = build_figure(

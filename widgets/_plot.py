@@ -262,10 +262,27 @@ def build_figure(
     )
     for row, name in enumerate(metrics, start=1):
         fig.update_yaxes(title_text=name, row=row, col=1)
+    if x_axis == "step":
+        add_markers(fig, list(getattr(store, "markers", ())), max(1, len(metrics)))
     # A FigureWidget made from the finished figure carries every trace in its synced
     # state; traces added to a live FigureWidget only travel as messages, so a tab
     # reloaded later would restore an empty plot that no update can fill.
     return go.FigureWidget(fig) if widget else fig
+
+
+def add_markers(fig, markers: list[tuple[int, str]], rows: int) -> None:
+    """A dotted vertical line at each live-control change's step on every subplot,
+    its text (``lr = 0.0003``) on the top one."""
+    for step, text in markers:
+        for row in range(1, rows + 1):
+            fig.add_vline(
+                x=step,
+                line={"dash": "dot", "width": 1.5, "color": "rgba(128,128,128,0.9)"},
+                annotation_text=text if row == 1 else None,
+                annotation_position="top right",
+                row=row,
+                col=1,
+            )
 
 
 def import_figure_widget_in_background() -> None:

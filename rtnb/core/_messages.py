@@ -90,6 +90,9 @@ class CellRequest:
     replay: bool = False
     token: int | None = None
     label: str | None = None
+    # Live controls changed during this cell, as (name, value, from_step): given
+    # again when the cell runs again (a replay, a recovery), so it runs the same.
+    controls: tuple[tuple[str, Any, int], ...] = ()
 
     @property
     def filename(self) -> str:
@@ -145,6 +148,10 @@ class RankUpdate:
     storage_error: str | None = None
     # What the rank's process used since the last poll (ResourceSample, ≤ 1 a second).
     resources: list[Any] = field(default_factory=list)
+    # Live controls the cell declared since the last poll (name -> default), and the
+    # changes it read, as (name, value, step): the step the new value was first used.
+    controls_declared: dict[str, Any] = field(default_factory=dict)
+    controls_applied: list[tuple[str, Any, int]] = field(default_factory=list)
     # The cell's exception itself, with its frames, from a rank in the kernel's own
     # process (local mode) only, for %debug; it never crosses a process.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

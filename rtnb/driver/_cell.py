@@ -19,12 +19,13 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
-from rtnb.driver._group import RankGroup
+from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._output import OutputSink
 from rtnb.driver._policy import Failure, RankDied, RecoveryOutcome
 from rtnb.driver._state import GroupState
@@ -51,6 +52,8 @@ __all__ = ["CellContext", "CellHandle"]
 
 # How often the driver loop wakes to check stop deadlines and Ctrl-C.
 _TICK_S = 0.1
+# How long the ranks get to answer a hold or a release for a live-control change.
+_HOLD_WAIT_S = 10.0
 # How long rank 0 waits for the relayed ranks' answers: a first wait, and slack for
 # a busy machine to wake them. A rank that did not answer by then (a longer cell: it
 # runs in the listening thread and answers only when it ends) is asked directly.
@@ -106,9 +109,19 @@ class CellContext(Protocol):
     @property
     def hang_after_s(self) -> float: ...
 
+    def record_controls(self, handle: CellHandle, values: dict[str, Any], step: int) -> None: ...
+
     def stacks(
         self, ranks: list[int] | None = None, stalled_s: float | None = None
     ) -> GroupStacks: ...
+
+
+@dataclass
+class _ControlRequest:
+    values: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    step: int | None = None
+    error: BaseException | None = None
 
 
 class CellHandle:
@@ -132,6 +145,7 @@ class CellHandle:
         replay: bool = False,
         journal_seq: int | None = None,
         label: str | None = None,
+        controls: tuple[tuple[str, Any, int], ...] = (),
     ) -> None:
         self._context = context
         self.cell_id = cell_id
@@ -174,6 +188,15 @@ class CellHandle:
         self._last_activity = time.monotonic()
         self.hang: GroupStacks | None = None
         self._hang_reading = False
+        # Live controls: this cell's changes as (name, value, from_step) — sent again
+        # when it runs again (recovery) — the controls its ranks declared (name ->
+        # default), what each rank reported applying, and changes asked for, applied
+        # by the driving thread between two ticks.
+        self.controls_schedule: list[tuple[str, Any, int]] = list(controls)
+        self.declared_controls: dict[str, Any] = {}
+        self.controls_applied: dict[int, list[tuple[str, Any, int]]] = {}
+        self._control_requests: list[_ControlRequest] = []
+        self._control_lock = threading.Lock()
 
     def _begin_attempt(self) -> None:
         """What one run of the cell on one group knows of its ranks; all of it starts
@@ -309,7 +332,13 @@ class CellHandle:
         # In a relaying group every cell goes through rank 0, one on a single rank
         # too: each listening rank runs all its cells in its listening thread.
         self._request = CellRequest(
-            self.cell_id, self.code, self._checkpoint, self.replay, group.next_token(), self.label
+            self.cell_id,
+            self.code,
+            self._checkpoint,
+            self.replay,
+            group.next_token(),
+            self.label,
+            tuple(self.controls_schedule),
         )
         if group.relays:
             # One call to rank 0 starts the cell everywhere and brings back the
@@ -405,6 +434,7 @@ class CellHandle:
             self._commit()
             self._check_timeout()
             self._watch_for_hang()
+            self._take_control_requests(group)
             if self._stopping.advance(group, self._unfinished(), self._last, self.steps):
                 raise _Restart()
 
@@ -560,6 +590,12 @@ class CellHandle:
                 )
         if update.resources and not self.replay:
             context.metrics.add_system(rank, update.resources)
+        if update.controls_declared:
+            for name, default in update.controls_declared.items():
+                self.declared_controls.setdefault(name, default)
+        if update.controls_applied and not self.replay:
+            self.controls_applied.setdefault(rank, []).extend(update.controls_applied)
+            context.metrics.add_controls_applied(rank, update.controls_applied)
         for offer in update.checkpoints:
             context.checkpoints.offer(rank, offer)
         logs = context.logs
@@ -590,6 +626,61 @@ class CellHandle:
                     f"[rtnb: output beyond {_LOG_BYTES // 1_000_000} MB is kept in {where}]\n",
                 )
             )
+
+    # ---- live controls -----------------------------------------------------------------
+    def change_controls(self, values: dict[str, Any], timeout_s: float = 30.0) -> int | None:
+        """Apply ``values`` on every rank at one step (any thread; the driving thread
+        does it): the step they hold from, or None when the cell ended first."""
+        request = _ControlRequest(dict(values))
+        with self._control_lock:
+            if self.done():
+                return None
+            self._control_requests.append(request)
+        if not request.done.wait(timeout_s):
+            raise WaitTimeout(f"{self.name} did not take the change within {timeout_s:g} s")
+        if request.error is not None:
+            raise request.error
+        return request.step
+
+    def _take_control_requests(self, group) -> None:
+        with self._control_lock:
+            requests, self._control_requests = self._control_requests, []
+        for request in requests:
+            try:
+                request.step = self._change_controls(group, request.values)
+            except Exception as exc:  # noqa: BLE001 - said to the caller, never ends the cell
+                request.error = exc
+            request.done.set()
+
+    def _change_controls(self, group, values: dict[str, Any]) -> int | None:
+        """Hold every rank at its next report, take the furthest step any rank has
+        reported, and release them with the change holding from two steps past it:
+        a step no rank has begun (each is paused at most one step further)."""
+        ranks = self._unfinished()
+        if self._stopping.requested or not ranks:
+            return None
+        calls = [group.hold(rank) for rank in ranks]
+        try:
+            held = group.gather(calls, _HOLD_WAIT_S)
+        except (TimeoutError, RankLost):
+            held = []
+        reported = [s for s in held if s is not None]
+        step = max(reported) + 2 if reported else None
+        if step is not None:
+            # Written ahead: a recovery or replay of this cell applies it at this step.
+            self._context.record_controls(self, values, step)
+            self.controls_schedule.extend((n, v, step) for n, v in values.items())
+        releases = [
+            group.release(rank, values if step is not None else {}, step or -1) for rank in ranks
+        ]
+        with contextlib.suppress(TimeoutError, RankLost):
+            group.gather(releases, _HOLD_WAIT_S)
+        if step is None:
+            return None
+        shown = ", ".join(f"{n} = {v!r}" for n, v in values.items())
+        self._context.metrics.add_marker(step, shown)
+        self._note(f"[rtnb] {shown} from step {step} on every rank\n")
+        return step
 
     # ---- the hang doctor ---------------------------------------------------------------
     def _watch_for_hang(self) -> None:

@@ -134,6 +134,33 @@ class CellFlow:
     def hang_after_s(self) -> float:
         return self.config.hang_after_s
 
+    def record_controls(self, handle: CellHandle, values: dict[str, Any], step: int) -> None:
+        self._journal.append(
+            EntryKind.CONTROL, controls=dict(values), of=handle.journal_seq, step=step
+        )
+
+    def set_controls(self, values: dict[str, Any]) -> int | None:
+        """Change live controls (``rtnb.control``): in the running cell at one step
+        on every rank (that step), else from the next cell on (None)."""
+        checked = _check_controls(values)
+        active = self.active
+        if active is not None and not active.done():
+            step = active.change_controls(checked)
+            if step is not None:
+                return step
+        with self._lock:
+            self._journal.append(EntryKind.CONTROL, controls=checked)
+            self.send_controls(checked)
+        return None
+
+    def send_controls(self, values: dict[str, Any]) -> None:
+        """``values`` in force on every rank from now on (between cells; a replay)."""
+        self._call_ranks(
+            lambda group: [group.release(r, values, -1) for r in range(group.world_size)],
+            "setting controls",
+            timeout_s=30,
+        )
+
     def stacks(self, ranks: list[int] | None = None, stalled_s: float | None = None) -> GroupStacks:
         """Where every rank (or ``ranks``) is right now (the hang doctor)."""
         group = self.require_group()
@@ -296,7 +323,13 @@ class CellFlow:
     def run_replayed(self, entry: JournalEntry, ranks: list[int]) -> dict[int, tuple]:
         """Run a journal's cell again (a replay); {rank: error} of ranks it failed on."""
         handle = CellHandle(
-            self, entry.cell_id or 0, entry.code or "", ranks, replay=True, label=entry.label
+            self,
+            entry.cell_id or 0,
+            entry.code or "",
+            ranks,
+            replay=True,
+            label=entry.label,
+            controls=self._journal.controls_of(entry.seq),
         )
         return handle.drive_replay()
 
@@ -456,6 +489,21 @@ def _function_call(fn: Callable, config: Any) -> tuple[bytes, str]:
     can replay them in a process that never saw their definition."""
     values = _serialize({_FUNCTION_NAMES[0]: fn, _FUNCTION_NAMES[1]: config})
     return values, "__rtnb_fn__(__rtnb_config__)" if config is not None else "__rtnb_fn__()"
+
+
+def _check_controls(values: dict[str, Any]) -> dict[str, Any]:
+    """Names are identifiers and values JSON scalars (the journal keeps them)."""
+    if not isinstance(values, dict) or not values:
+        raise ConfigError("give controls as NAME=VALUE, e.g. `%rtnb set lr=3e-4`")
+    for name, value in values.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ConfigError(f"a control's name is a Python identifier, got {name!r}")
+        if not isinstance(value, (int, float, str, bool)) and value is not None:
+            raise ConfigError(
+                f"control {name!r} takes a number, a string, a bool or None, got "
+                f"{type(value).__name__} (push other values with `%rtnb push`)"
+            )
+    return dict(values)
 
 
 def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:

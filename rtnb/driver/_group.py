@@ -94,6 +94,10 @@ class RankGroup(Protocol):
 
     def stack(self, rank: int) -> Any: ...
 
+    def hold(self, rank: int) -> Any: ...
+
+    def release(self, rank: int, changes: dict[str, Any], from_step: int) -> Any: ...
+
     def set_step(self, step: int, line: int) -> list[Any]: ...
 
     def pull(self, ranks: list[int], name: str) -> list[Any]: ...
@@ -332,6 +336,12 @@ class WorkerGroup:
 
     def stack(self, rank: int) -> Any:
         return self.actors[rank].stack.remote()
+
+    def hold(self, rank: int) -> Any:
+        return self.actors[rank].hold.remote()
+
+    def release(self, rank: int, changes: dict[str, Any], from_step: int) -> Any:
+        return self.actors[rank].release.remote(changes, from_step)
 
     def set_step(self, step: int, line: int) -> list[Any]:
         return [a.set_step.remote(step, line) for a in self.actors]

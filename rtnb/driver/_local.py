@@ -184,6 +184,12 @@ class LocalGroup:
     def stack(self, rank: int) -> Any:
         return self._call(lambda: self._rank().stack())
 
+    def hold(self, rank: int) -> Any:
+        return self._call(lambda: self._rank().hold())
+
+    def release(self, rank: int, changes: dict[str, Any], from_step: int) -> Any:
+        return self._call(lambda: self._rank().release(changes, from_step))
+
     def set_step(self, step: int, line: int) -> list[Any]:
         def set_step() -> None:
             runtime = self._rank()

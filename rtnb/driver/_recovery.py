@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.driver._group import RankLost
@@ -62,12 +63,14 @@ class Replayer:
         send_values: Callable[[bytes, list[int]], None],
         run_cell: ReplayCell,
         hand_datasets: Callable[[bytes], list[str]],
+        set_controls: Callable[[dict[str, Any]], None],
     ) -> None:
         self.journal = journal
         self._world_size = world_size
         self._send_values = send_values
         self._run_cell = run_cell
         self._hand_datasets = hand_datasets
+        self._set_controls = set_controls
 
     def replay(self, before: int | None = None) -> ReplayReport:
         """Replay every action since the last fresh start, up to entry ``before``.
@@ -87,6 +90,9 @@ class Replayer:
                 report.skipped.append(
                     f"{_cell_name(entry)} (its ranks {entry.ranks} are not in a group of {world})"
                 )
+                continue
+            if entry.kind is EntryKind.CONTROL:
+                self._set_controls(entry.controls or {})
                 continue
             if entry.kind is EntryKind.DATASETS:
                 missing = self._hand_datasets(self.journal.read_values(entry))

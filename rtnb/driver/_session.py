@@ -141,6 +141,7 @@ class Session:
             self._cells.send_values,
             self._cells.run_replayed,
             self._cells.hand_datasets,
+            self._cells.send_controls,
         )
         self._recovery = RecoveryFlow(
             self.config, self._lifecycle, self.policy, replayer, self.checkpoints
@@ -399,6 +400,18 @@ class Session:
     @property
     def active_cell(self) -> CellHandle | None:
         return self._cells.active
+
+    def set_controls(self, values: dict[str, Any] | None = None, **named: Any) -> int | None:
+        """Change values the ranks read with ``rtnb.control(name, default)``
+        (``%rtnb set lr=3e-4``). While a cell runs, every rank takes the change at
+        the same step, which is returned (the driver picks one no rank has begun);
+        else it holds from the next cell on (None). Journaled: a recovery or a
+        replay applies it at the same step again.
+
+        In [1]: session.set_controls(lr=3e-4)
+        Out[1]: 52
+        """
+        return self._cells.set_controls({**(values or {}), **named})
 
     def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
         """Where each rank's cell is right now, identical stacks folded and the odd

@@ -197,6 +197,8 @@ class MetricsStore:
         # count); their own record (system_log) and the exporters get them.
         self.system: dict[int, deque[ResourceSample]] = {}
         self.system_log: Any = None
+        # Live-control changes: (step, text), drawn as vertical lines on the plot.
+        self.markers: list[tuple[int, str]] = []
 
     # ---- writing ---------------------------------------------------------------------
     @classmethod
@@ -315,6 +317,23 @@ class MetricsStore:
             log.add(rank, batch)
         if exporter is not None:
             exporter.add(rank, list(batch.rows()))
+
+    def add_marker(self, step: int, text: str) -> None:
+        with self._lock:
+            self.markers.append((step, text))
+            self.generation += 1
+
+    def add_controls_applied(self, rank: int, applied: list[tuple[str, Any, int]]) -> None:
+        """The steps at which one rank first used new control values, kept in the
+        system record as ``control/NAME`` (numbers) beside the resource samples."""
+        records = [
+            (step, time.time(), {f"control/{name}": value})
+            for name, value, step in applied
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        log = self.system_log
+        if records and log is not None:
+            log.add(rank, ReportBatch.from_records(records))
 
     def system_latest(self) -> dict[int, ResourceSample]:
         with self._lock:

@@ -62,6 +62,7 @@ class EntryKind(str, enum.Enum):
     CHECKPOINT = "checkpoint"  # a checkpoint chosen with load / resume / the browser
     SCALE = "scale"  # a new group of N ranks, the journal replayed onto it
     RESTART = "restart"  # a new group; with keep=False a fresh start (replay stops here)
+    CONTROL = "control"  # live controls changed: in a cell (of) from a step, or between cells
 
     def __str__(self) -> str:
         return self.value
@@ -97,6 +98,8 @@ class JournalEntry:
     duration_s: float | None = None
     reported: bool | None = None
     reason: str | None = None  # START/SCALE/RESTART: why the group has this size
+    controls: dict[str, Any] | None = None  # CONTROL: name -> new value
+    step: int | None = None  # CONTROL: the first step of the cell (of) it holds for
 
     def to_json(self) -> dict[str, Any]:
         # Fields at their default are left out, so entries stay small to read back.
@@ -376,6 +379,8 @@ class Journal:
         for entry in entries[start:]:
             if entry.kind in (EntryKind.PUSH, EntryKind.DATASETS):
                 plan.append(ReplayStep(entry))
+            elif entry.kind is EntryKind.CONTROL and entry.of is None:
+                plan.append(ReplayStep(entry))  # set between cells: from the next cell on
             elif entry.kind is EntryKind.CELL:
                 end = outcomes.get(entry.seq)
                 if entry.once:
@@ -387,6 +392,16 @@ class Journal:
                 else:
                     plan.append(ReplayStep(entry))
         return plan
+
+    def controls_of(self, cell_seq: int) -> tuple[tuple[str, Any, int], ...]:
+        """The live-control changes made while cell ``cell_seq`` ran, as
+        (name, value, from_step), in the order they were made."""
+        return tuple(
+            (name, value, e.step if e.step is not None else -1)
+            for e in self.entries()
+            if e.kind is EntryKind.CONTROL and e.of == cell_seq
+            for name, value in (e.controls or {}).items()
+        )
 
     def cell_entry(self, seq: int) -> JournalEntry | None:
         return next((e for e in self.entries() if e.seq == seq), None)

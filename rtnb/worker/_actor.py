@@ -426,6 +426,12 @@ class RankActor:
     def interrupt(self) -> bool:
         return self.runtime.interrupt()
 
+    def hold(self) -> int | None:
+        return self.runtime.hold()
+
+    def release(self, changes: dict[str, Any], from_step: int) -> None:
+        self.runtime.release(changes, from_step)
+
     def stack(self) -> RankStack:
         return self.runtime.stack()
 

@@ -17,6 +17,7 @@ from rtnb.worker import _runtime as _rank
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
 __all__ = [
+    "control",
     "get_checkpoint",
     "get_config",
     "get_context",
@@ -55,6 +56,29 @@ def get_config() -> dict[str, Any]:
     """
     config = _runtime("get_config").namespace.get(CONFIG_NAME)
     return dict(config) if isinstance(config, Mapping) else {}
+
+
+def control(name: str, default: Any = None) -> Any:
+    """A value the notebook can change while the cell runs (``%rtnb set NAME=VALUE``,
+    or the live view's inputs): read it every step. A change reaches every rank at
+    the same step, is journaled (a recovery or replay applies it at that step
+    again) and is marked on the live plot.
+
+    Example::
+
+        In [5]: %%rtrain --background
+           ...: for step in range(1000):
+           ...:     lr = rtnb.control("lr", 1e-3)
+           ...:     for group in opt.param_groups:
+           ...:         group["lr"] = lr
+           ...:     ...
+           ...:     rtnb.report({"loss": loss.item(), "lr": lr})
+
+        In [6]: %rtnb set lr=3e-4
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a control's name is a Python identifier, got {name!r}")
+    return _runtime("control").control(name, default)
 
 
 def get_device():

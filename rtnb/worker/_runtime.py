@@ -203,6 +203,16 @@ class RankRuntime:
         self._stop_target: int | None = None
         self._paused_at: int | None = None
         self._pause_reported = False
+        # Live controls (rtnb.control): paused at the next report until the driver
+        # says from which step a change holds (``hold``/``release``), so every rank
+        # takes it at the same step. Each control's schedule is (from_step, value),
+        # ascending; replaced whole on a change, so control() reads it unlocked.
+        self._holding = False
+        self._controls: dict[str, list[tuple[int, Any]]] = {}
+        self._declared: dict[str, Any] = {}
+        self._declared_new: dict[str, Any] = {}
+        self._applied: list[tuple[str, Any, int]] = []
+        self._control_seen: dict[str, Any] = {}
         # The cell the cell thread runs next, handed over under _cond (a queue's own
         # lock and condition cost a trivial cell's rank ~10% more CPU).
         self._job: CellRequest | None = None
@@ -264,6 +274,8 @@ class RankRuntime:
             self._stop_requested = False
             self._stop_target = None
             self._paused_at = None
+            self._holding = False
+            self._start_controls(request.controls)
             self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
             if not in_caller:
                 self._job = request
@@ -323,6 +335,7 @@ class RankRuntime:
             self._stop_requested = False
             self._stop_target = None
             self._paused_at = None
+            self._holding = False
             self._cond.notify_all()
 
     def _cache_source(self, filename: str, code: str) -> None:
@@ -409,7 +422,12 @@ class RankRuntime:
         checkpoints, self._checkpoints = self._checkpoints, []
         if self._paused_at is not None:
             self._pause_reported = True
-        return self._update_locked(output, checkpoints), reports
+        update = self._update_locked(output, checkpoints)
+        if self._declared_new:
+            update.controls_declared, self._declared_new = self._declared_new, {}
+        if self._applied:
+            update.controls_applied, self._applied = self._applied, []
+        return update, reports
 
     def _update_locked(self, output: list, checkpoints: list) -> RankUpdate:
         return RankUpdate(
@@ -632,6 +650,17 @@ class RankRuntime:
         return checkpoint, self._run_dir.fs, f"{self._run_dir.path}/{checkpoint_dir(cid)}"
 
     def _stop_at_boundary_locked(self) -> None:
+        if self._holding:
+            # A control change: wait here until the driver says from which step it
+            # holds (a step no rank has begun yet); then go on, unless a stop came.
+            self._paused_at = self.step
+            self._pause_reported = False
+            self._cond.notify_all()
+            while self._holding:
+                self._cond.wait(0.05)
+            self._paused_at = None
+            if not self._stop_requested:
+                return
         # Pause here and let the driver pick the step every rank stops at, so that
         # no rank leaves while a peer still waits for it inside a collective.
         if self._stop_target is None:
@@ -658,8 +687,67 @@ class RankRuntime:
         with self._cond:
             if self._state is CellState.RUNNING:
                 self._stop_requested = True
+                self._holding = False  # a stop ends a hold for a control change
                 self._cond.notify_all()
             return self.step
+
+    # ---- live controls ---------------------------------------------------------------
+    def control(self, name: str, default: Any) -> Any:
+        """``rtnb.control(name, default)``: the value in force for the step being
+        computed (the last reported + 1); the first call declares the control."""
+        if name not in self._declared:
+            with self._cond:
+                self._declared[name] = default
+                self._declared_new[name] = default
+        step = self.step + 1
+        value = default
+        for from_step, scheduled in reversed(self._controls.get(name, ())):
+            if from_step <= step:
+                value = scheduled
+                break
+        seen = self._control_seen.get(name, _UNSEEN)
+        if seen is not _UNSEEN and (seen is not value and seen != value):
+            with self._cond:
+                self._applied.append((name, value, step))
+        self._control_seen[name] = value
+        return value
+
+    def hold(self) -> int | None:
+        """Pause at the next report until :meth:`release`; the rank's step now (it
+        pauses at this step + 1 at the latest), None when no cell can take a change
+        (none running, a replay, a stop under way)."""
+        with self._cond:
+            if self._state is not CellState.RUNNING or self._replay or self._stop_requested:
+                return None
+            self._holding = True
+            self._stop_requested = True  # what report() checks, in C too
+            return self.step
+
+    def release(self, changes: dict[str, Any], from_step: int) -> None:
+        """``changes`` hold from ``from_step`` on (-1: at once); a held rank goes on."""
+        with self._cond:
+            self._schedule_locked(changes.items(), from_step)
+            if self._holding:
+                self._holding = False
+                self._stop_requested = False
+            self._cond.notify_all()
+
+    def _schedule_locked(self, changes, from_step: int) -> None:
+        for name, value in changes:
+            schedule = [e for e in self._controls.get(name, ()) if e[0] < from_step]
+            self._controls[name] = [*schedule, (from_step, value)]
+
+    def _start_controls(self, given: tuple[tuple[str, Any, int], ...]) -> None:
+        """A new cell starts from each control's latest value; a cell run again (a
+        replay, a recovery) gets its changes back at their steps."""
+        self._controls = {n: [(-1, s[-1][1])] for n, s in self._controls.items() if s}
+        for name, value, from_step in given:
+            self._schedule_locked([(name, value)], from_step)
+        self._control_seen = {}
+
+    @property
+    def declared_controls(self) -> dict[str, Any]:
+        return dict(self._declared)
 
     def set_stop_target(self, step: int) -> None:
         with self._cond:
@@ -673,6 +761,7 @@ class RankRuntime:
             if self._state is not CellState.RUNNING:
                 return False
             self._stop_requested = True
+            self._holding = False
             self._stop_target = -1  # any paused rank leaves at once
             self._cond.notify_all()
         ident = self._cell_thread
@@ -721,6 +810,9 @@ class RankRuntime:
     def cell_thread_id(self) -> int | None:
         """The thread this rank's cells run in (the cell thread)."""
         return self._thread.ident
+
+
+_UNSEEN = object()
 
 
 def _gpu_index(device: str) -> int | None:
