@@ -7,6 +7,7 @@ available from Python through ``rtnb.Session``.
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import os
 import re
@@ -204,6 +205,18 @@ def _stacks_args(line):
 
 
 @magic_arguments()
+@argument("assignments", nargs="+", metavar="NAME=VALUE", help="e.g. lr=3e-4 (a Python literal)")
+def _set_args(line):
+    """Change live controls (rtnb.control) at one step on every rank."""
+
+
+@magic_arguments()
+@argument("name", help="the trigger's name, as the cell's rtnb.on_trigger(NAME, fn) gave it")
+def _trigger_args(line):
+    """Run every rank's handler of a trigger at one step of the running cell."""
+
+
+@magic_arguments()
 @_ranks_option
 @argument("name", help="variable to read on every rank")
 def _pull_args(line):
@@ -397,6 +410,23 @@ SUBCOMMANDS = [
         _stacks_args,
     ),
     Subcommand(
+        "set",
+        "change live controls (rtnb.control) at one step on every rank, journaled",
+        "%rtnb set lr=3e-4",
+        _set_args,
+    ),
+    Subcommand(
+        "trigger",
+        "run rtnb.on_trigger(NAME, fn) on every rank at one step of the running cell",
+        "%rtnb trigger eval",
+        _trigger_args,
+    ),
+    Subcommand(
+        "save-now",
+        "checkpoint every rank at the next common step (rtnb.on_save(fn))",
+        "%rtnb save-now",
+    ),
+    Subcommand(
         "pull", "a rank variable -> a list in the notebook", "%rtnb pull loss --ranks 0", _pull_args
     ),
     Subcommand("push", "notebook variables -> every rank", "%rtnb push lr batch_size", _push_args),
@@ -532,7 +562,9 @@ class RtnbMagics(Magics):
         if sub in _BY_NAME and ("--help" in words[1:] or "-h" in words[1:]):
             print(subcommand_help("%rtnb", _BY_NAME[sub]))
             return None
-        handler = getattr(self, f"_rtnb_{sub}", None) if sub in _SUBCOMMANDS else None
+        handler = (
+            getattr(self, f"_rtnb_{sub.replace('-', '_')}", None) if sub in _SUBCOMMANDS else None
+        )
         if handler is None:
             close = difflib.get_close_matches(sub, _SUBCOMMANDS, n=1)
             hint = f"did you mean `%rtnb {close[0]}`? " if close else ""
@@ -626,6 +658,43 @@ class RtnbMagics(Magics):
     def _rtnb_stacks(self, rest: str):
         args = parse_argstring(_stacks_args, rest)
         return self._require().stacks(ranks=args.ranks)
+
+    def _rtnb_set(self, rest: str):
+        args = parse_argstring(_set_args, rest)
+        values = {}
+        for assignment in args.assignments:
+            name, eq, text = assignment.partition("=")
+            if not eq or not name.strip():
+                raise UsageError(
+                    f"%rtnb set takes NAME=VALUE pairs (e.g. lr=3e-4), got {assignment!r}"
+                )
+            try:
+                values[name.strip()] = ast.literal_eval(text.strip())
+            except (ValueError, SyntaxError):
+                values[name.strip()] = text.strip()  # a bare word: a string
+        try:
+            step = self._require().set_controls(values)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        shown = ", ".join(f"{n} = {v!r}" for n, v in values.items())
+        where = f"from step {step} on every rank" if step is not None else "from the next cell on"
+        print(f"rtnb: {shown} {where}")
+
+    def _rtnb_trigger(self, rest: str):
+        args = parse_argstring(_trigger_args, rest)
+        step = self._fire(lambda session: session.trigger(args.name))
+        print(f"rtnb: trigger {args.name!r} fired at step {step} on every rank")
+
+    def _rtnb_save_now(self, rest: str):
+        self._no_args("save-now", rest)
+        step = self._fire(lambda session: session.save_now())
+        print(f"rtnb: every rank saves at step {step} (committed once all have written it)")
+
+    def _fire(self, fire):
+        try:
+            return fire(self._require())
+        except (ConfigError, SessionError) as exc:
+            raise UsageError(str(exc)) from None
 
     def _rtnb_pull(self, rest: str):
         args = parse_argstring(_pull_args, rest)
@@ -962,7 +1031,10 @@ class RtnbMagics(Magics):
                 if not args.quiet:
                     if live:
                         self.last_view = LiveMetrics(
-                            session.metrics, handle, stacks=session.stacks
+                            session.metrics,
+                            handle,
+                            stacks=session.stacks,
+                            set_controls=session.set_controls,
                         ).show()
                     else:
                         self.last_view = RankLog(handle)

@@ -203,6 +203,7 @@ def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_th
         "    rtnb.report({'loss': 1.0 / (step + 1)})\n"
         "    time.sleep(0.1)\n"
     )
+    began = time.time()
     session.run(code, output=lambda *_: None)
     latest = session.metrics.system_latest()
     assert sorted(latest) == [0, 1]
@@ -215,7 +216,7 @@ def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_th
     assert {r["rank"] for r in system} == {0, 1}
     assert all({"sys/cpu", "sys/rss_mb"} <= set(r) for r in system)
     # A 2.5 s cell: one sample a second per rank at most.
-    assert 2 <= sum(1 for r in system if r["rank"] == 0) <= 4
+    assert 2 <= sum(1 for r in system if r["rank"] == 0 and r["timestamp"] >= began) <= 4
     # The training metrics stay as reported: no sys/ column, 25 steps per rank.
     trained = [r for r in read_metrics(run_dir) if "loss" in r]
     assert not any(k.startswith("sys/") for r in read_metrics(run_dir) for k in r)
@@ -297,3 +298,134 @@ def test_a_control_change_reaches_every_rank_at_the_same_step_and_a_recovery_rep
     finally:
         session.stop()
     assert wait_for_free_cpus(2.0) >= 2.0
+
+
+TRIGGERED = """\
+import time, rtnb
+evals, index = [], 0
+rtnb.on_trigger("eval", lambda: evals.append(index))
+rtnb.on_save(lambda: {"index": index})
+for index in range(300):
+    rtnb.report({"index": index})
+    time.sleep(0.01)
+"""
+
+
+def test_a_trigger_and_save_now_run_on_every_rank_at_one_step_and_the_save_is_committed(
+    session,
+):
+    import rtnb
+    from rtnb.storage._metricslog import read_metrics
+    from rtnb.storage._rundir import RunDirectory
+
+    with pytest.raises(rtnb.SessionError, match="none is running"):
+        session.trigger("eval")
+    lines: list[str] = []
+    handle = session.run_background(TRIGGERED, output=lambda r, s, t: lines.append(t))
+    start = session.metrics.count(0)
+    _wait_for(lambda: session.metrics.count(0) - start >= 50, 60, "50 reports")
+    evaluated = session.trigger("eval")
+    saved = session.save_now()
+    unknown = session.trigger("nobody_listens")
+    handle.wait(60)
+    assert evaluated < saved <= unknown
+    session.metrics.flush()
+    rows = read_metrics(RunDirectory(session.config.storage, session.run_name))
+    index_at = {(r["rank"], r["step"]): r["index"] for r in rows if "index" in r}
+    # Each rank ran its handler once, in the report of that step, before recording it.
+    evals = session.pull("evals")
+    assert evals == [[index_at[(0, evaluated)]], [index_at[(1, evaluated)]]]
+    assert evals[0] == evals[1]
+    # save-now: that step's checkpoint, both ranks' state, committed.
+    info = next(c for c in session.list_checkpoints() if c.step == saved)
+    assert info.ranks == [0, 1]
+    state = session.load(info.id).load_state()
+    assert state == {"index": index_at[(0, saved)]}
+    assert any("nothing handles trigger 'nobody_listens'" in line for line in lines)
+    assert session.metrics.markers[-3:] == [
+        (evaluated, "trigger eval"),
+        (saved, "save-now"),
+        (unknown, "trigger nobody_listens"),
+    ]
+
+
+# The interactive session's notebook: a background training cell, a change made
+# from the next cell while it runs, then what the ranks saw.
+SET_WHILE_RUNNING = [
+    "%load_ext rtnb\n%rtnb start --workers 2 --cpus-per-worker 0.5 --storage {runs}",
+    "%%rtrain --background\n"
+    "import time, rtnb\n"
+    "seen = []\n"
+    "for step in range(150):\n"
+    "    lr = rtnb.control('lr', 0.1)\n"
+    "    seen.append(lr)\n"
+    "    rtnb.report({'lr': lr})\n"
+    "    time.sleep(0.02)\n",
+    "import time\n"
+    "cell = get_ipython().magics_manager.registry['RtnbMagics'].session.active_cell\n"
+    "while min(cell.steps.values()) < 20:\n"
+    "    time.sleep(0.05)\n",
+    "%rtnb set lr=0.5",
+    "%rtnb wait\n"
+    "seen = %rtnb pull seen\n"
+    "print('SEEN', seen[0].index(0.5), seen[0] == seen[1], len(seen[0]))",
+    "%rtnb stop",
+]
+
+
+def _seen_line(nb) -> str:
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            for line in str(output.get("text", "")).splitlines():
+                if line.startswith("SEEN "):
+                    return line
+    raise AssertionError("no SEEN line in the notebook")
+
+
+def test_rtnb_run_of_the_saved_notebook_makes_the_live_change_again_at_the_same_step(
+    ray_cluster, tmp_path
+):
+    import subprocess
+    import sys
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    from rtnb.core._changes import CHANGES_MIME
+    from tests._kernel import new_notebook
+
+    nb = new_notebook([c.replace("{runs}", str(tmp_path / "runs")) for c in SET_WHILE_RUNNING])
+    before = os.environ.get("RTNB_LIVE")
+    os.environ["RTNB_LIVE"] = "1"  # the live view, as in JupyterLab
+    try:
+        NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
+    finally:
+        if before is None:
+            os.environ.pop("RTNB_LIVE", None)
+        else:
+            os.environ["RTNB_LIVE"] = before
+    interactive = _seen_line(nb)
+    switched = int(interactive.split()[1])
+    assert switched >= 20 and interactive.endswith("True 150"), interactive
+    # The saved notebook keeps the change with the training cell's output.
+    records = [
+        o["data"][CHANGES_MIME] for o in nb.cells[1].outputs if CHANGES_MIME in o.get("data", {})
+    ]
+    assert len(records) == 1 and records[0]["controls"][0][:2] == ["lr", 0.5]
+    saved = tmp_path / "session.ipynb"
+    nbformat.write(nb, saved)
+    out = tmp_path / "batch.ipynb"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtnb.batch.cli", "run", str(saved), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The re-run switched at the same step, and the %rtnb set cell did not switch again.
+    assert _seen_line(nbformat.read(out, as_version=4)) == interactive
+    said = "".join(o.get("text", "") for o in nbformat.read(out, as_version=4).cells[3].outputs)
+    assert "lr = 0.5 from step" in said

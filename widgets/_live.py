@@ -100,6 +100,17 @@ def format_header(
     return " · ".join(parts)
 
 
+def _changes_bundle(record: dict | None, text: str) -> dict:
+    """The cell's printed lines, with its live changes (if any) under their MIME
+    type: what ``rtnb run`` of the saved notebook makes again at the same steps."""
+    from rtnb.core._changes import CHANGES_MIME, CellChanges
+
+    if record is None:
+        return {"text/plain": text}
+    said = f"rtnb: live changes in this cell: {CellChanges.from_json(record).describe()}"
+    return {"text/plain": "\n".join(filter(None, [text, said])), CHANGES_MIME: record}
+
+
 def _resources_text(resources: dict) -> str:
     """Each rank's CPU and memory (and GPU) for a few ranks; for many, the mean and
     the rank using the most."""
@@ -144,11 +155,14 @@ class LiveMetrics(w.VBox):
         label: str | None = None,
         replay_output: bool = True,
         stacks=None,
+        set_controls=None,
     ) -> None:
         """``stacks``: a callable giving every rank's stack (``Session.stacks``) for
-        the view's Stacks button; shown for a background cell only, since the kernel
-        hears a click only when it is free (a hung foreground cell gets its stacks
-        from the hang doctor, unasked)."""
+        the view's Stacks button; ``set_controls``: ``Session.set_controls``, for an
+        input per live control the cell declared (``rtnb.control``) and a Set
+        button. Both for a background cell only, since the kernel hears a click only
+        when it is free (a hung foreground cell gets its stacks from the hang
+        doctor, unasked)."""
         self.store = store
         self.handle = handle
         # The cell's name in the header: Jupyter's "[5]", as its handle knows it.
@@ -166,6 +180,13 @@ class LiveMetrics(w.VBox):
             layout=w.Layout(width="80px", display="" if stacks is not None else "none"),
         )
         self._stacks_button.on_click(self._on_stacks)
+        # One input per control the ranks declared, and Set (a background cell).
+        self._set_controls = set_controls
+        self._control_inputs: dict[str, w.Text] = {}
+        self._set_button = w.Button(description="Set", layout=w.Layout(width="60px"))
+        self._set_button.on_click(self._on_set)
+        self._set_said = w.HTML(value="")
+        self._controls_box = w.HBox([], layout=w.Layout(flex_flow="row wrap"))
         self._x_axis = w.Dropdown(
             options=[("step", "step"), ("wall time", "time")],
             value="step",
@@ -216,6 +237,7 @@ class LiveMetrics(w.VBox):
             [
                 self._header,
                 self._stacks_view,
+                self._controls_box,
                 self._controls,
                 self._plot_box,
                 w.HBox([self._log_filter]),
@@ -297,6 +319,40 @@ class LiveMetrics(w.VBox):
             self._stacks_view.value = self._read_stacks().html()
         except Exception as exc:  # noqa: BLE001 - one line in the view, never a traceback
             self._stacks_view.value = f"<i>stacks unavailable: {html.escape(str(exc))}</i>"
+
+    def _on_set(self, _button) -> None:
+        if self._set_controls is None or self._stopped.is_set():
+            return
+        import ast
+
+        values = {}
+        for name, box in self._control_inputs.items():
+            try:
+                values[name] = ast.literal_eval(box.value.strip())
+            except (ValueError, SyntaxError):
+                values[name] = box.value.strip()
+        try:
+            step = self._set_controls(values)
+            shown = ", ".join(f"{n} = {v!r}" for n, v in values.items())
+            where = f"from step {step}" if step is not None else "from the next cell"
+            self._set_said.value = html.escape(f"{shown} {where}")
+        except Exception as exc:  # noqa: BLE001 - one line in the view, never a traceback
+            self._set_said.value = f"<i>{html.escape(str(exc))}</i>"
+
+    def _show_control_inputs(self) -> None:
+        declared = getattr(self.handle, "declared_controls", None)
+        if self._set_controls is None or not declared or set(declared) == set(self._control_inputs):
+            return
+        for name, default in declared.items():
+            if name not in self._control_inputs:
+                self._control_inputs[name] = w.Text(
+                    value=repr(default), description=name, layout=w.Layout(width="220px")
+                )
+        self._controls_box.children = (
+            *self._control_inputs.values(),
+            self._set_button,
+            self._set_said,
+        )
 
     def _mark_logs(self) -> None:
         self._logs_dirty = True
@@ -393,12 +449,17 @@ class LiveMetrics(w.VBox):
             reported = self.store.count() > self._reports_at_start
         if reported:
             bundle = static_figure_bundle(self.store, title=header, max_points=self.max_points)
+        # The cell's live changes, kept in the saved notebook for `rtnb run`.
+        record_of = getattr(self.handle, "changes_record", None)
+        record = record_of() if record_of is not None else None
         if bundle is None:
             self._display.update({"text/plain": "\n".join(filter(None, [header, logs]))}, raw=True)
+            if record is not None and self._logs_display is not None:
+                self._logs_display.update(_changes_bundle(record, ""), raw=True)
         else:
             self._display.update(bundle, raw=True)
-            if logs and self._logs_display is not None:
-                self._logs_display.update({"text/plain": logs}, raw=True)
+            if (logs or record is not None) and self._logs_display is not None:
+                self._logs_display.update(_changes_bundle(record, logs), raw=True)
             redraw_for_the_page_theme(self._display, self.store, header, self.max_points)
         self.close()
 
@@ -435,11 +496,10 @@ class LiveMetrics(w.VBox):
             label=self.label,
             resumed_from=getattr(handle, "resumed_from", None),
             running_ranks=({r for r, s in states.items() if s == "running"} if states else None),
-            resources=self.store.system_latest() if hasattr(self.store, "system_latest") else None,
-            climbing=self.store.memory_climbing()
-            if hasattr(self.store, "memory_climbing")
-            else None,
+            resources=self.store.system_latest(),
+            climbing=self.store.memory_climbing(),
         )
+        self._show_control_inputs()
         hang = getattr(handle, "hang", None)
         if hang is not self._shown_hang:
             # The hang doctor's stacks while the cell is quiet; gone once it moves on.

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rtnb.core._changes import CHANGES_ENV, CHANGES_MIME, CellChanges
 from rtnb.core._redact import is_secret_name, redact_uri
 from rtnb.errors import CellError, ConfigError, one_line
 from rtnb.storage._layout import notebook
@@ -230,6 +231,28 @@ def example_notebook(name: str):
         yield path
 
 
+def saved_changes(notebook: dict) -> list[CellChanges]:
+    """The live-change records in a notebook's outputs, in cell order."""
+    found = []
+    for cell in notebook.get("cells", []):
+        for output in cell.get("outputs", []) or []:
+            record = (output.get("data") or {}).get(CHANGES_MIME)
+            if isinstance(record, dict):
+                with contextlib.suppress(ValueError, TypeError):
+                    found.append(CellChanges.from_json(record))
+    return found
+
+
+def _write_saved_changes(notebook: dict) -> str | None:
+    found = saved_changes(notebook)
+    if not found:
+        return None
+    fd, path = tempfile.mkstemp(prefix="rtnb-changes-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as dst:
+        json.dump([c.to_json() for c in found], dst)
+    return path
+
+
 def read_notebook(path: Path) -> dict:
     """The notebook's JSON, or one ConfigError line saying what is wrong with it."""
     try:
@@ -323,6 +346,10 @@ def run_notebook(
     # The notebook a session's --mlflow logs at its stop (papermill writes the output
     # notebook as the cells run; it is whole only once they are done).
     os.environ["RTNB_NOTEBOOK"] = str(src.resolve())
+    # Live changes the saved notebook's cells received: made again at their steps.
+    changes_file = _write_saved_changes(read_notebook(src))
+    if changes_file is not None:
+        os.environ[CHANGES_ENV] = changes_file
     ok, message, code = True, "", 0
     with _Terminator() as terminator:
         try:
@@ -358,6 +385,10 @@ def run_notebook(
         finally:
             os.environ.pop(BATCH_RUNS_ENV, None)
             os.environ.pop("RTNB_NOTEBOOK", None)
+            if changes_file is not None:
+                os.environ.pop(CHANGES_ENV, None)
+                with contextlib.suppress(OSError):
+                    os.unlink(changes_file)
     if terminator.signal is not None:
         ok, code = False, terminator.exit_code
         name = signal.Signals(terminator.signal).name

@@ -106,6 +106,11 @@ static int record_plain(PyObject *runtime, PyObject *metrics) {
     if (upload != Py_None || upload_error != Py_None || replay != Py_False ||
         !PyLong_CheckExact(last) || !known_columns(Py_TYPE(buffer)))
         goto plain_no;
+    /* Work waits at this report (a stop, a hold for a control change, a trigger
+     * due): the Python path does it, before or after recording as each needs. */
+    PyObject *stop = PyDict_GetItemWithError(attrs, s_stop_requested);
+    if (stop == NULL) goto missing;
+    if (stop != Py_False) goto plain_no;
     PyObject *keys = SLOT(buffer, off_keys), *cols = SLOT(buffer, off_cols),
              *steps = SLOT(buffer, off_steps), *times = SLOT(buffer, off_times);
     if (keys == NULL || cols == NULL || steps == NULL || times == NULL ||
@@ -144,9 +149,7 @@ static int record_plain(PyObject *runtime, PyObject *metrics) {
     Py_ssize_t buffered = PyList_GET_SIZE(steps);
     /* The old step is released here: a plain int, so no Python code runs. */
     if (PyDict_SetItem(attrs, s_step, step) < 0) goto done;
-    PyObject *stop = PyDict_GetItemWithError(attrs, s_stop_requested);
-    if (stop == NULL && PyErr_Occurred()) goto done;
-    result = buffered == 1 || stop == Py_True ? 2 : 1;
+    result = buffered == 1 ? 2 : 1;
     goto done;
 
 missing: /* an attribute is not there (yet): the Python path says what is wrong */

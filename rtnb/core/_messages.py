@@ -63,6 +63,10 @@ class StopPhase(str, enum.Enum):
         return self.value
 
 
+# The trigger ``%rtnb save-now`` fires on every rank; ``rtnb.on_save(fn)`` handles it.
+SAVE_TRIGGER = "__save__"
+
+
 @dataclass(frozen=True)
 class RankPlace:
     """Where a rank's process runs, as it says itself (``describe()``)."""
@@ -93,6 +97,8 @@ class CellRequest:
     # Live controls changed during this cell, as (name, value, from_step): given
     # again when the cell runs again (a replay, a recovery), so it runs the same.
     controls: tuple[tuple[str, Any, int], ...] = ()
+    # Triggers (``%rtnb trigger``, ``%rtnb save-now``) fired during it, as (step, name).
+    triggers: tuple[tuple[int, str], ...] = ()
 
     @property
     def filename(self) -> str:

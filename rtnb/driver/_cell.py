@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
+from rtnb.core._changes import CellChanges
+from rtnb.core._messages import SAVE_TRIGGER, CellRequest, CellState, RankUpdate, StopPhase
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._group import RankGroup, RankLost
@@ -109,16 +110,23 @@ class CellContext(Protocol):
     @property
     def hang_after_s(self) -> float: ...
 
-    def record_controls(self, handle: CellHandle, values: dict[str, Any], step: int) -> None: ...
+    def record_controls(
+        self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
+    ) -> None: ...
 
     def stacks(
         self, ranks: list[int] | None = None, stalled_s: float | None = None
     ) -> GroupStacks: ...
 
 
+def _trigger_text(name: str) -> str:
+    return "save-now" if name == SAVE_TRIGGER else f"trigger {name}"
+
+
 @dataclass
 class _ControlRequest:
     values: dict[str, Any]
+    triggers: tuple[str, ...] = ()
     done: threading.Event = field(default_factory=threading.Event)
     step: int | None = None
     error: BaseException | None = None
@@ -146,7 +154,11 @@ class CellHandle:
         journal_seq: int | None = None,
         label: str | None = None,
         controls: tuple[tuple[str, Any, int], ...] = (),
+        triggers: tuple[tuple[int, str], ...] = (),
+        saved: CellChanges | None = None,
     ) -> None:
+        """``saved``: the changes this cell received when the notebook last ran
+        (``rtnb run`` of the saved notebook), made again at their steps."""
         self._context = context
         self.cell_id = cell_id
         # The notebook's name for the cell (Jupyter's "[4]"): what the header, the
@@ -193,6 +205,19 @@ class CellHandle:
         # default), what each rank reported applying, and changes asked for, applied
         # by the driving thread between two ticks.
         self.controls_schedule: list[tuple[str, Any, int]] = list(controls)
+        self.triggers_schedule: list[tuple[int, str]] = list(triggers)
+        # A saved notebook's changes are scheduled from the start; the %rtnb set
+        # cells that made them, run again, claim theirs instead of changing again.
+        self._unclaimed: list[tuple[int, dict[str, Any], list[str]]] = []
+        if saved is not None:
+            self.controls_schedule += saved.controls
+            self.triggers_schedule += saved.triggers
+            self._unclaimed = saved.by_step()
+            for step, values, fired in self._unclaimed:
+                shown = ", ".join(
+                    [f"{n} = {v!r}" for n, v in values.items()] + [_trigger_text(t) for t in fired]
+                )
+                context.metrics.add_marker(step, shown)
         self.declared_controls: dict[str, Any] = {}
         self.controls_applied: dict[int, list[tuple[str, Any, int]]] = {}
         self._control_requests: list[_ControlRequest] = []
@@ -339,6 +364,7 @@ class CellHandle:
             group.next_token(),
             self.label,
             tuple(self.controls_schedule),
+            tuple(self.triggers_schedule),
         )
         if group.relays:
             # One call to rank 0 starts the cell everywhere and brings back the
@@ -628,10 +654,13 @@ class CellHandle:
             )
 
     # ---- live controls -----------------------------------------------------------------
-    def change_controls(self, values: dict[str, Any], timeout_s: float = 30.0) -> int | None:
-        """Apply ``values`` on every rank at one step (any thread; the driving thread
-        does it): the step they hold from, or None when the cell ended first."""
-        request = _ControlRequest(dict(values))
+    def change_controls(
+        self, values: dict[str, Any], triggers: tuple[str, ...] = (), timeout_s: float = 30.0
+    ) -> int | None:
+        """Apply ``values`` and fire ``triggers`` on every rank at one step (any
+        thread; the driving thread does it): that step, or None when the cell ended
+        first."""
+        request = _ControlRequest(dict(values), tuple(triggers))
         with self._control_lock:
             if self.done():
                 return None
@@ -642,17 +671,38 @@ class CellHandle:
             raise request.error
         return request.step
 
+    def claim_saved(self, values: dict[str, Any], triggers: tuple[str, ...]) -> int | None:
+        """The step of the saved notebook's change equal to this one, scheduled since
+        the cell began (it is not made twice), or None."""
+        with self._control_lock:
+            for i, (step, saved_values, fired) in enumerate(self._unclaimed):
+                if saved_values == values and tuple(fired) == tuple(triggers):
+                    del self._unclaimed[i]
+                    return step
+        return None
+
+    def changes_record(self) -> dict[str, Any] | None:
+        """What a saved notebook keeps of this cell's live changes (``rtnb run``
+        makes them again), or None when it had none."""
+        if self.replay or not (self.controls_schedule or self.triggers_schedule):
+            return None
+        return CellChanges(
+            self.code, list(self.controls_schedule), list(self.triggers_schedule)
+        ).to_json()
+
     def _take_control_requests(self, group) -> None:
         with self._control_lock:
             requests, self._control_requests = self._control_requests, []
         for request in requests:
             try:
-                request.step = self._change_controls(group, request.values)
+                request.step = self._change_controls(group, request.values, request.triggers)
             except Exception as exc:  # noqa: BLE001 - said to the caller, never ends the cell
                 request.error = exc
             request.done.set()
 
-    def _change_controls(self, group, values: dict[str, Any]) -> int | None:
+    def _change_controls(
+        self, group, values: dict[str, Any], triggers: tuple[str, ...]
+    ) -> int | None:
         """Hold every rank at its next report, take the furthest step any rank has
         reported, and release them with the change holding from two steps past it:
         a step no rank has begun (each is paused at most one step further)."""
@@ -668,18 +718,21 @@ class CellHandle:
         step = max(reported) + 2 if reported else None
         if step is not None:
             # Written ahead: a recovery or replay of this cell applies it at this step.
-            self._context.record_controls(self, values, step)
+            self._context.record_controls(self, values, step, triggers)
             self.controls_schedule.extend((n, v, step) for n, v in values.items())
-        releases = [
-            group.release(rank, values if step is not None else {}, step or -1) for rank in ranks
-        ]
+            self.triggers_schedule.extend((step, name) for name in triggers)
+        else:
+            values, triggers = {}, ()
+        releases = [group.release(rank, values, step or -1, triggers) for rank in ranks]
         with contextlib.suppress(TimeoutError, RankLost):
             group.gather(releases, _HOLD_WAIT_S)
         if step is None:
             return None
-        shown = ", ".join(f"{n} = {v!r}" for n, v in values.items())
+        shown = ", ".join(
+            [f"{n} = {v!r}" for n, v in values.items()] + [_trigger_text(t) for t in triggers]
+        )
         self._context.metrics.add_marker(step, shown)
-        self._note(f"[rtnb] {shown} from step {step} on every rank\n")
+        self._note(f"[rtnb] {shown} at step {step} on every rank\n")
         return step
 
     # ---- the hang doctor ---------------------------------------------------------------

@@ -23,9 +23,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rtnb.core._changes import SavedChanges
 from rtnb.core._config import SessionConfig, parse_ranks
 from rtnb.core._context import CONFIG_NAME
-from rtnb.core._messages import CellRequest
+from rtnb.core._messages import SAVE_TRIGGER, CellRequest
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
@@ -92,6 +93,8 @@ class CellFlow:
         self.last_training: tuple[str, str | None] | None = None
         self._datasets = DatasetHandOver()
         self._stacks = StackReader()
+        # Under `rtnb run`: the live changes the saved notebook's cells received.
+        self._saved_changes = SavedChanges.from_env()
 
     # ---- the CellContext a handle gets ---------------------------------------------------
     @property
@@ -134,10 +137,35 @@ class CellFlow:
     def hang_after_s(self) -> float:
         return self.config.hang_after_s
 
-    def record_controls(self, handle: CellHandle, values: dict[str, Any], step: int) -> None:
+    def record_controls(
+        self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
+    ) -> None:
         self._journal.append(
-            EntryKind.CONTROL, controls=dict(values), of=handle.journal_seq, step=step
+            EntryKind.CONTROL,
+            controls=dict(values) or None,
+            of=handle.journal_seq,
+            step=step,
+            triggers=list(triggers),
         )
+
+    def fire(self, name: str) -> int:
+        """Fire trigger ``name`` (``SAVE_TRIGGER``: save now) on every rank of the
+        running cell at one step; that step."""
+        if not (isinstance(name, str) and (name.isidentifier() or name == SAVE_TRIGGER)):
+            raise ConfigError(f"a trigger's name is a Python identifier, got {name!r}")
+        active = self.active
+        what = "save-now" if name == SAVE_TRIGGER else f"trigger {name!r}"
+        if active is None or active.done():
+            raise SessionError(
+                f"{what} acts inside a running cell and none is running: run the training "
+                "cell with --background, then fire it from another cell"
+            )
+        step = active.claim_saved({}, (name,))
+        if step is None:
+            step = active.change_controls({}, (name,))
+        if step is None:
+            raise SessionError(f"{what}: the cell ended (or is stopping) before it could fire")
+        return step
 
     def set_controls(self, values: dict[str, Any]) -> int | None:
         """Change live controls (``rtnb.control``): in the running cell at one step
@@ -145,7 +173,9 @@ class CellFlow:
         checked = _check_controls(values)
         active = self.active
         if active is not None and not active.done():
-            step = active.change_controls(checked)
+            step = active.claim_saved(checked, ())
+            if step is None:
+                step = active.change_controls(checked)
             if step is not None:
                 return step
         with self._lock:
@@ -297,6 +327,16 @@ class CellFlow:
             )
             if values is not None:
                 self.send_values(values, rank_list)
+            saved = self._saved_changes.take(code) if self._saved_changes else None
+            if saved is not None:
+                for step, values_at, fired in saved.by_step():
+                    self._journal.append(
+                        EntryKind.CONTROL,
+                        controls=values_at or None,
+                        of=entry.seq,
+                        step=step,
+                        triggers=fired,
+                    )
             handle = CellHandle(
                 self,
                 cell_id,
@@ -306,6 +346,7 @@ class CellFlow:
                 background,
                 journal_seq=entry.seq,
                 label=label,
+                saved=saved,
             )
             if output is not None:
                 handle.add_sink(output)
@@ -330,6 +371,7 @@ class CellFlow:
             replay=True,
             label=entry.label,
             controls=self._journal.controls_of(entry.seq),
+            triggers=self._journal.triggers_of(entry.seq),
         )
         return handle.drive_replay()
 

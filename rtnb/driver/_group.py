@@ -96,7 +96,9 @@ class RankGroup(Protocol):
 
     def hold(self, rank: int) -> Any: ...
 
-    def release(self, rank: int, changes: dict[str, Any], from_step: int) -> Any: ...
+    def release(
+        self, rank: int, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+    ) -> Any: ...
 
     def set_step(self, step: int, line: int) -> list[Any]: ...
 
@@ -340,8 +342,10 @@ class WorkerGroup:
     def hold(self, rank: int) -> Any:
         return self.actors[rank].hold.remote()
 
-    def release(self, rank: int, changes: dict[str, Any], from_step: int) -> Any:
-        return self.actors[rank].release.remote(changes, from_step)
+    def release(
+        self, rank: int, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+    ) -> Any:
+        return self.actors[rank].release.remote(changes, from_step, triggers)
 
     def set_step(self, step: int, line: int) -> list[Any]:
         return [a.set_step.remote(step, line) for a in self.actors]

@@ -187,8 +187,10 @@ class LocalGroup:
     def hold(self, rank: int) -> Any:
         return self._call(lambda: self._rank().hold())
 
-    def release(self, rank: int, changes: dict[str, Any], from_step: int) -> Any:
-        return self._call(lambda: self._rank().release(changes, from_step))
+    def release(
+        self, rank: int, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+    ) -> Any:
+        return self._call(lambda: self._rank().release(changes, from_step, triggers))
 
     def set_step(self, step: int, line: int) -> list[Any]:
         def set_step() -> None:

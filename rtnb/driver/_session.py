@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rtnb.core._config import SessionConfig
+from rtnb.core._messages import SAVE_TRIGGER
 from rtnb.core._redact import redact_uri
 from rtnb.core._score import score_rule
 from rtnb.core._stacks import GroupStacks
@@ -412,6 +413,25 @@ class Session:
         Out[1]: 52
         """
         return self._cells.set_controls({**(values or {}), **named})
+
+    def trigger(self, name: str) -> int:
+        """Run every rank's ``rtnb.on_trigger(name, fn)`` handler at one step of the
+        running cell (``%rtnb trigger eval``): that step. Journaled like a control.
+
+        In [1]: session.trigger("eval")
+        Out[1]: 310
+        """
+        return self._cells.fire(name)
+
+    def save_now(self) -> int:
+        """Checkpoint at the next common step of the running cell on every rank,
+        through ``rtnb.on_save(fn)`` (``%rtnb save-now``): fn returns the state (or a
+        Checkpoint) and it is committed as that step's checkpoint. The step.
+
+        In [1]: session.save_now()
+        Out[1]: 311
+        """
+        return self._cells.fire(SAVE_TRIGGER)
 
     def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
         """Where each rank's cell is right now, identical stacks folded and the odd

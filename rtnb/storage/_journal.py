@@ -100,6 +100,7 @@ class JournalEntry:
     reason: str | None = None  # START/SCALE/RESTART: why the group has this size
     controls: dict[str, Any] | None = None  # CONTROL: name -> new value
     step: int | None = None  # CONTROL: the first step of the cell (of) it holds for
+    triggers: list[str] = field(default_factory=list)  # CONTROL: fired at that step
 
     def to_json(self) -> dict[str, Any]:
         # Fields at their default are left out, so entries stay small to read back.
@@ -127,6 +128,7 @@ class JournalEntry:
 _FIELDS = tuple(f.name for f in fields(JournalEntry))
 _DEFAULTS = {f.name: f.default for f in fields(JournalEntry) if f.default is not MISSING}
 _DEFAULTS["names"] = []
+_DEFAULTS["triggers"] = []
 _ALWAYS = {"seq", "kind", "time"}
 _NO_DEFAULT = object()
 
@@ -401,6 +403,15 @@ class Journal:
             for e in self.entries()
             if e.kind is EntryKind.CONTROL and e.of == cell_seq
             for name, value in (e.controls or {}).items()
+        )
+
+    def triggers_of(self, cell_seq: int) -> tuple[tuple[int, str], ...]:
+        """The triggers fired while cell ``cell_seq`` ran, as (step, name)."""
+        return tuple(
+            (e.step if e.step is not None else -1, name)
+            for e in self.entries()
+            if e.kind is EntryKind.CONTROL and e.of == cell_seq
+            for name in e.triggers
         )
 
     def cell_entry(self, seq: int) -> JournalEntry | None:

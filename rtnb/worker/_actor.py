@@ -429,8 +429,10 @@ class RankActor:
     def hold(self) -> int | None:
         return self.runtime.hold()
 
-    def release(self, changes: dict[str, Any], from_step: int) -> None:
-        self.runtime.release(changes, from_step)
+    def release(
+        self, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+    ) -> None:
+        self.runtime.release(changes, from_step, triggers)
 
     def stack(self) -> RankStack:
         return self.runtime.stack()

@@ -7,10 +7,11 @@ These functions only work inside a rank of a worker group (a ``%%rtrain`` cell o
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from rtnb.core._context import CONFIG_NAME
+from rtnb.core._messages import SAVE_TRIGGER
 from rtnb.core._reports import portable_metric
 from rtnb.errors import RtnbError, SessionError
 from rtnb.worker import _runtime as _rank
@@ -18,6 +19,8 @@ from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
 __all__ = [
     "control",
+    "on_save",
+    "on_trigger",
     "get_checkpoint",
     "get_config",
     "get_context",
@@ -79,6 +82,35 @@ def control(name: str, default: Any = None) -> Any:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a control's name is a Python identifier, got {name!r}")
     return _runtime("control").control(name, default)
+
+
+def on_trigger(name: str, fn: Callable[[], Any]) -> None:
+    """Run ``fn()`` on this rank when the notebook fires trigger ``name``
+    (``%rtnb trigger NAME``): every rank runs it in the report of the same step,
+    before that report is recorded.
+
+    Example::
+
+        In [5]: %%rtrain --background
+           ...: rtnb.on_trigger("eval", lambda: print("val loss", evaluate(model)))
+           ...: for step in range(10_000):
+           ...:     ...
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a trigger's name is a Python identifier, got {name!r}")
+    _runtime("on_trigger").on_trigger(name, fn)
+
+
+def on_save(fn: Callable[[], Any]) -> None:
+    """What ``%rtnb save-now`` saves: ``fn()`` returns this rank's state (saved with
+    ``Checkpoint.from_state``) or a ``Checkpoint``; every rank saves in the report
+    of the same step, which becomes that step's checkpoint.
+
+    Example::
+
+        In [5]: rtnb.on_save(lambda: {"model": model.state_dict(), "step": step})
+    """
+    _runtime("on_save").on_trigger(SAVE_TRIGGER, fn)
 
 
 def get_device():

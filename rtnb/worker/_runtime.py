@@ -26,7 +26,13 @@ from types import CodeType
 from typing import Any
 
 from rtnb.core._context import set_current_rank
-from rtnb.core._messages import CellRequest, CellState, CheckpointOffer, RankUpdate
+from rtnb.core._messages import (
+    SAVE_TRIGGER,
+    CellRequest,
+    CellState,
+    CheckpointOffer,
+    RankUpdate,
+)
 from rtnb.core._reports import ReportColumns
 from rtnb.core._resources import ResourceSampler
 from rtnb.core._stacks import RankStack, thread_stack
@@ -199,6 +205,10 @@ class RankRuntime:
         self._value: tuple[bytes | None, str] | None = None
         self._error: tuple[str, str] | None = None
         # Stop protocol, guarded by _cond.
+        # _stop_wanted: a stop was asked for. _stop_requested: the next report() has
+        # work at the boundary (a stop, a hold, a trigger due): report()'s C path
+        # reads it and leaves such a report to the Python path.
+        self._stop_wanted = False
         self._stop_requested = False
         self._stop_target: int | None = None
         self._paused_at: int | None = None
@@ -208,6 +218,10 @@ class RankRuntime:
         # takes it at the same step. Each control's schedule is (from_step, value),
         # ascending; replaced whole on a change, so control() reads it unlocked.
         self._holding = False
+        # Triggers (rtnb.on_trigger; "save" is rtnb.on_save) due at a step: fired in
+        # the cell thread by the report of that step, before it is recorded.
+        self._triggers: dict[str, Any] = {}
+        self._due: list[tuple[int, str]] = []
         self._controls: dict[str, list[tuple[int, Any]]] = {}
         self._declared: dict[str, Any] = {}
         self._declared_new: dict[str, Any] = {}
@@ -271,11 +285,12 @@ class RankRuntime:
             self._value = None
             self._error = None
             self._storage_error = None
-            self._stop_requested = False
+            self._stop_wanted = False
             self._stop_target = None
             self._paused_at = None
             self._holding = False
-            self._start_controls(request.controls)
+            self._start_controls(request.controls, request.triggers)
+            self._stop_requested = bool(self._due)
             self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
             if not in_caller:
                 self._job = request
@@ -332,10 +347,12 @@ class RankRuntime:
         with self._cond:
             self._state, self._value, self._error = state, value, error
             self._exception = exception
+            self._stop_wanted = False
             self._stop_requested = False
             self._stop_target = None
             self._paused_at = None
             self._holding = False
+            self._due = []
             self._cond.notify_all()
 
     def _cache_source(self, filename: str, code: str) -> None:
@@ -467,7 +484,12 @@ class RankRuntime:
         """``rtnb.report(metrics)``: no checkpoint, rtnb counts the step. The hot
         path of a fast loop: one plain lock, no Condition; the poll thread is woken
         only by a batch's first report."""
-        if self._upload is None and self._upload_error is None and not self._replay:
+        if (
+            self._upload is None
+            and self._upload_error is None
+            and not self._replay
+            and not self._due
+        ):
             self._add_plain(self.step + 1, metrics)
         else:
             self.report(metrics)
@@ -505,6 +527,8 @@ class RankRuntime:
         waits for them first, and the report is only published once they landed.
         """
         step = int(step) if step is not None else self.step + 1
+        if self._due:
+            checkpoint = self._fire_due(step, checkpoint)
         if (
             checkpoint is None
             and self._upload is None
@@ -611,7 +635,7 @@ class RankRuntime:
                     f"rank {self.context.world_rank} could not write its checkpoint files "
                     f"to {where} ({one_line(exc)})"
                 )
-            self._stop_requested = True
+            self._stop_wanted = self._stop_requested = True
             self._cond.notify_all()
 
     def _finish_upload(self) -> None:
@@ -659,22 +683,19 @@ class RankRuntime:
             while self._holding:
                 self._cond.wait(0.05)
             self._paused_at = None
-            if not self._stop_requested:
-                return
+        if not self._stop_wanted:
+            self._refresh_boundary_locked()
+            return
         # Pause here and let the driver pick the step every rank stops at, so that
         # no rank leaves while a peer still waits for it inside a collective.
         if self._stop_target is None:
             self._paused_at = self.step
             self._pause_reported = False
             self._cond.notify_all()
-            while self._stop_requested and self._stop_target is None:
+            while self._stop_wanted and self._stop_target is None:
                 self._cond.wait(0.05)
             self._paused_at = None
-        if (
-            self._stop_requested
-            and self._stop_target is not None
-            and self.step >= self._stop_target
-        ):
+        if self._stop_wanted and self._stop_target is not None and self.step >= self._stop_target:
             raise CellStopped(f"stopped at step {self.step}")
 
     # ---- control calls (any thread) -------------------------------------------------
@@ -686,7 +707,7 @@ class RankRuntime:
     def request_stop(self) -> int:
         with self._cond:
             if self._state is CellState.RUNNING:
-                self._stop_requested = True
+                self._stop_wanted = self._stop_requested = True
                 self._holding = False  # a stop ends a hold for a control change
                 self._cond.notify_all()
             return self.step
@@ -717,32 +738,69 @@ class RankRuntime:
         pauses at this step + 1 at the latest), None when no cell can take a change
         (none running, a replay, a stop under way)."""
         with self._cond:
-            if self._state is not CellState.RUNNING or self._replay or self._stop_requested:
+            if self._state is not CellState.RUNNING or self._replay or self._stop_wanted:
                 return None
             self._holding = True
             self._stop_requested = True  # what report() checks, in C too
             return self.step
 
-    def release(self, changes: dict[str, Any], from_step: int) -> None:
-        """``changes`` hold from ``from_step`` on (-1: at once); a held rank goes on."""
+    def release(
+        self, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+    ) -> None:
+        """``changes`` hold from ``from_step`` on (-1: at once), ``triggers`` fire
+        in the report of ``from_step``; a held rank goes on."""
         with self._cond:
             self._schedule_locked(changes.items(), from_step)
-            if self._holding:
-                self._holding = False
-                self._stop_requested = False
+            self._due.extend((from_step, name) for name in triggers)
+            self._holding = False
+            self._refresh_boundary_locked()
             self._cond.notify_all()
+
+    def _refresh_boundary_locked(self) -> None:
+        self._stop_requested = self._stop_wanted or self._holding or bool(self._due)
+
+    def on_trigger(self, name: str, fn: Any) -> None:
+        self._triggers[name] = fn
+
+    def _fire_due(self, step: int, checkpoint: Any) -> Any:
+        """Run the triggers due at ``step`` in the cell thread, before its report is
+        recorded; a save's checkpoint becomes this report's (unless it has one)."""
+        with self._cond:
+            due = [name for at, name in self._due if at <= step]
+            self._due = [(at, name) for at, name in self._due if at > step]
+            self._refresh_boundary_locked()
+        for name in due:
+            handler = self._triggers.get(name)
+            if handler is None:
+                what = (
+                    "rtnb.on_save(fn)" if name == SAVE_TRIGGER else f"rtnb.on_trigger({name!r}, fn)"
+                )
+                self._add_output(
+                    "stderr",
+                    f"[rtnb] rank {self.context.world_rank}: nothing handles "
+                    f"{'save-now' if name == SAVE_TRIGGER else 'trigger ' + repr(name)} "
+                    f"at step {step}: register it with {what}\n",
+                )
+                continue
+            result = handler()
+            if name == SAVE_TRIGGER and result is not None and checkpoint is None:
+                checkpoint = _as_checkpoint(result)
+        return checkpoint
 
     def _schedule_locked(self, changes, from_step: int) -> None:
         for name, value in changes:
             schedule = [e for e in self._controls.get(name, ()) if e[0] < from_step]
             self._controls[name] = [*schedule, (from_step, value)]
 
-    def _start_controls(self, given: tuple[tuple[str, Any, int], ...]) -> None:
+    def _start_controls(
+        self, given: tuple[tuple[str, Any, int], ...], triggers: tuple[tuple[int, str], ...]
+    ) -> None:
         """A new cell starts from each control's latest value; a cell run again (a
-        replay, a recovery) gets its changes back at their steps."""
+        replay, a recovery) gets its changes and triggers back at their steps."""
         self._controls = {n: [(-1, s[-1][1])] for n, s in self._controls.items() if s}
         for name, value, from_step in given:
             self._schedule_locked([(name, value)], from_step)
+        self._due = list(triggers)
         self._control_seen = {}
 
     @property
@@ -751,7 +809,7 @@ class RankRuntime:
 
     def set_stop_target(self, step: int) -> None:
         with self._cond:
-            if self._stop_requested:
+            if self._stop_wanted:
                 self._stop_target = step
                 self._cond.notify_all()
 
@@ -760,7 +818,7 @@ class RankRuntime:
         with self._cond:
             if self._state is not CellState.RUNNING:
                 return False
-            self._stop_requested = True
+            self._stop_wanted = self._stop_requested = True
             self._holding = False
             self._stop_target = -1  # any paused rank leaves at once
             self._cond.notify_all()
@@ -813,6 +871,16 @@ class RankRuntime:
 
 
 _UNSEEN = object()
+
+
+def _as_checkpoint(result: Any) -> Any:
+    """What an on_save handler returned, as a checkpoint: one already (it has a
+    path), else its state saved with Checkpoint.from_state."""
+    if hasattr(result, "path"):
+        return result
+    from rtnb.storage._checkpoint import Checkpoint
+
+    return Checkpoint.from_state(result)
 
 
 def _gpu_index(device: str) -> int | None:
