@@ -205,6 +205,12 @@ def _stacks_args(line):
 
 
 @magic_arguments()
+@argument("rank", nargs="?", type=int, default=None, help="the rank (default: the first one)")
+def _debug_args(line):
+    """pdb on a rank: a breakpoint a background cell stopped at, or the last failure."""
+
+
+@magic_arguments()
 @argument("assignments", nargs="+", metavar="NAME=VALUE", help="e.g. lr=3e-4 (a Python literal)")
 def _set_args(line):
     """Change live controls (rtnb.control) at one step on every rank."""
@@ -408,6 +414,12 @@ SUBCOMMANDS = [
         "where every rank's cell is now: stacks folded, the odd ranks first (hang doctor)",
         "%rtnb stacks",
         _stacks_args,
+    ),
+    Subcommand(
+        "debug",
+        "pdb on a rank: a background cell's breakpoint, else post-mortem of the failed cell",
+        "%rtnb debug 1",
+        _debug_args,
     ),
     Subcommand(
         "set",
@@ -658,6 +670,13 @@ class RtnbMagics(Magics):
     def _rtnb_stacks(self, rest: str):
         args = parse_argstring(_stacks_args, rest)
         return self._require().stacks(ranks=args.ranks)
+
+    def _rtnb_debug(self, rest: str):
+        args = parse_argstring(_debug_args, rest)
+        try:
+            self._require().debug(args.rank)
+        except (ConfigError, SessionError) as exc:
+            raise UsageError(str(exc)) from None
 
     def _rtnb_set(self, rest: str):
         args = parse_argstring(_set_args, rest)

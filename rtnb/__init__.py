@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "get_checkpoint": "rtnb.worker._api",
     "get_config": "rtnb.worker._api",
     "control": "rtnb.worker._api",
+    "breakpoint": "rtnb.worker._api",
     "on_trigger": "rtnb.worker._api",
     "on_save": "rtnb.worker._api",
     "get_context": "rtnb.worker._api",
@@ -131,6 +132,7 @@ __all__ = [
     "WarmRayStatus",
     "WorkerGroupError",
     "get_checkpoint",
+    "breakpoint",
     "control",
     "get_config",
     "get_context",
@@ -206,6 +208,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.storage._checkpoints import CheckpointInfo
     from rtnb.storage._result import Result, list_runs
     from rtnb.worker._api import (
+        breakpoint,
         control,
         get_checkpoint,
         get_config,

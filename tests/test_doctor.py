@@ -429,3 +429,134 @@ def test_rtnb_run_of_the_saved_notebook_makes_the_live_change_again_at_the_same_
     assert _seen_line(nbformat.read(out, as_version=4)) == interactive
     said = "".join(o.get("text", "") for o in nbformat.read(out, as_version=4).cells[3].outputs)
     assert "lr = 0.5 from step" in said
+
+
+def test_a_breakpoint_on_rank_1_is_answered_in_the_notebook_and_a_failed_rank_is_debugged_after(
+    ray_cluster, tmp_path
+):
+    from tests._kernel import Kernel
+
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        start = kernel.execute(
+            f"%load_ext rtnb\n%rtnb start --workers 2 --cpus-per-worker 0.5 --storage {tmp_path}",
+            timeout=180,
+        )
+        assert start.status == "ok", start.text + start.evalue
+        # rtnb.breakpoint(rank=1): only rank 1 stops; the test types `p x` and `c`.
+        stopped = kernel.execute(
+            "%%rtrain\n"
+            "import rtnb\n"
+            "x = 40 + rtnb.get_context().world_rank\n"
+            "rtnb.breakpoint(rank=1)\n"
+            "y = x + 1\n"
+            "y",
+            timeout=120,
+            stdin=["p x", "c"],
+        )
+        assert stopped.status == "ok", stopped.text + stopped.evalue
+        assert [p for p, _ in stopped.prompts] == ["(Pdb rank 1) ", "(Pdb rank 1) "]
+        # Where it stopped was shown before the first prompt; `p x` printed rank 1's x.
+        assert "y = x + 1" in stopped.prompts[0][1]
+        assert "41" in stopped.prompts[1][1]
+        assert "42" in "".join(str(r) for r in stopped.results)  # both ranks went on
+        # A cell that fails on rank 1, then a post-mortem on it with its locals.
+        failed = kernel.execute(
+            "%%rtrain\n"
+            "import rtnb\n"
+            "def step(batch):\n"
+            "    scale = 7\n"
+            "    return batch / (rtnb.get_context().world_rank - 1)\n"
+            "step(3.0)",
+            timeout=120,
+        )
+        assert failed.ename, failed.text
+        post = kernel.execute("%rtnb debug 1", timeout=120, stdin=["p scale, batch", "q"])
+        assert post.status == "ok", post.text + post.evalue
+        assert post.prompts and post.prompts[0][0] == "(Pdb rank 1) "
+        assert "post-mortem of rank 1" in post.prompts[0][1]
+        assert "(7, 3.0)" in post.prompts[1][1]
+        # Rank 0 did not fail: nothing to debug there, in one line.
+        none = kernel.execute("%rtnb debug 0", timeout=60)
+        assert none.stderr.startswith("UsageError: rank 0 has no failed cell"), none.text
+        done = kernel.execute("%rtnb stop", timeout=60)
+        assert done.status == "ok"
+    finally:
+        kernel.shutdown()
+
+
+def test_under_papermill_a_breakpoint_is_skipped_with_one_line_never_a_hang(ray_cluster, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    from tests._kernel import new_notebook
+
+    nb = new_notebook(
+        [
+            f"%load_ext rtnb\n%rtnb start --workers 2 --cpus-per-worker 0.5 --storage {tmp_path}",
+            "%%rtrain\nhits = 0\nfor i in range(3):\n    breakpoint()\n    hits += 1\nhits",
+            "%rtnb stop",
+        ]
+    )
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert text.count("skipped") == 2, text  # one line per rank
+    assert "nobody can answer a debugger prompt" in text
+    shown = "".join(str(o.get("data", {})) for o in nb.cells[1].outputs)
+    assert "3" in shown
+    nbformat.write(nb, tmp_path / "out.ipynb")
+
+
+def test_interrupt_at_a_ranks_prompt_stops_the_cell_and_a_background_breakpoint_is_attached_to(
+    ray_cluster, tmp_path
+):
+    from tests._kernel import Kernel
+
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        start = kernel.execute(
+            "%load_ext rtnb\n"
+            f"%rtnb start --workers 2 --cpus-per-worker 0.5 --stop-grace 1 --storage {tmp_path}",
+            timeout=180,
+        )
+        assert start.status == "ok", start.text + start.evalue
+        # Nobody types a command (empty lines) until Kernel -> Interrupt.
+        stuck = kernel.execute(
+            "%%rtrain\nimport rtnb\nrtnb.breakpoint(rank=0)\nprint('not reached')",
+            timeout=120,
+            stdin=[],
+            interrupt_after=4.0,
+        )
+        assert stuck.ename == "CellInterrupted", stuck.text + stuck.evalue
+        assert "[rank 0] not reached" not in stuck.text and "[rank 1] not reached" in stuck.text
+        again = kernel.execute("%%rtrain\n21 * 2", timeout=60)
+        assert again.status == "ok" and "42" in str(again.results), again.text + again.evalue
+        # A background cell's breakpoint waits for %rtnb debug from another cell.
+        background = kernel.execute(
+            "%%rtrain --background\n"
+            "import rtnb\n"
+            "z = 7 * (rtnb.get_context().world_rank + 1)\n"
+            "rtnb.breakpoint(rank=1)\n"
+            "z",
+            timeout=60,
+        )
+        assert background.status == "ok", background.text + background.evalue
+        attached = kernel.execute(
+            "import time\n"
+            "cell = get_ipython().magics_manager.registry['RtnbMagics'].session.active_cell\n"
+            "while not cell.debugging:\n"
+            "    time.sleep(0.05)\n"
+            "%rtnb debug 1",
+            timeout=60,
+            stdin=["p z", "c"],
+        )
+        assert attached.status == "ok", attached.text + attached.evalue
+        assert [p for p, _ in attached.prompts] == ["(Pdb rank 1) ", "(Pdb rank 1) "]
+        assert "14" in attached.prompts[1][1]
+        waited = kernel.execute("%rtnb wait --timeout 30", timeout=60)
+        assert waited.status == "ok" and "14" in str(waited.results), waited.text
+        kernel.execute("%rtnb stop", timeout=60)
+    finally:
+        kernel.shutdown()

@@ -158,6 +158,9 @@ class RankUpdate:
     # changes it read, as (name, value, step): the step the new value was first used.
     controls_declared: dict[str, Any] = field(default_factory=dict)
     controls_applied: list[tuple[str, Any, int]] = field(default_factory=list)
+    # Where the rank stopped at a breakpoint ("cell [5] line 3"): a debugger waits
+    # on it for the notebook (``debug_poll``/``debug_input``).
+    debugging: str | None = None
     # The cell's exception itself, with its frames, from a rank in the kernel's own
     # process (local mode) only, for %debug; it never crosses a process.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

@@ -110,6 +110,14 @@ class CellContext(Protocol):
     @property
     def hang_after_s(self) -> float: ...
 
+    def attach_debugger(
+        self,
+        group: RankGroup,
+        rank: int,
+        show: Callable[[str], None],
+        note: Callable[[str], None],
+    ) -> bool: ...
+
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
     ) -> None: ...
@@ -221,6 +229,10 @@ class CellHandle:
         self.declared_controls: dict[str, Any] = {}
         self.controls_applied: dict[int, list[tuple[str, Any, int]]] = {}
         self._control_requests: list[_ControlRequest] = []
+        # Ranks stopped at a breakpoint (where), and those a background cell has
+        # already said so of.
+        self._debugging: dict[int, str] = {}
+        self._debug_noted: set[int] = set()
         self._control_lock = threading.Lock()
 
     def _begin_attempt(self) -> None:
@@ -457,6 +469,8 @@ class CellHandle:
                     self._finished[rank] = update
             if self._dead:
                 raise _Restart()
+            if self._debugging:
+                self._serve_debuggers(group)
             self._commit()
             self._check_timeout()
             self._watch_for_hang()
@@ -616,6 +630,10 @@ class CellHandle:
                 )
         if update.resources and not self.replay:
             context.metrics.add_system(rank, update.resources)
+        if update.debugging is not None and update.state is CellState.RUNNING:
+            self._debugging[rank] = update.debugging
+        else:
+            self._debug_noted.discard(rank)
         if update.controls_declared:
             for name, default in update.controls_declared.items():
                 self.declared_controls.setdefault(name, default)
@@ -652,6 +670,35 @@ class CellHandle:
                     f"[rtnb: output beyond {_LOG_BYTES // 1_000_000} MB is kept in {where}]\n",
                 )
             )
+
+    # ---- the debugger ------------------------------------------------------------------
+    def _serve_debuggers(self, group) -> None:
+        """Ranks stopped at a breakpoint: a foreground cell's user answers them here
+        (the cell's input box); a background cell says how to attach, once."""
+        waiting, self._debugging = self._debugging, {}
+        for rank, where in sorted(waiting.items()):
+            if self._stopping.requested:
+                continue  # the stop reaches the rank at its prompt: it leaves pdb
+            if self.background or self.replay:
+                if rank not in self._debug_noted:
+                    self._debug_noted.add(rank)
+                    self._note(
+                        f"[rtnb] rank {rank} stopped at a breakpoint ({where}): run "
+                        f"`%rtnb debug {rank}` in another cell to step through it\n"
+                    )
+                continue
+
+            def show(text: str, rank: int = rank) -> None:
+                for sink in list(self._sinks):
+                    with contextlib.suppress(Exception):
+                        sink(rank, "stdout", text)
+
+            self._context.attach_debugger(group, rank, show, self._note)
+
+    @property
+    def debugging(self) -> list[int]:
+        """Ranks a background cell left at a breakpoint (``%rtnb debug`` attaches)."""
+        return sorted(self._debug_noted)
 
     # ---- live controls -----------------------------------------------------------------
     def change_controls(

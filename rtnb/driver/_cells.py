@@ -32,6 +32,7 @@ from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
 from rtnb.driver._commits import CheckpointCoordinator
 from rtnb.driver._datasets import DatasetHandOver, DatasetRecord, split_failed
+from rtnb.driver._debug import attach
 from rtnb.driver._doctor import StackReader
 from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._lifecycle import GroupLifecycle
@@ -136,6 +137,63 @@ class CellFlow:
     @property
     def hang_after_s(self) -> float:
         return self.config.hang_after_s
+
+    def attach_debugger(
+        self,
+        group: RankGroup,
+        rank: int,
+        show: Callable[[str], None],
+        note: Callable[[str], None],
+    ) -> bool:
+        return attach(group, rank, input, show, note)
+
+    def debug(
+        self,
+        rank: int | None,
+        ask: Callable[[str], str],
+        show: Callable[[str], None],
+    ) -> None:
+        """``%rtnb debug [RANK]``: attach to a rank the running (background) cell left
+        at a breakpoint, else open a post-mortem of the last failed cell on ``rank``
+        (the first rank it failed on when None)."""
+        group = self.require_group()
+        active = self.active
+        if active is not None and active.debugging:
+            chosen = rank if rank is not None else active.debugging[0]
+            if chosen not in active.debugging:
+                raise SessionError(
+                    f"rank {chosen} is not at a breakpoint; ranks at one: "
+                    + ", ".join(map(str, active.debugging))
+                )
+            attach(group, chosen, ask, show, show)
+            return
+        if active is not None:
+            raise SessionError(
+                f"{active.name} is running and no rank is at a breakpoint: put breakpoint() "
+                "(or rtnb.breakpoint(rank=N)) in the cell, or debug after it fails"
+            )
+        candidates = [rank] if rank is not None else list(range(group.world_size))
+        for candidate in candidates:
+            if not 0 <= candidate < group.world_size:
+                raise ConfigError(f"rank {candidate} is not in this group of {group.world_size}")
+            try:
+                (where,) = group.gather([group.post_mortem(candidate)], 30.0)
+            except (RankLost, TimeoutError) as exc:
+                raise SessionError(f"rank {candidate}: {one_line(exc)}") from None
+            if where is None:
+                if rank is not None:
+                    raise SessionError(
+                        f"rank {candidate} has no failed cell to debug (its last cell ended "
+                        "well, or none has run)"
+                    )
+                continue
+            show(f"[rtnb] post-mortem of rank {candidate}{' at ' + where if where else ''}\n")
+            attach(group, candidate, ask, show, show)
+            return
+        raise SessionError(
+            "no rank has a failed cell to debug: %rtnb debug opens the last failed cell's "
+            "traceback on a rank (or a breakpoint a background cell stopped at)"
+        )
 
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]

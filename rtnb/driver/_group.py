@@ -94,6 +94,12 @@ class RankGroup(Protocol):
 
     def stack(self, rank: int) -> Any: ...
 
+    def debug_poll(self, rank: int, wait_s: float) -> Any: ...
+
+    def debug_input(self, rank: int, line: str) -> Any: ...
+
+    def post_mortem(self, rank: int) -> Any: ...
+
     def hold(self, rank: int) -> Any: ...
 
     def release(
@@ -338,6 +344,15 @@ class WorkerGroup:
 
     def stack(self, rank: int) -> Any:
         return self.actors[rank].stack.remote()
+
+    def debug_poll(self, rank: int, wait_s: float) -> Any:
+        return self.actors[rank].debug_poll.remote(wait_s)
+
+    def debug_input(self, rank: int, line: str) -> Any:
+        return self.actors[rank].debug_input.remote(line)
+
+    def post_mortem(self, rank: int) -> Any:
+        return self.actors[rank].post_mortem.remote()
 
     def hold(self, rank: int) -> Any:
         return self.actors[rank].hold.remote()

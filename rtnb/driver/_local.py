@@ -184,6 +184,15 @@ class LocalGroup:
     def stack(self, rank: int) -> Any:
         return self._call(lambda: self._rank().stack())
 
+    def debug_poll(self, rank: int, wait_s: float) -> Any:
+        return self._call(lambda: self._rank().debug_poll(wait_s))
+
+    def debug_input(self, rank: int, line: str) -> Any:
+        return self._call(lambda: self._rank().debug_input(line))
+
+    def post_mortem(self, rank: int) -> Any:
+        return self._call(lambda: self._rank().post_mortem())
+
     def hold(self, rank: int) -> Any:
         return self._call(lambda: self._rank().hold())
 

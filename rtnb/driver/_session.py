@@ -433,6 +433,27 @@ class Session:
         """
         return self._cells.fire(SAVE_TRIGGER)
 
+    def debug(
+        self,
+        rank: int | None = None,
+        ask: Callable[[str], str] | None = None,
+        show: Callable[[str], None] | None = None,
+    ) -> None:
+        """A pdb prompt on a rank (``%rtnb debug [RANK]``): a rank the running
+        background cell left at a breakpoint, else a post-mortem of the last failed
+        cell on that rank (the first rank it failed on), with its frames and locals.
+        ``ask`` reads a line (the notebook's input box), ``show`` prints pdb's output.
+
+        In [1]: %rtnb debug 1
+        [rtnb] post-mortem of rank 1 at cell [5] line 7
+        (Pdb rank 1) p x
+        """
+        self._cells.debug(
+            rank,
+            ask or input,
+            show or (lambda text: print(text, end="", flush=True)),
+        )
+
     def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
         """Where each rank's cell is right now, identical stacks folded and the odd
         ranks first (``%rtnb stacks``); works while a cell runs, in the background

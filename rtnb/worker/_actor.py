@@ -22,6 +22,7 @@ from typing import Any
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
 from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
+from rtnb.worker._debug import DebugState
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
@@ -433,6 +434,15 @@ class RankActor:
         self, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
     ) -> None:
         self.runtime.release(changes, from_step, triggers)
+
+    def debug_poll(self, wait_s: float) -> DebugState:
+        return self.runtime.debug_poll(wait_s)
+
+    def debug_input(self, line: str) -> None:
+        self.runtime.debug_input(line)
+
+    def post_mortem(self) -> str | None:
+        return self.runtime.post_mortem()
 
     def stack(self) -> RankStack:
         return self.runtime.stack()

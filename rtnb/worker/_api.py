@@ -7,6 +7,7 @@ These functions only work inside a rank of a worker group (a ``%%rtrain`` cell o
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from rtnb.worker import _runtime as _rank
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
 __all__ = [
+    "breakpoint",
     "control",
     "on_save",
     "on_trigger",
@@ -111,6 +113,23 @@ def on_save(fn: Callable[[], Any]) -> None:
         In [5]: rtnb.on_save(lambda: {"model": model.state_dict(), "step": step})
     """
     _runtime("on_save").on_trigger(SAVE_TRIGGER, fn)
+
+
+def breakpoint(rank: int | None = None) -> None:  # noqa: A001 - the builtin it stands for
+    """Stop here in pdb on ``rank`` (every rank when None), answered in the notebook:
+    the prompt is the cell's input box, labelled with the rank; ``continue``
+    goes on, an interrupt leaves the debugger and stops the cell. Plain
+    ``breakpoint()`` does the same on every rank that reaches it.
+
+    Example::
+
+        In [5]: %%rtrain
+           ...: loss = model(x).sum()
+           ...: rtnb.breakpoint(rank=1)
+    """
+    runtime = _runtime("breakpoint")
+    if rank is None or rank == runtime.context.world_rank:
+        runtime.breakpoint_at(sys._getframe(1))
 
 
 def get_device():

@@ -13,6 +13,7 @@ read variables and stop a cell cooperatively.
 from __future__ import annotations
 
 import ast
+import bdb
 import ctypes
 import linecache
 import os
@@ -38,6 +39,13 @@ from rtnb.core._resources import ResourceSampler
 from rtnb.core._stacks import RankStack, thread_stack
 from rtnb.core._values import to_portable
 from rtnb.worker._capture import flush_std, install_capture, install_thread_capture
+from rtnb.worker._debug import (
+    DebugChannel,
+    DebugState,
+    post_mortem,
+    stdlib_set_trace,
+    where_in_traceback,
+)
 
 __all__ = [
     "CellStopped",
@@ -239,6 +247,13 @@ class RankRuntime:
         self._in_kernel = in_kernel
         self._exception: BaseException | None = None  # in the kernel: the last cell's
         self._uncapture = None
+        # A debugger on this rank (breakpoint(), %rtnb debug), answered by the driver;
+        # the last failed cell's traceback for a post-mortem.
+        self._debug = DebugChannel(context.world_rank, self._cond, lambda: self._stop_wanted)
+        self._failed_traceback = None
+        if not in_kernel:
+            # Local mode answers breakpoint() in the kernel itself (driver._local).
+            sys.breakpointhook = self.breakpoint
         if in_kernel and capture_output:
             self._uncapture = install_thread_capture(self._add_output, {self._thread.ident})
         # Ray Data shards by name (DataIterators), handed over by the driver.
@@ -289,6 +304,8 @@ class RankRuntime:
             self._stop_target = None
             self._paused_at = None
             self._holding = False
+            self._debug.skip = False
+            self._failed_traceback = None
             self._start_controls(request.controls, request.triggers)
             self._stop_requested = bool(self._due)
             self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
@@ -326,14 +343,20 @@ class RankRuntime:
                 result = eval(last, self.namespace)
                 if result is not None:
                     value = to_portable(result)
-        except CellStopped:
+        except (CellStopped, bdb.BdbQuit):
             state = CellState.INTERRUPTED
         except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
             state = CellState.ERROR
             error = (_summary(exc), _user_traceback(exc, filename))
             if self._in_kernel:
                 exception = exc
+            else:
+                self._failed_traceback = exc.__traceback__
         finally:
+            if self._debug.active:
+                # Stepped past the cell's end: the debugger goes with it.
+                sys.settrace(None)
+                self._debug.close()
             if request.replay:
                 sys.breakpointhook = hook
             # A cell ends only once its last checkpoint is in storage and offered.
@@ -369,8 +392,10 @@ class RankRuntime:
         with self._cond:
             while True:
                 now = time.monotonic()
-                if self._state is not CellState.RUNNING or (
-                    self._paused_at is not None and not self._pause_reported
+                if (
+                    self._state is not CellState.RUNNING
+                    or (self._paused_at is not None and not self._pause_reported)
+                    or (self._debug.active and not self._debug.reported)
                 ):
                     break
                 if self._output or self._reports:
@@ -440,6 +465,9 @@ class RankRuntime:
         if self._paused_at is not None:
             self._pause_reported = True
         update = self._update_locked(output, checkpoints)
+        if self._debug.active:
+            self._debug.reported = True
+            update.debugging = self._debug.where or "a breakpoint"
         if self._declared_new:
             update.controls_declared, self._declared_new = self._declared_new, {}
         if self._applied:
@@ -829,6 +857,43 @@ class RankRuntime:
             ctypes.c_ulong(ident), ctypes.py_object(CellStopped)
         )
         return hit == 1
+
+    # ---- the debugger ------------------------------------------------------------------
+    def breakpoint(self, *_args, **_kwargs) -> None:
+        """``sys.breakpointhook`` on a rank: pdb in the caller's frame, answered from
+        the notebook; only in the cell thread, never in a replay or once the driver
+        said nobody can answer (a batch run)."""
+        self.breakpoint_at(sys._getframe(1))
+
+    def breakpoint_at(self, frame) -> None:
+        if (
+            threading.get_ident() != self._cell_thread
+            or self._replay
+            or self._debug.skip
+            or os.environ.get("PYTHONBREAKPOINT") == "0"
+        ):
+            return
+        stdlib_set_trace(self._debug, frame)
+
+    def debug_poll(self, wait_s: float) -> DebugState:
+        return self._debug.poll(wait_s)
+
+    def debug_input(self, line: str) -> None:
+        self._debug.give(line)
+
+    def post_mortem(self) -> str | None:
+        """Open pdb on the last failed cell's traceback (in a thread of its own);
+        where it stopped, or None when no cell failed here since."""
+        traceback_ = self._failed_traceback
+        if traceback_ is None:
+            return None
+        if self._debug.active:
+            return self._debug.where
+        self._debug.open(where_in_traceback(traceback_))
+        threading.Thread(
+            target=post_mortem, args=(self._debug, traceback_), name="rtnb-post-mortem", daemon=True
+        ).start()
+        return self._debug.where
 
     def stack(self) -> RankStack:
         """Where the cell thread is right now (``%rtnb stacks``), from the user's

@@ -1,0 +1,74 @@
+"""The notebook's side of a debugger on a rank (``breakpoint()`` in a cell,
+``%rtnb debug RANK``): show what pdb prints, ask the user at each prompt, send the
+line. The rank side is ``rtnb.worker._debug``.
+
+:func:`attach` is the one loop both uses run: a foreground cell's driver calls it
+when a rank stops at a breakpoint (the prompt is the running cell's input box), and
+``%rtnb debug`` calls it for a background cell's breakpoint or a post-mortem. A
+prompt nobody can answer (a batch run: no stdin) is answered ``skip``: that rank
+goes on and passes over the cell's later breakpoints, with one line saying so.
+Ctrl-C (or the kernel's interrupt) at the prompt leaves the debugger and stops
+the cell: the rank gets ``quit`` first, then the interrupt goes on to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rtnb.driver._group import RankGroup, RankLost
+from rtnb.worker._debug import QUIT, SKIP
+
+__all__ = ["attach"]
+
+_POLL_S = 0.25
+
+
+def attach(
+    group: RankGroup,
+    rank: int,
+    ask: Callable[[str], str],
+    show: Callable[[str], None],
+    note: Callable[[str], None],
+) -> bool:
+    """Talk to ``rank``'s debugger until it closes (continue, quit, the cell's end);
+    False when nobody could answer its prompt and it was told to go on."""
+    try:
+        return _converse(group, rank, ask, show, note)
+    except KeyboardInterrupt:
+        # Wherever the interrupt landed (the prompt, a poll): the rank leaves pdb.
+        group.gather([group.debug_input(rank, QUIT)], 10.0)
+        raise
+
+
+def _converse(
+    group: RankGroup,
+    rank: int,
+    ask: Callable[[str], str],
+    show: Callable[[str], None],
+    note: Callable[[str], None],
+) -> bool:
+    while True:
+        try:
+            (state,) = group.gather([group.debug_poll(rank, _POLL_S)], 30.0)
+        except (TimeoutError, RankLost) as exc:
+            note(f"[rtnb] rank {rank}'s debugger is gone ({exc})\n")
+            return True
+        if state.output:
+            show(state.output)
+        if not state.active:
+            return True
+        if state.prompt is None:
+            continue
+        try:
+            line = ask(state.prompt)
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - no stdin here (a batch run): never wait
+            group.gather([group.debug_input(rank, SKIP)], 10.0)
+            where = f" at {state.where}" if state.where else ""
+            note(
+                f"[rtnb] rank {rank}: breakpoint(){where} skipped, and the rest of this "
+                "cell's: nobody can answer a debugger prompt in this run\n"
+            )
+            return False
+        group.gather([group.debug_input(rank, line)], 10.0)
