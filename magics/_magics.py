@@ -31,6 +31,7 @@ from rtnb.widgets import (
     ask_page_theme,
     has_live_frontend,
     import_figure_widget_in_background,
+    profile_figure,
     runs_bundle,
     show_static_figure,
     static_figure_bundle,
@@ -208,6 +209,13 @@ def _stacks_args(line):
 @argument("rank", nargs="?", type=int, default=None, help="the rank (default: the first one)")
 def _debug_args(line):
     """pdb on a rank: a breakpoint a background cell stopped at, or the last failure."""
+
+
+@magic_arguments()
+@argument("--steps", type=int, default=20, help="steps to profile (default 20)")
+@argument("--show", action="store_true", help="show the last profile taken")
+def _profile_args(line):
+    """torch.profiler on every rank for N steps: merged trace and per-rank breakdown."""
 
 
 @magic_arguments()
@@ -420,6 +428,12 @@ SUBCOMMANDS = [
         "pdb on a rank: a background cell's breakpoint, else post-mortem of the failed cell",
         "%rtnb debug 1",
         _debug_args,
+    ),
+    Subcommand(
+        "profile",
+        "torch.profiler on every rank for N steps: one trace, time per part, the straggler",
+        "%rtnb profile --steps 20",
+        _profile_args,
     ),
     Subcommand(
         "set",
@@ -677,6 +691,32 @@ class RtnbMagics(Magics):
             self._require().debug(args.rank)
         except (ConfigError, SessionError) as exc:
             raise UsageError(str(exc)) from None
+
+    def _rtnb_profile(self, rest: str):
+        args = parse_argstring(_profile_args, rest)
+        session = self._require()
+        if args.show:
+            if session.last_profile is None:
+                raise UsageError("no profile yet: `%rtnb profile --steps 20` arms one")
+            self._show_profile(session.last_profile)
+            return
+        try:
+            first = session.profile(args.steps)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        if first is None:
+            print(f"rtnb: the next cell's first {args.steps} steps are profiled on every rank")
+        else:
+            print(
+                f"rtnb: steps {first}-{first + args.steps - 1} are profiled on every rank; "
+                "`%rtnb profile --show` once they ran"
+            )
+
+    @staticmethod
+    def _show_profile(report) -> None:
+        print(report.summary())
+        print(report.table())
+        display(profile_figure(report))
 
     def _rtnb_set(self, rest: str):
         args = parse_argstring(_set_args, rest)
@@ -1080,6 +1120,7 @@ class RtnbMagics(Magics):
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
         reports_before = session.metrics.count()
+        profile_before = session.last_profile
         progress = None
         if late is not None:
             late.attach(handle)
@@ -1091,6 +1132,8 @@ class RtnbMagics(Magics):
             if late is not None:
                 late.close()
                 self.last_view = late.view or self.last_view
+            if session.last_profile is not profile_before and session.last_profile is not None:
+                self._show_profile(session.last_profile)
             if progress is not None:
                 progress.close()
                 if session.metrics.count() > reports_before:

@@ -560,3 +560,70 @@ def test_interrupt_at_a_ranks_prompt_stops_the_cell_and_a_background_breakpoint_
         kernel.execute("%rtnb stop", timeout=60)
     finally:
         kernel.shutdown()
+
+
+# 2-rank DDP; rank 1 spends 20 ms more per step outside torch (a slow input
+# pipeline written in Python): the others wait for it in the all-reduce.
+DDP_STEPS = """\
+import time, torch, rtnb
+torch.manual_seed(0)
+model = rtnb.prepare_model(torch.nn.Linear(256, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(64, 256)
+rank = rtnb.get_context().world_rank
+began = None
+for i in range(40):
+    if i == 25:  # after the profiled steps
+        began = time.perf_counter()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if rank == 1:
+        time.sleep(0.02)
+    rtnb.report({"loss": loss.item()})
+per_step = (time.perf_counter() - began) / 15
+per_step
+"""
+
+
+def test_a_profile_of_20_ddp_steps_gives_one_trace_a_row_per_rank_and_parts_that_add_up(
+    session,
+):
+    import json
+
+    step_before = max(
+        session.run("import rtnb\nrtnb.get_context()", output=lambda *_: None).values(), key=id
+    )
+    assert step_before is not None
+    assert session.profile(steps=20) is None  # armed for the next cell
+    per_step = session.run(DDP_STEPS, output=lambda *_: None)
+    report = session.last_profile
+    assert report is not None and report.steps == 20
+    assert sorted(report.ranks) == [0, 1]
+    for rank, prof in report.ranks.items():
+        assert not prof.error, prof.error
+        # The parts tile the profiled window: they add up to the measured step time.
+        measured = per_step[rank]
+        profiled = sum(prof.parts.values()) / prof.steps
+        assert abs(profiled - measured) <= 0.1 * measured, (rank, profiled, measured, prof.parts)
+        assert prof.parts["compute"] > 0 and prof.parts["rtnb"] > 0
+    # Rank 0 waits in the all-reduce for rank 1, whose extra time is outside torch.
+    assert report.ranks[0].parts["communication"] > report.ranks[1].parts["communication"]
+    assert report.straggler == 1 and report.cause == "idle"
+    assert 10 <= report.lead_ms <= 40
+    assert "straggler: rank 1" in report.summary()
+    # One Chrome/Perfetto trace: one process per rank, named, on one clock.
+    with open(report.trace) as src:
+        trace = json.load(src)
+    events = trace["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    spans = {}
+    for e in events:
+        if e.get("ph") == "X":
+            lo, hi = spans.get(e["pid"], (e["ts"], e["ts"]))
+            spans[e["pid"]] = (min(lo, e["ts"]), max(hi, e["ts"] + e.get("dur", 0)))
+    # The ranks profiled the same steps: their spans overlap on the shared clock.
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]

@@ -7,6 +7,7 @@ from rtnb.widgets._frontend import has_live_frontend
 from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport, format_header
 from rtnb.widgets._logs import RankLog
 from rtnb.widgets._plot import import_figure_widget_in_background
+from rtnb.widgets._profile import profile_figure
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, show_static_figure, static_figure_bundle
 from rtnb.widgets._sweep import SweepProgress, SweepView, sweep_bundle
@@ -25,6 +26,7 @@ __all__ = [
     "format_header",
     "has_live_frontend",
     "import_figure_widget_in_background",
+    "profile_figure",
     "runs_bundle",
     "show_static_figure",
     "static_figure_bundle",

@@ -161,6 +161,8 @@ class RankUpdate:
     # Where the rank stopped at a breakpoint ("cell [5] line 3"): a debugger waits
     # on it for the notebook (``debug_poll``/``debug_input``).
     debugging: str | None = None
+    # This rank's profile of the armed steps (a core._profile.RankProfile), once taken.
+    profile: Any = None
     # The cell's exception itself, with its frames, from a rank in the kernel's own
     # process (local mode) only, for %debug; it never crosses a process.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from rtnb.core._changes import CellChanges
 from rtnb.core._messages import SAVE_TRIGGER, CellRequest, CellState, RankUpdate, StopPhase
+from rtnb.core._profile import PROFILE_START
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._group import RankGroup, RankLost
@@ -118,6 +119,8 @@ class CellContext(Protocol):
         note: Callable[[str], None],
     ) -> bool: ...
 
+    def profile_taken(self, handle: CellHandle, profiles: dict[int, Any]) -> None: ...
+
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
     ) -> None: ...
@@ -128,6 +131,8 @@ class CellContext(Protocol):
 
 
 def _trigger_text(name: str) -> str:
+    if name.startswith(PROFILE_START):
+        return f"profile {name[len(PROFILE_START) :]} steps"
     return "save-now" if name == SAVE_TRIGGER else f"trigger {name}"
 
 
@@ -232,6 +237,8 @@ class CellHandle:
         # Ranks stopped at a breakpoint (where), and those a background cell has
         # already said so of.
         self._debugging: dict[int, str] = {}
+        # %rtnb profile: each rank's profile of the armed steps, as they arrive.
+        self.profiles: dict[int, Any] = {}
         self._debug_noted: set[int] = set()
         self._control_lock = threading.Lock()
 
@@ -634,6 +641,11 @@ class CellHandle:
             self._debugging[rank] = update.debugging
         else:
             self._debug_noted.discard(rank)
+        if update.profile is not None and not self.replay:
+            self.profiles[rank] = update.profile
+            if set(self.profiles) >= set(self.ranks):
+                taken, self.profiles = self.profiles, {}
+                self._context.profile_taken(self, taken)
         if update.controls_declared:
             for name, default in update.controls_declared.items():
                 self.declared_controls.setdefault(name, default)
@@ -731,11 +743,11 @@ class CellHandle:
     def changes_record(self) -> dict[str, Any] | None:
         """What a saved notebook keeps of this cell's live changes (``rtnb run``
         makes them again), or None when it had none."""
-        if self.replay or not (self.controls_schedule or self.triggers_schedule):
+        # A profile is this session's look, not a change to the training.
+        triggers = [t for t in self.triggers_schedule if not t[1].startswith(PROFILE_START)]
+        if self.replay or not (self.controls_schedule or triggers):
             return None
-        return CellChanges(
-            self.code, list(self.controls_schedule), list(self.triggers_schedule)
-        ).to_json()
+        return CellChanges(self.code, list(self.controls_schedule), triggers).to_json()
 
     def _take_control_requests(self, group) -> None:
         with self._control_lock:

@@ -27,6 +27,7 @@ from rtnb.core._changes import SavedChanges
 from rtnb.core._config import SessionConfig, parse_ranks
 from rtnb.core._context import CONFIG_NAME
 from rtnb.core._messages import SAVE_TRIGGER, CellRequest
+from rtnb.core._profile import ProfileReport, profile_trigger
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
@@ -38,6 +39,7 @@ from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._lifecycle import GroupLifecycle
 from rtnb.driver._output import OutputSink, print_sink
 from rtnb.driver._policy import Failure, FailurePolicy, RecoveryOutcome
+from rtnb.driver._profiling import merge_profile
 from rtnb.driver._recovery import RecoveryFlow
 from rtnb.driver._state import GroupState
 from rtnb.errors import (
@@ -96,6 +98,9 @@ class CellFlow:
         self._stacks = StackReader()
         # Under `rtnb run`: the live changes the saved notebook's cells received.
         self._saved_changes = SavedChanges.from_env()
+        # %rtnb profile: steps armed for the next cell, and the last profile taken.
+        self._armed_profile: int | None = None
+        self.last_profile: ProfileReport | None = None
 
     # ---- the CellContext a handle gets ---------------------------------------------------
     @property
@@ -194,6 +199,28 @@ class CellFlow:
             "no rank has a failed cell to debug: %rtnb debug opens the last failed cell's "
             "traceback on a rank (or a breakpoint a background cell stopped at)"
         )
+
+    def profile(self, steps: int) -> int | None:
+        """Profile ``steps`` steps on every rank: of the running cell from a common
+        step (that step), else of the next cell from its first report (None)."""
+        if not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"--steps must be a whole number ≥ 1, got {steps!r}")
+        active = self.active
+        if active is not None and not active.done():
+            step = active.change_controls({}, (profile_trigger(steps),))
+            if step is not None:
+                return step + 1
+        self._armed_profile = steps
+        return None
+
+    def profile_taken(self, handle: CellHandle, profiles: dict[int, Any]) -> None:
+        try:
+            report = merge_profile(self._lifecycle.run_dir, profiles)
+        except Exception as exc:  # noqa: BLE001 - the cell goes on; the line says why
+            handle.note(f"[rtnb] the profile could not be merged: {one_line(exc)}\n")
+            return
+        self.last_profile = report
+        handle.note(f"[rtnb] {report.summary()}\n")
 
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
@@ -395,6 +422,7 @@ class CellFlow:
                         step=step,
                         triggers=fired,
                     )
+            armed, self._armed_profile = self._armed_profile, None
             handle = CellHandle(
                 self,
                 cell_id,
@@ -405,6 +433,7 @@ class CellFlow:
                 journal_seq=entry.seq,
                 label=label,
                 saved=saved,
+                triggers=((-1, profile_trigger(armed)),) if armed else (),
             )
             if output is not None:
                 handle.add_sink(output)

@@ -34,6 +34,7 @@ from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.core._messages import SAVE_TRIGGER
+from rtnb.core._profile import ProfileReport
 from rtnb.core._redact import redact_uri
 from rtnb.core._score import score_rule
 from rtnb.core._stacks import GroupStacks
@@ -453,6 +454,23 @@ class Session:
             ask or input,
             show or (lambda text: print(text, end="", flush=True)),
         )
+
+    def profile(self, steps: int = 20) -> int | None:
+        """Profile ``steps`` steps on every rank with torch.profiler (``%rtnb profile
+        --steps N``): of the running cell from a common step (the first profiled
+        step is returned), else of the next cell. When every rank is done,
+        ``last_profile`` has the merged Chrome/Perfetto trace (one row per rank,
+        in the run directory's ``profiles/``) and each rank's time in compute,
+        communication, data, rtnb and idle, with the straggler named.
+
+        In [1]: session.profile(steps=20)
+        Out[1]: 121
+        """
+        return self._cells.profile(steps)
+
+    @property
+    def last_profile(self) -> ProfileReport | None:
+        return self._cells.last_profile
 
     def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
         """Where each rank's cell is right now, identical stacks folded and the odd

@@ -37,6 +37,8 @@ __all__ = [
     "rank_file",
     "rank_folder",
     "read_run_record",
+    "profile_rank_trace",
+    "profile_trace",
     "tensorboard_dir",
     "write_run_record",
 ]
@@ -53,6 +55,7 @@ TENSORBOARD = "tensorboard"
 MLFLOW_STORE = "mlflow.db"  # --mlflow without a URI: its SQLite store
 MLFLOW_ARTIFACTS = "mlflow-artifacts"
 NOTEBOOKS = "notebooks"
+PROFILES = "profiles"  # %rtnb profile: each rank's trace and the merged one
 _INDEX = "index.json"
 # In a checkpoint's folder, written last: a folder without it is not a checkpoint.
 MANIFEST = "_manifest.json"
@@ -84,6 +87,16 @@ def committed_in_index(run_dir) -> int:
     except (OSError, ValueError):
         return 0
     return sum(1 for c in index.get("checkpoints", []) if c.get("status") == "committed")
+
+
+def profile_rank_trace(profile_id: str, rank: int) -> str:
+    """One rank's trace of a profile: ``profiles/{id}/rank-N.json``."""
+    return f"{PROFILES}/{profile_id}/rank-{rank}.json"
+
+
+def profile_trace(profile_id: str) -> str:
+    """A profile's merged trace, every rank in it: ``profiles/{id}/trace.json``."""
+    return f"{PROFILES}/{profile_id}/trace.json"
 
 
 def rank_file(rank: int, suffix: str) -> str:

@@ -21,12 +21,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DebugChannel", "DebugState", "RankPdb"]
+__all__ = ["DebugChannel", "DebugState", "DebugStopped", "RankPdb"]
 
 # What the driver sends instead of a line: leave the debugger (a stop, Ctrl-C at
 # the prompt) or continue and pass over this cell's later breakpoints (no stdin).
 QUIT = "\x00quit"
 SKIP = "\x00skip"
+
+
+class DebugStopped(KeyboardInterrupt):
+    """Leaves the debugger and the cell: a stop, or Ctrl-C at the prompt. A
+    KeyboardInterrupt, as the cell's own stop is, so ``except Exception`` in user
+    code does not swallow it."""
 
 
 @dataclass
@@ -77,21 +83,19 @@ class DebugChannel:
         pass
 
     def readline(self) -> str:
-        from rtnb.worker._runtime import CellStopped
-
         with self._cond:
             self.prompt = f"(Pdb rank {self.rank}) "
             self._cond.notify_all()
             try:
                 while not self._lines:
                     if self._stopping():
-                        raise CellStopped("stopped in the debugger")
+                        raise DebugStopped("stopped in the debugger")
                     self._cond.wait(0.1)
                 line = self._lines.pop(0)
             finally:
                 self.prompt = None
         if line == QUIT:
-            raise CellStopped("stopped in the debugger")
+            raise DebugStopped("stopped in the debugger")
         if line == SKIP:
             self.skip = True
             return "continue\n"

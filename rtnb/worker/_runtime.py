@@ -34,6 +34,7 @@ from rtnb.core._messages import (
     CheckpointOffer,
     RankUpdate,
 )
+from rtnb.core._profile import PROFILE_START, PROFILE_STOP, RankProfile
 from rtnb.core._reports import ReportColumns
 from rtnb.core._resources import ResourceSampler
 from rtnb.core._stacks import RankStack, thread_stack
@@ -42,6 +43,7 @@ from rtnb.worker._capture import flush_std, install_capture, install_thread_capt
 from rtnb.worker._debug import (
     DebugChannel,
     DebugState,
+    DebugStopped,
     post_mortem,
     stdlib_set_trace,
     where_in_traceback,
@@ -251,6 +253,11 @@ class RankRuntime:
         # the last failed cell's traceback for a post-mortem.
         self._debug = DebugChannel(context.world_rank, self._cond, lambda: self._stop_wanted)
         self._failed_traceback = None
+        # %rtnb profile: torch.profiler over the armed steps, and its result for the
+        # next poll.
+        self._profiler: Any = None
+        self._profile_result: Any = None
+        self._profile_pending: threading.Thread | None = None
         if not in_kernel:
             # Local mode answers breakpoint() in the kernel itself (driver._local).
             sys.breakpointhook = self.breakpoint
@@ -343,7 +350,7 @@ class RankRuntime:
                 result = eval(last, self.namespace)
                 if result is not None:
                     value = to_portable(result)
-        except (CellStopped, bdb.BdbQuit):
+        except (CellStopped, DebugStopped, bdb.BdbQuit):
             state = CellState.INTERRUPTED
         except BaseException as exc:  # noqa: BLE001 - the user's code may raise anything
             state = CellState.ERROR
@@ -353,6 +360,11 @@ class RankRuntime:
             else:
                 self._failed_traceback = exc.__traceback__
         finally:
+            if self._profiler is not None:
+                self._stop_profile(cut_at=self.step)
+            pending = self._profile_pending
+            if pending is not None:
+                pending.join(60)  # the cell's last update carries its profile
             if self._debug.active:
                 # Stepped past the cell's end: the debugger goes with it.
                 sys.settrace(None)
@@ -468,6 +480,8 @@ class RankRuntime:
         if self._debug.active:
             self._debug.reported = True
             update.debugging = self._debug.where or "a breakpoint"
+        if self._profile_result is not None:
+            update.profile, self._profile_result = self._profile_result, None
         if self._declared_new:
             update.controls_declared, self._declared_new = self._declared_new, {}
         if self._applied:
@@ -557,6 +571,13 @@ class RankRuntime:
         step = int(step) if step is not None else self.step + 1
         if self._due:
             checkpoint = self._fire_due(step, checkpoint)
+        profiler = self._profiler
+        if profiler is not None:
+            with profiler.record("rtnb.report"):
+                return self._report(metrics, step, checkpoint)
+        return self._report(metrics, step, checkpoint)
+
+    def _report(self, metrics: dict, step: int, checkpoint) -> int:
         if (
             checkpoint is None
             and self._upload is None
@@ -784,6 +805,74 @@ class RankRuntime:
             self._refresh_boundary_locked()
             self._cond.notify_all()
 
+    # ---- %rtnb profile ------------------------------------------------------------------
+    def _profile_trigger(self, name: str, step: int) -> None:
+        if name == PROFILE_STOP:
+            self._stop_profile()
+            return
+        if self._profiler is not None:
+            return  # one profile at a time
+        steps = int(name[len(PROFILE_START) :])
+        from rtnb.worker._profile import StepProfiler
+
+        try:
+            profiler = StepProfiler(self.context.world_rank, step + 1, steps, self._cell_thread)
+            profiler.start()
+        except Exception as exc:  # noqa: BLE001 - a profile that cannot start is said, not raised
+            self._publish_profile(
+                RankProfile(self.context.world_rank, step + 1, steps, 0.0, {}, error=str(exc))
+            )
+            return
+        self._profiler = profiler
+        with self._cond:
+            self._due.append((step + steps, PROFILE_STOP))
+            self._refresh_boundary_locked()
+
+    def _stop_profile(self, cut_at: int | None = None) -> None:
+        """End the profiled window here; the trace is written and the window sorted
+        into its parts in a thread, so training goes on at once."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        if cut_at is not None:  # the cell ended first: the steps it ran
+            profiler.steps = max(1, cut_at - profiler.first_step + 1)
+        try:
+            profiler.end()
+        except Exception as exc:  # noqa: BLE001
+            self._publish_profile(self._failed_profile(profiler, exc))
+            return
+
+        def finish() -> None:
+            try:
+                result = profiler.write(self._run_directory(), f"step-{profiler.first_step:09d}")
+            except Exception as exc:  # noqa: BLE001
+                result = self._failed_profile(profiler, exc)
+            self._publish_profile(result)
+
+        with self._cond:
+            self._profile_pending = threading.Thread(
+                target=finish, name="rtnb-profile", daemon=True
+            )
+            self._profile_pending.start()
+
+    def _failed_profile(self, profiler: Any, exc: BaseException) -> RankProfile:
+        return RankProfile(
+            self.context.world_rank, profiler.first_step, profiler.steps, 0.0, {}, error=str(exc)
+        )
+
+    def _publish_profile(self, result: Any) -> None:
+        with self._cond:
+            self._profile_result = result
+            self._profile_pending = None
+            self._cond.notify_all()
+
+    def _run_directory(self):
+        from rtnb.storage._rundir import RunDirectory
+
+        if self._run_dir is None:
+            self._run_dir = RunDirectory(self.context.storage_path, self.context.run_name)
+        return self._run_dir
+
     def _refresh_boundary_locked(self) -> None:
         self._stop_requested = self._stop_wanted or self._holding or bool(self._due)
 
@@ -798,6 +887,10 @@ class RankRuntime:
             self._due = [(at, name) for at, name in self._due if at > step]
             self._refresh_boundary_locked()
         for name in due:
+            if name.startswith(PROFILE_START) or name == PROFILE_STOP:
+                if not self._replay:
+                    self._profile_trigger(name, step)
+                continue
             handler = self._triggers.get(name)
             if handler is None:
                 what = (
