@@ -718,3 +718,86 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         _wait_idle(page)
     assert "0.3, 0.3" in pulled.replace("[", "").replace("]", ""), pulled
     assert not noise, f"the kernel heard from comms it had closed: {noise}"
+
+
+# Trains until the live view's input sets lr to 0.5 (every rank takes it at the same
+# step, so both leave together), then rank 1 waits for a file while rank 0 sits in
+# an all_reduce: the hang the doctor is for.
+INSIDE = """%%rtrain --background
+import os, time, torch, torch.distributed as dist, rtnb
+rank = rtnb.get_context().world_rank
+while True:
+    lr = rtnb.control("lr", 0.1)
+    t = torch.tensor([lr])
+    dist.all_reduce(t)
+    rtnb.report({"lr": lr})
+    if float(t) >= 1.0:
+        break
+    time.sleep(0.05)
+if rank == 1:
+    while not os.path.exists(FLAG): time.sleep(0.05)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_the_stacks_panel_a_control_input_and_a_ranks_debugger_prompt_in_jupyterlab(lab, tmp_path):
+    """A control changed from the live view's input reaches the ranks; the hang
+    doctor's stacks appear in the view unasked and name rank 1's line; a
+    breakpoint on rank 1 is answered in JupyterLab's input box."""
+    url, root = lab
+    flag = tmp_path / "go"
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --cpus-per-worker 0.5 --storage {tmp_path / 'runs'} "
+            "--hang-after 3",
+            f"FLAG = {str(flag)!r}\n%rtnb push FLAG",
+            INSIDE,
+            "%%rtrain\nimport rtnb\nx = 40 + rtnb.get_context().world_rank\n"
+            "rtnb.breakpoint(rank=1)\nx",
+            "%rtnb stop",
+        ],
+    )
+    with _opened(url, name, tmp_path) as page:
+        page.keyboard.press("Shift+Enter")  # FLAG
+        _wait_idle(page)
+        page.keyboard.press("Shift+Enter")  # the background training cell
+        controls = page.locator(".rtnb-controls")
+        controls.locator("input").first.wait_for(timeout=60_000)
+        assert "lr" in controls.inner_text()
+        controls.locator("input").first.fill("0.5")
+        controls.locator("button:has-text('Set')").click()
+        page.wait_for_selector(".rtnb-controls:has-text('lr = 0.5 from step')", timeout=60_000)
+        # The loop left at the change; rank 1 now waits: the doctor shows the stacks.
+        stacks = page.locator(".rtnb-stacks")
+        stacks.wait_for(timeout=60_000)
+        text = stacks.inner_text()
+        assert "rank 1" in text and "line 13" in text, text
+        assert "rank 0: in all_reduce" in text, text
+        page.screenshot(path=str(tmp_path / "stacks.png"), full_page=True)
+        flag.touch()
+        _wait_idle(page, timeout_s=60)
+        page.locator(".jp-Cell").nth(3).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Shift+Enter")  # the breakpoint cell
+        stdin = page.locator(".jp-Stdin-input")
+        stdin.wait_for(timeout=60_000)
+        assert "(Pdb rank 1)" in page.locator(".jp-Stdin-prompt").last.inner_text()
+        stdin.fill("p x")
+        stdin.press("Enter")
+        page.wait_for_selector(".jp-Cell >> nth=3 >> text=41", timeout=30_000)
+        # The answered prompt stays as text; the next one is a new input box.
+        page.wait_for_function(
+            "() => document.querySelectorAll('.jp-Stdin-input').length === 2", timeout=30_000
+        )
+        page.locator(".jp-Stdin-input").last.fill("c")
+        page.locator(".jp-Stdin-input").last.press("Enter")
+        _wait_idle(page, timeout_s=60)
+        out = page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea").inner_text()
+        page.screenshot(path=str(tmp_path / "debugger.png"), full_page=True)
+        page.locator(".jp-Cell").nth(4).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Shift+Enter")  # stop
+        _wait_idle(page)
+    assert "(Pdb rank 1)" in out and "[rank 1] 41" in out and "[rank 0] 40" in out, out
+    assert "[rank -1]" not in out

@@ -100,6 +100,11 @@ def format_header(
     return " · ".join(parts)
 
 
+def _log_line(rank: int, line: str) -> str:
+    """A rank's line tagged with it; rtnb's own notes (rank -1) as they are."""
+    return f"[rank {rank}] {line}" if rank >= 0 else line
+
+
 def _changes_bundle(record: dict | None, text: str) -> dict:
     """The cell's printed lines, with its live changes (if any) under their MIME
     type: what ``rtnb run`` of the saved notebook makes again at the same steps."""
@@ -187,6 +192,7 @@ class LiveMetrics(w.VBox):
         self._set_button.on_click(self._on_set)
         self._set_said = w.HTML(value="")
         self._controls_box = w.HBox([], layout=w.Layout(flex_flow="row wrap"))
+        self._controls_box.add_class("rtnb-controls")
         self._x_axis = w.Dropdown(
             options=[("step", "step"), ("wall time", "time")],
             value="step",
@@ -440,7 +446,7 @@ class LiveMetrics(w.VBox):
                 return
             self._left = True
         header = html.unescape(re.sub(r"<[^>]+>", "", self._header.value))
-        logs = "\n".join(f"[rank {r}] {line}" for r, line in self._logs)
+        logs = "\n".join(_log_line(r, line) for r, line in self._logs)
         if len(self._logs) == self._logs.maxlen:
             logs = f"(the last {len(self._logs)} lines; every line is in the run's logs/)\n" + logs
         bundle = None
@@ -590,7 +596,7 @@ class LiveMetrics(w.VBox):
 
     def _render_logs(self) -> None:
         wanted = self._log_filter.value
-        lines = [f"[rank {r}] {line}" for r, line in self._logs if wanted == -1 or r == wanted][
+        lines = [_log_line(r, line) for r, line in self._logs if wanted == -1 or r == wanted][
             -_SHOWN_LOG_LINES:
         ]
         self._log_view.value = (
