@@ -158,5 +158,21 @@ def test_tensorboard_export_writes_every_report_per_rank(ray_cluster, tmp_path):
         )
     for rank in (0, 1):
         scalars = _read_scalars(tmp_path / "tb" / "tensorboard" / f"rank_{rank}")
+        scalars = [x for x in scalars if not x[0].startswith("sys/")]  # resource samples
         assert [(t, v) for t, _s, v in scalars] == [("loss", s * 10 + rank) for s in range(1, 6)]
         assert [s for _t, s, _v in scalars] == [0, 1, 2, 3, 4], "steps count from 0"
+
+
+def test_tensorboard_gets_each_ranks_resource_samples_beside_its_reports(ray_cluster, tmp_path):
+    with rtnb.Session(
+        workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="tbsys", tensorboard=True
+    ) as session:
+        session.run(
+            "import time, rtnb\nfor s in range(25):\n    rtnb.report({'loss': 1.0})\n"
+            "    time.sleep(0.1)"
+        )
+    for rank in (0, 1):
+        tags = {
+            t for t, _s, _v in _read_scalars(tmp_path / "tbsys" / "tensorboard" / f"rank_{rank}")
+        }
+        assert {"loss", "sys/cpu", "sys/rss_mb"} <= tags, tags
