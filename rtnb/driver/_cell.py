@@ -16,6 +16,7 @@ A handle gets a :class:`CellContext` — the few calls it makes — never the se
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ __all__ = ["CellContext", "CellHandle"]
 _TICK_S = 0.1
 # How long the ranks get to answer a hold or a release for a live-control change.
 _HOLD_WAIT_S = 10.0
+_CHANGE_IDS = itertools.count(1)  # live-control changes, numbered per kernel
 # How long rank 0 waits for the relayed ranks' answers: a first wait, and slack for
 # a busy machine to wake them. A rank that did not answer by then (a longer cell: it
 # runs in the listening thread and answers only when it ends) is asked directly.
@@ -768,13 +770,24 @@ class CellHandle:
         ranks = self._unfinished()
         if self._stopping.requested or not ranks:
             return None
-        calls = [group.hold(rank) for rank in ranks]
-        try:
-            held = group.gather(calls, _HOLD_WAIT_S)
-        except (TimeoutError, RankLost):
-            held = []
-        reported = [s for s in held if s is not None]
-        step = max(reported) + 2 if reported else None
+        change = next(_CHANGE_IDS)
+        calls = {group.hold(rank, change): rank for rank in ranks}
+        held: dict[int, int | None] = {}
+        deadline = time.monotonic() + _HOLD_WAIT_S
+        waiting = list(calls)
+        while waiting and time.monotonic() < deadline:
+            ready, answers = group.take_ready(waiting, deadline - time.monotonic())
+            for call, answer in zip(ready, answers):
+                waiting.remove(call)
+                held[calls[call]] = None if isinstance(answer, BaseException) else answer
+        silent = [calls[call] for call in waiting]
+        reported = [s for s in held.values() if s is not None]
+        if not reported:
+            step = None
+        else:
+            # A rank that did not answer (busy in native code holding the GIL) is
+            # where its last update left it; its hold is void once released.
+            step = max(reported + [self.steps.get(r, -1) for r in silent]) + 2
         if step is not None:
             # Written ahead: a recovery or replay of this cell applies it at this step.
             self._context.record_controls(self, values, step, triggers)
@@ -782,9 +795,15 @@ class CellHandle:
             self.triggers_schedule.extend((step, name) for name in triggers)
         else:
             values, triggers = {}, ()
-        releases = [group.release(rank, values, step or -1, triggers) for rank in ranks]
+        releases = [group.release(rank, values, step or -1, triggers, change) for rank in ranks]
         with contextlib.suppress(TimeoutError, RankLost):
             group.gather(releases, _HOLD_WAIT_S)
+        if step is None and silent and not self.done():
+            raise SessionError(
+                f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not "
+                f"answer within {_HOLD_WAIT_S:g} s (busy in native code?): nothing was "
+                "changed; `%rtnb stacks` shows where they are"
+            )
         if step is None:
             return None
         shown = ", ".join(

@@ -263,6 +263,11 @@ class CellFlow:
                 step = active.change_controls(checked)
             if step is not None:
                 return step
+            if not active.done():
+                raise SessionError(
+                    f"{active.name} is stopping: the change was not made; set it again "
+                    "for the next cell once it has ended"
+                )
         with self._lock:
             self._journal.append(EntryKind.CONTROL, controls=checked)
             self.send_controls(checked)

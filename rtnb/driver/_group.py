@@ -100,10 +100,15 @@ class RankGroup(Protocol):
 
     def post_mortem(self, rank: int) -> Any: ...
 
-    def hold(self, rank: int) -> Any: ...
+    def hold(self, rank: int, change: int = 0) -> Any: ...
 
     def release(
-        self, rank: int, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+        self,
+        rank: int,
+        changes: dict[str, Any],
+        from_step: int,
+        triggers: tuple[str, ...] = (),
+        change: int = 0,
     ) -> Any: ...
 
     def set_step(self, step: int, line: int) -> list[Any]: ...
@@ -354,13 +359,18 @@ class WorkerGroup:
     def post_mortem(self, rank: int) -> Any:
         return self.actors[rank].post_mortem.remote()
 
-    def hold(self, rank: int) -> Any:
-        return self.actors[rank].hold.remote()
+    def hold(self, rank: int, change: int = 0) -> Any:
+        return self.actors[rank].hold.remote(change)
 
     def release(
-        self, rank: int, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+        self,
+        rank: int,
+        changes: dict[str, Any],
+        from_step: int,
+        triggers: tuple[str, ...] = (),
+        change: int = 0,
     ) -> Any:
-        return self.actors[rank].release.remote(changes, from_step, triggers)
+        return self.actors[rank].release.remote(changes, from_step, triggers, change)
 
     def set_step(self, step: int, line: int) -> list[Any]:
         return [a.set_step.remote(step, line) for a in self.actors]

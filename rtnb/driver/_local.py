@@ -193,13 +193,18 @@ class LocalGroup:
     def post_mortem(self, rank: int) -> Any:
         return self._call(lambda: self._rank().post_mortem())
 
-    def hold(self, rank: int) -> Any:
-        return self._call(lambda: self._rank().hold())
+    def hold(self, rank: int, change: int = 0) -> Any:
+        return self._call(lambda: self._rank().hold(change))
 
     def release(
-        self, rank: int, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+        self,
+        rank: int,
+        changes: dict[str, Any],
+        from_step: int,
+        triggers: tuple[str, ...] = (),
+        change: int = 0,
     ) -> Any:
-        return self._call(lambda: self._rank().release(changes, from_step, triggers))
+        return self._call(lambda: self._rank().release(changes, from_step, triggers, change))
 
     def set_step(self, step: int, line: int) -> list[Any]:
         def set_step() -> None:

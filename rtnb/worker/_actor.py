@@ -427,13 +427,17 @@ class RankActor:
     def interrupt(self) -> bool:
         return self.runtime.interrupt()
 
-    def hold(self) -> int | None:
-        return self.runtime.hold()
+    def hold(self, change: int = 0) -> int | None:
+        return self.runtime.hold(change)
 
     def release(
-        self, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+        self,
+        changes: dict[str, Any],
+        from_step: int,
+        triggers: tuple[str, ...] = (),
+        change: int = 0,
     ) -> None:
-        self.runtime.release(changes, from_step, triggers)
+        self.runtime.release(changes, from_step, triggers, change)
 
     def debug_poll(self, wait_s: float) -> DebugState:
         return self.runtime.debug_poll(wait_s)

@@ -228,6 +228,7 @@ class RankRuntime:
         # takes it at the same step. Each control's schedule is (from_step, value),
         # ascending; replaced whole on a change, so control() reads it unlocked.
         self._holding = False
+        self._released = 0  # the last live-control change released (see hold)
         # Triggers (rtnb.on_trigger; "save" is rtnb.on_save) due at a step: fired in
         # the cell thread by the report of that step, before it is recorded.
         self._triggers: dict[str, Any] = {}
@@ -782,23 +783,34 @@ class RankRuntime:
         self._control_seen[name] = value
         return value
 
-    def hold(self) -> int | None:
+    def hold(self, change: int = 0) -> int | None:
         """Pause at the next report until :meth:`release`; the rank's step now (it
         pauses at this step + 1 at the latest), None when no cell can take a change
-        (none running, a replay, a stop under way)."""
+        (none running, a replay, a stop under way) or change ``change`` was released
+        already (its calls can reach the actor out of order)."""
         with self._cond:
-            if self._state is not CellState.RUNNING or self._replay or self._stop_wanted:
+            if (
+                self._state is not CellState.RUNNING
+                or self._replay
+                or self._stop_wanted
+                or (change and change <= self._released)
+            ):
                 return None
             self._holding = True
             self._stop_requested = True  # what report() checks, in C too
             return self.step
 
     def release(
-        self, changes: dict[str, Any], from_step: int, triggers: tuple[str, ...] = ()
+        self,
+        changes: dict[str, Any],
+        from_step: int,
+        triggers: tuple[str, ...] = (),
+        change: int = 0,
     ) -> None:
         """``changes`` hold from ``from_step`` on (-1: at once), ``triggers`` fire
         in the report of ``from_step``; a held rank goes on."""
         with self._cond:
+            self._released = max(self._released, change)
             self._schedule_locked(changes.items(), from_step)
             self._due.extend((from_step, name) for name in triggers)
             self._holding = False
