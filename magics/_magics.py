@@ -1103,7 +1103,12 @@ class RtnbMagics(Magics):
             if args.quiet:
                 sink = lambda rank, stream, text: None  # noqa: E731
             elif live:
-                late = LiveOnFirstReport(session.metrics, print_sink())
+                late = LiveOnFirstReport(
+                    session.metrics,
+                    print_sink(),
+                    stacks=session.stacks,
+                    set_controls=session.set_controls,
+                )
                 sink = late
             else:
                 sink = None

@@ -723,7 +723,7 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
 # Trains until the live view's input sets lr to 0.5 (every rank takes it at the same
 # step, so both leave together), then rank 1 waits for a file while rank 0 sits in
 # an all_reduce: the hang the doctor is for.
-INSIDE = """%%rtrain --background
+INSIDE = """%%rtrain
 import os, time, torch, torch.distributed as dist, rtnb
 rank = rtnb.get_context().world_rank
 while True:
@@ -741,9 +741,11 @@ dist.all_reduce(torch.ones(1))
 
 
 def test_the_stacks_panel_a_control_input_and_a_ranks_debugger_prompt_in_jupyterlab(lab, tmp_path):
-    """A control changed from the live view's input reaches the ranks; the hang
-    doctor's stacks appear in the view unasked and name rank 1's line; a
-    breakpoint on rank 1 is answered in JupyterLab's input box."""
+    """While a foreground cell keeps the kernel busy, the live view's Stacks button
+    shows every rank's stack and a control changed from its input reaches the
+    ranks (their clicks go to a kernel subshell); the hang doctor's stacks then
+    appear unasked and name rank 1's line; a breakpoint on rank 1 is answered in
+    JupyterLab's input box."""
     url, root = lab
     flag = tmp_path / "go"
     name = _notebook(
@@ -761,15 +763,19 @@ def test_the_stacks_panel_a_control_input_and_a_ranks_debugger_prompt_in_jupyter
     with _opened(url, name, tmp_path) as page:
         page.keyboard.press("Shift+Enter")  # FLAG
         _wait_idle(page)
-        page.keyboard.press("Shift+Enter")  # the background training cell
+        page.keyboard.press("Shift+Enter")  # the training cell, in the foreground
         controls = page.locator(".rtnb-controls")
         controls.locator("input").first.wait_for(timeout=60_000)
         assert "lr" in controls.inner_text()
+        assert _kernel_status(page) == "busy"
+        page.locator("button:has-text('Stacks')").click()
+        page.wait_for_selector(".rtnb-stacks:has-text('rank')", timeout=30_000)
+        assert "no report or output" not in page.locator(".rtnb-stacks").inner_text()
         controls.locator("input").first.fill("0.5")
         controls.locator("button:has-text('Set')").click()
         page.wait_for_selector(".rtnb-controls:has-text('lr = 0.5 from step')", timeout=60_000)
         # The loop left at the change; rank 1 now waits: the doctor shows the stacks.
-        stacks = page.locator(".rtnb-stacks")
+        stacks = page.locator(".rtnb-stacks:has-text('no report or output for')")
         stacks.wait_for(timeout=60_000)
         text = stacks.inner_text()
         assert "rank 1" in text and "line 13" in text, text

@@ -18,6 +18,7 @@ from rtnb.widgets._plot import (
     series_xy,
     trace_keys,
 )
+from rtnb.widgets._subshell import answer_while_busy
 from rtnb.widgets._theme import follow_theme
 
 __all__ = ["LiveMetrics", "LiveOnFirstReport", "format_header"]
@@ -165,9 +166,9 @@ class LiveMetrics(w.VBox):
         """``stacks``: a callable giving every rank's stack (``Session.stacks``) for
         the view's Stacks button; ``set_controls``: ``Session.set_controls``, for an
         input per live control the cell declared (``rtnb.control``) and a Set
-        button. Both for a background cell only, since the kernel hears a click only
-        when it is free (a hung foreground cell gets its stacks from the hang
-        doctor, unasked)."""
+        button. Their messages go to a subshell of the kernel (ipykernel 7), so they
+        act while a foreground cell keeps the kernel busy; where the kernel has no
+        subshells they are offered for a background cell only."""
         self.store = store
         self.handle = handle
         # The cell's name in the header: Jupyter's "[5]", as its handle knows it.
@@ -182,14 +183,20 @@ class LiveMetrics(w.VBox):
         self._stacks_button = w.Button(
             description="Stacks",
             tooltip="where every rank's cell is now (%rtnb stacks)",
-            layout=w.Layout(width="80px", display="" if stacks is not None else "none"),
+            layout=w.Layout(width="80px"),
         )
         self._stacks_button.on_click(self._on_stacks)
-        # One input per control the ranks declared, and Set (a background cell).
+        # One input per control the ranks declared, and Set.
         self._set_controls = set_controls
         self._control_inputs: dict[str, w.Text] = {}
         self._set_button = w.Button(description="Set", layout=w.Layout(width="60px"))
         self._set_button.on_click(self._on_set)
+        # Clicks heard while the kernel is busy (a subshell), else only when it is free.
+        busy_ok = answer_while_busy(self._stacks_button, self._set_button)
+        if not busy_ok and not getattr(handle, "background", False):
+            self._read_stacks = self._set_controls = None
+        if self._read_stacks is None:
+            self._stacks_button.layout.display = "none"
         self._set_said = w.HTML(value="")
         self._controls_box = w.HBox([], layout=w.Layout(flex_flow="row wrap"))
         self._controls_box.add_class("rtnb-controls")
@@ -351,9 +358,9 @@ class LiveMetrics(w.VBox):
             return
         for name, default in declared.items():
             if name not in self._control_inputs:
-                self._control_inputs[name] = w.Text(
-                    value=repr(default), description=name, layout=w.Layout(width="220px")
-                )
+                box = w.Text(value=repr(default), description=name, layout=w.Layout(width="220px"))
+                answer_while_busy(box)  # its value reaches the kernel before Set's click
+                self._control_inputs[name] = box
         self._controls_box.children = (
             *self._control_inputs.values(),
             self._set_button,
@@ -615,9 +622,12 @@ class LiveOnFirstReport:
     view is shown from the thread that drives the cell (the reports arrive there), so
     it lands in that cell's output."""
 
-    def __init__(self, store, printer, label: str | None = None) -> None:
+    def __init__(
+        self, store, printer, label: str | None = None, stacks=None, set_controls=None
+    ) -> None:
         self.store = store
         self.label = label
+        self._stacks, self._set_controls = stacks, set_controls
         self.view: LiveMetrics | None = None
         self._printer = printer
         self._handle = None
@@ -640,7 +650,12 @@ class LiveOnFirstReport:
             return
         self.flush()  # a half-printed line goes out before the view
         self.view = LiveMetrics(
-            self.store, self._handle, label=self.label, replay_output=False
+            self.store,
+            self._handle,
+            label=self.label,
+            replay_output=False,
+            stacks=self._stacks,
+            set_controls=self._set_controls,
         ).show()
 
     def close(self) -> None:
