@@ -7,7 +7,6 @@ available from Python through ``rtnb.Session``.
 from __future__ import annotations
 
 import argparse
-import ast
 import difflib
 import os
 import re
@@ -49,6 +48,7 @@ from rtnb import (
     sweep,
     warm_ray_status,
 )
+from rtnb.core._changes import control_value
 from rtnb.core._config import (
     BACKENDS,
     STRATEGIES,
@@ -727,10 +727,7 @@ class RtnbMagics(Magics):
                 raise UsageError(
                     f"%rtnb set takes NAME=VALUE pairs (e.g. lr=3e-4), got {assignment!r}"
                 )
-            try:
-                values[name.strip()] = ast.literal_eval(text.strip())
-            except (ValueError, SyntaxError):
-                values[name.strip()] = text.strip()  # a bare word: a string
+            values[name.strip()] = control_value(text)
         try:
             step = self._require().set_controls(values)
         except ConfigError as exc:

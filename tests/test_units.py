@@ -521,3 +521,30 @@ def test_memory_that_climbs_every_second_is_flagged_and_memory_that_levels_off_i
     assert not memory_climbing(samples([500 + 40 * min(i, 5) for i in range(20)]))
     assert not memory_climbing(samples([500 + i for i in range(20)]))  # 19 MB: noise
     assert not memory_climbing(samples([500 + 10 * i for i in range(10)]))  # too few yet
+
+
+def test_a_cell_run_again_from_a_checkpoint_fires_only_the_triggers_after_it(runtime):
+    """A recovery re-runs a cell with its triggers: those at steps before the
+    checkpoint it goes on from fired the first time; the later ones fire at their step."""
+
+    class Resumed:
+        id = "step-000000060"
+        resume = (60, 0)
+
+    code = (
+        "import rtnb\n"
+        "fired = []\n"
+        "rtnb.on_trigger('early', lambda: fired.append(('early', step)))\n"
+        "rtnb.on_trigger('late', lambda: fired.append(('late', step)))\n"
+        "rtnb.get_checkpoint()\n"
+        "for step in range(61, 81):\n"
+        "    rtnb.report({'i': step})\n"
+    )
+    runtime.step = 150  # where the group's last step was when the rank died
+    runtime.start_cell(
+        CellRequest(1, code, checkpoint=Resumed(), triggers=((50, "early"), (70, "late")))
+    )
+    deadline = time.monotonic() + 10
+    while runtime.wait(0.2, 0.0).state is CellState.RUNNING:
+        assert time.monotonic() < deadline
+    assert runtime.namespace["fired"] == [("late", 70)]

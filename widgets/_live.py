@@ -336,14 +336,9 @@ class LiveMetrics(w.VBox):
     def _on_set(self, _button) -> None:
         if self._set_controls is None or self._stopped.is_set():
             return
-        import ast
+        from rtnb.core._changes import control_value
 
-        values = {}
-        for name, box in self._control_inputs.items():
-            try:
-                values[name] = ast.literal_eval(box.value.strip())
-            except (ValueError, SyntaxError):
-                values[name] = box.value.strip()
+        values = {name: control_value(box.value) for name, box in self._control_inputs.items()}
         try:
             step = self._set_controls(values)
             shown = ", ".join(f"{n} = {v!r}" for n, v in values.items())

@@ -18,10 +18,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CHANGES_ENV", "CHANGES_MIME", "CellChanges", "SavedChanges"]
+__all__ = ["CHANGES_ENV", "CHANGES_MIME", "CellChanges", "SavedChanges", "control_value"]
 
 CHANGES_MIME = "application/vnd.rtnb.changes+json"
 CHANGES_ENV = "RTNB_CHANGES"
+
+
+def control_value(text: str) -> Any:
+    """A control's value as typed (``%rtnb set lr=3e-4``, the live view's input): a
+    Python literal, else the text itself (a bare word is a string)."""
+    import ast
+
+    text = text.strip()
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 @dataclass

@@ -708,6 +708,7 @@ class CellHandle:
                         sink(rank, "stdout", text)
 
             self._context.attach_debugger(group, rank, show, self._note)
+            self._last_activity = time.monotonic()
 
     @property
     def debugging(self) -> list[int]:
@@ -727,7 +728,15 @@ class CellHandle:
                 return None
             self._control_requests.append(request)
         if not request.done.wait(timeout_s):
-            raise WaitTimeout(f"{self.name} did not take the change within {timeout_s:g} s")
+            with self._control_lock:
+                taken = request not in self._control_requests
+                if not taken:
+                    self._control_requests.remove(request)  # never made later
+            if not taken or not request.done.wait(_HOLD_WAIT_S * 2):
+                raise WaitTimeout(
+                    f"{self.name} did not take the change within {timeout_s:g} s; nothing "
+                    "was changed"
+                )
         if request.error is not None:
             raise request.error
         return request.step
@@ -771,33 +780,45 @@ class CellHandle:
         if self._stopping.requested or not ranks:
             return None
         change = next(_CHANGE_IDS)
-        calls = {group.hold(rank, change): rank for rank in ranks}
-        held: dict[int, int | None] = {}
-        deadline = time.monotonic() + _HOLD_WAIT_S
-        waiting = list(calls)
-        while waiting and time.monotonic() < deadline:
-            ready, answers = group.take_ready(waiting, deadline - time.monotonic())
-            for call, answer in zip(ready, answers):
-                waiting.remove(call)
-                held[calls[call]] = None if isinstance(answer, BaseException) else answer
-        silent = [calls[call] for call in waiting]
-        reported = [s for s in held.values() if s is not None]
-        if not reported:
-            step = None
-        else:
-            # A rank that did not answer (busy in native code holding the GIL) is
-            # where its last update left it; its hold is void once released.
-            step = max(reported + [self.steps.get(r, -1) for r in silent]) + 2
-        if step is not None:
-            # Written ahead: a recovery or replay of this cell applies it at this step.
-            self._context.record_controls(self, values, step, triggers)
-            self.controls_schedule.extend((n, v, step) for n, v in values.items())
-            self.triggers_schedule.extend((step, name) for name in triggers)
-        else:
-            values, triggers = {}, ()
-        releases = [group.release(rank, values, step or -1, triggers, change) for rank in ranks]
-        with contextlib.suppress(TimeoutError, RankLost):
-            group.gather(releases, _HOLD_WAIT_S)
+        calls: dict[Any, int] = {}
+        step: int | None = None
+        silent: list[int] = []
+        try:
+            for rank in ranks:
+                calls[group.hold(rank, change)] = rank
+            held: dict[int, int | None] = {}
+            deadline = time.monotonic() + _HOLD_WAIT_S
+            waiting = list(calls)
+            while waiting and time.monotonic() < deadline:
+                ready, answers = group.take_ready(waiting, deadline - time.monotonic())
+                for call, answer in zip(ready, answers):
+                    waiting.remove(call)
+                    held[calls[call]] = None if isinstance(answer, BaseException) else answer
+            silent = [calls[call] for call in waiting]
+            reported = [s for s in held.values() if s is not None]
+            if reported:
+                # A rank that did not answer (busy in native code holding the GIL) is
+                # where its last update left it; its hold is void once released.
+                chosen = max(reported + [self.steps.get(r, -1) for r in silent]) + 2
+                # Written ahead: a recovery or replay of this cell applies it there.
+                self._context.record_controls(self, values, chosen, triggers)
+                step = chosen
+                self.controls_schedule.extend((n, v, step) for n, v in values.items())
+                self.triggers_schedule.extend((step, name) for name in triggers)
+        finally:
+            # Every held rank is released, whatever failed above (then with nothing).
+            if step is None:
+                values, triggers = {}, ()
+            # Ranks that are done with this cell (or not in it) get the values too, so
+            # every rank starts the next cell with the same ones; triggers are the
+            # running ranks'.
+            at = step if step is not None else -1
+            releases = [
+                group.release(rank, values, at, triggers if rank in ranks else (), change)
+                for rank in range(group.world_size)
+            ]
+            with contextlib.suppress(TimeoutError, RankLost):
+                group.gather(releases, _HOLD_WAIT_S)
         if step is None and silent and not self.done():
             raise SessionError(
                 f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not "
@@ -820,6 +841,9 @@ class CellHandle:
         with py-spy, which takes a while) and say where each waits."""
         after = self._context.hang_after_s
         if not after or self.replay or self._stopping.requested or self._hang_reading:
+            return
+        if self._debug_noted or self._debugging:
+            self._last_activity = time.monotonic()  # a rank in pdb is not hung
             return
         quiet = time.monotonic() - self._last_activity
         if self.hang is not None or quiet < after:
@@ -937,6 +961,11 @@ class CellHandle:
                 self.states[rank] = "stopped"
         if not self.replay:
             self._context.cell_ended(self)
+        with self._control_lock:
+            # Changes asked for too late: the cell ended first (their callers get None).
+            unmade, self._control_requests = self._control_requests, []
+        for request in unmade:
+            request.done.set()
         with self._callbacks_lock:
             self._done.set()
             callbacks = list(self._done_callbacks)

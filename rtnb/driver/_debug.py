@@ -36,7 +36,7 @@ def attach(
         return _converse(group, rank, ask, show, note)
     except KeyboardInterrupt:
         # Wherever the interrupt landed (the prompt, a poll): the rank leaves pdb.
-        group.gather([group.debug_input(rank, QUIT)], 10.0)
+        _send(group, rank, QUIT)
         raise
 
 
@@ -64,11 +64,22 @@ def _converse(
         except KeyboardInterrupt:
             raise
         except Exception:  # noqa: BLE001 - no stdin here (a batch run): never wait
-            group.gather([group.debug_input(rank, SKIP)], 10.0)
+            _send(group, rank, SKIP)
             where = f" at {state.where}" if state.where else ""
             note(
                 f"[rtnb] rank {rank}: breakpoint(){where} skipped, and the rest of this "
                 "cell's: nobody can answer a debugger prompt in this run\n"
             )
             return False
+        if not _send(group, rank, line):
+            note(f"[rtnb] rank {rank}'s debugger is gone\n")
+            return True
+
+
+def _send(group: RankGroup, rank: int, line: str) -> bool:
+    """A line to the rank's debugger; False when the rank is gone (its poll says so)."""
+    try:
         group.gather([group.debug_input(rank, line)], 10.0)
+    except (TimeoutError, RankLost):
+        return False
+    return True

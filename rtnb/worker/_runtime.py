@@ -63,6 +63,9 @@ _MAX_PENDING_CHARS = 8_000_000
 # Source of this many recent cells stays in linecache for tracebacks; older cells'
 # source is dropped so a long session does not grow the rank's memory per cell.
 _LINECACHE_CELLS = 256
+# How long a cell's end waits for its profile's trace to be written (else the
+# profile arrives with a later poll).
+_PROFILE_WRITE_WAIT_S = 10.0
 
 
 class CellStopped(KeyboardInterrupt):
@@ -233,6 +236,7 @@ class RankRuntime:
         # the cell thread by the report of that step, before it is recorded.
         self._triggers: dict[str, Any] = {}
         self._due: list[tuple[int, str]] = []
+        self._given_triggers: list[tuple[int, str]] = []  # the cell's request's
         self._controls: dict[str, list[tuple[int, Any]]] = {}
         self._declared: dict[str, Any] = {}
         self._declared_new: dict[str, Any] = {}
@@ -314,6 +318,7 @@ class RankRuntime:
             self._holding = False
             self._debug.skip = False
             self._failed_traceback = None
+            self._declared = {}  # each cell declares its controls (the live view's inputs)
             self._start_controls(request.controls, request.triggers)
             self._stop_requested = bool(self._due)
             self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
@@ -361,15 +366,10 @@ class RankRuntime:
             else:
                 self._failed_traceback = exc.__traceback__
         finally:
-            if self._profiler is not None:
-                self._stop_profile(cut_at=self.step)
-            pending = self._profile_pending
-            if pending is not None:
-                pending.join(60)  # the cell's last update carries its profile
-            if self._debug.active:
-                # Stepped past the cell's end: the debugger goes with it.
-                sys.settrace(None)
-                self._debug.close()
+            try:
+                self._end_cell_tools()
+            except BaseException:  # noqa: BLE001 - an interrupt landing here ends nothing else
+                pass
             if request.replay:
                 sys.breakpointhook = hook
             # A cell ends only once its last checkpoint is in storage and offered.
@@ -390,6 +390,19 @@ class RankRuntime:
             self._holding = False
             self._due = []
             self._cond.notify_all()
+
+    def _end_cell_tools(self) -> None:
+        """A profile still recording ends with the cell (its trace is awaited briefly,
+        so the cell's last update carries it, unless a stop is under way: the stop's
+        grace is for the ranks to leave); a debugger stepped past the cell's end goes."""
+        if self._profiler is not None:
+            self._stop_profile(cut_at=self.step)
+        pending = self._profile_pending
+        if pending is not None and not self._stop_wanted:
+            pending.join(_PROFILE_WRITE_WAIT_S)
+        if self._debug.active:
+            sys.settrace(None)
+            self._debug.close()
 
     def _cache_source(self, filename: str, code: str) -> None:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -461,6 +474,8 @@ class RankRuntime:
 
     def _undelivered_locked(self) -> bool:
         if self._output or self._dropped_chars or self._checkpoints:
+            return True
+        if self._declared_new or self._applied or self._profile_result is not None:
             return True
         with self._reports_lock:
             return bool(len(self._reports))
@@ -709,30 +724,26 @@ class RankRuntime:
         from rtnb.storage._checkpoint import MANIFEST, Checkpoint
         from rtnb.storage._checkpoints import checkpoint_id
         from rtnb.storage._layout import checkpoint_dir, checkpoint_file
-        from rtnb.storage._rundir import RunDirectory
 
         if not isinstance(checkpoint, Checkpoint):
             # ray.train.Checkpoint and look-alikes: a path plus a pyarrow filesystem.
             checkpoint = Checkpoint(checkpoint.path, getattr(checkpoint, "filesystem", None))
-        if self._run_dir is None:
-            self._run_dir = RunDirectory(self.context.storage_path, self.context.run_name)
+        run_dir = self._run_directory()
         cid = checkpoint_id(step, self.line)
-        if self._run_dir.exists(checkpoint_file(cid, MANIFEST)):
+        if run_dir.exists(checkpoint_file(cid, MANIFEST)):
             raise CheckpointError(
                 f"checkpoint {cid} is already committed; report the new checkpoint with a later step"
             )
-        return checkpoint, self._run_dir.fs, f"{self._run_dir.path}/{checkpoint_dir(cid)}"
+        return checkpoint, run_dir.fs, f"{run_dir.path}/{checkpoint_dir(cid)}"
 
     def _stop_at_boundary_locked(self) -> None:
         if self._holding:
             # A control change: wait here until the driver says from which step it
             # holds (a step no rank has begun yet); then go on, unless a stop came.
-            self._paused_at = self.step
-            self._pause_reported = False
-            self._cond.notify_all()
+            # Not a stop's pause: paused_at (which the stop's common step is chosen
+            # from) stays unset.
             while self._holding:
                 self._cond.wait(0.05)
-            self._paused_at = None
         if not self._stop_wanted:
             self._refresh_boundary_locked()
             return
@@ -933,8 +944,18 @@ class RankRuntime:
         self._controls = {n: [(-1, s[-1][1])] for n, s in self._controls.items() if s}
         for name, value, from_step in given:
             self._schedule_locked([(name, value)], from_step)
+        self._given_triggers = list(triggers)
         self._due = list(triggers)
+        self._drop_passed_triggers_locked()
         self._control_seen = {}
+
+    def _drop_passed_triggers_locked(self) -> None:
+        """The triggers still ahead of the rank's step (-1: at the first report). A
+        cell run again gets its triggers back; those at steps behind where it goes on
+        from fired the first time. Called at the cell's start and when
+        get_checkpoint() moves the step back, which brings back those after it."""
+        pending = dict.fromkeys(self._given_triggers + self._due)
+        self._due = [(at, name) for at, name in pending if at < 0 or at > self.step]
 
     @property
     def declared_controls(self) -> dict[str, Any]:
@@ -1027,6 +1048,8 @@ class RankRuntime:
                 # does too (on a branch when later checkpoints of this line exist).
                 with self._cond, self._reports_lock:
                     self.step, self.line = resume
+                    self._drop_passed_triggers_locked()
+                    self._refresh_boundary_locked()
             self.checkpoint_calls += 1
         return checkpoint
 
