@@ -171,6 +171,11 @@ def test_stacks_in_a_real_kernel_the_magic_the_live_views_hang_panel_and_its_but
         assert "rank 1: in <module> at cell" in shown["text/plain"]
         assert "rank 0: in all_reduce" in shown["text/plain"]
         assert "differs" in shown["text/plain"] and "rtnb-stacks" in shown["text/html"]
+        # One rank, as --ranks takes it everywhere.
+        one = kernel.execute("%rtnb stacks --ranks 1", timeout=60)
+        assert one.status == "ok", one.text + one.evalue
+        assert one.results[0]["text/plain"].startswith("rank 1: in <module> at cell")
+        assert "rank 0" not in one.results[0]["text/plain"]
         # The view's Stacks button asks the same.
         button = kernel.execute(
             "view._stacks_view.value = ''\n"

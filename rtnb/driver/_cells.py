@@ -281,10 +281,13 @@ class CellFlow:
             timeout_s=30,
         )
 
-    def stacks(self, ranks: list[int] | None = None, stalled_s: float | None = None) -> GroupStacks:
-        """Where every rank (or ``ranks``) is right now (the hang doctor)."""
+    def stacks(
+        self, ranks: Iterable[int] | str | None = None, stalled_s: float | None = None
+    ) -> GroupStacks:
+        """Where every rank (or ``ranks``: a list, or ``--ranks``' "1" or "0-2") is
+        right now (the hang doctor)."""
         group = self.require_group()
-        chosen = list(range(group.world_size)) if ranks is None else list(ranks)
+        chosen = _ranks(ranks, group.world_size)
         return self._stacks.read(
             group, chosen, stalled_s=stalled_s, in_kernel=self.config.workers == 0
         )
