@@ -333,7 +333,8 @@ def test_a_trigger_and_save_now_run_on_every_rank_at_one_step_and_the_save_is_co
     saved = session.save_now()
     unknown = session.trigger("nobody_listens")
     handle.wait(60)
-    assert evaluated < saved <= unknown
+    # Asked one after the other, they may share a step (no rank had reported since).
+    assert evaluated <= saved <= unknown
     session.metrics.flush()
     rows = read_metrics(RunDirectory(session.config.storage, session.run_name))
     index_at = {(r["rank"], r["step"]): r["index"] for r in rows if "index" in r}

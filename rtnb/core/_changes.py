@@ -18,10 +18,35 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CHANGES_ENV", "CHANGES_MIME", "CellChanges", "SavedChanges", "control_value"]
+from rtnb.core._messages import SAVE_TRIGGER
+from rtnb.core._profile import PROFILE_START
+
+__all__ = [
+    "CHANGES_ENV",
+    "CHANGES_MIME",
+    "CellChanges",
+    "SavedChanges",
+    "change_text",
+    "control_value",
+    "trigger_text",
+]
 
 CHANGES_MIME = "application/vnd.rtnb.changes+json"
 CHANGES_ENV = "RTNB_CHANGES"
+
+
+def trigger_text(name: str) -> str:
+    """How messages and the plot's markers name a trigger."""
+    if name.startswith(PROFILE_START):
+        return f"profile {name[len(PROFILE_START) :]} steps"
+    return "save-now" if name == SAVE_TRIGGER else f"trigger {name}"
+
+
+def change_text(values: dict[str, Any], triggers) -> str:
+    """``lr = 0.5, trigger eval``: one change, as the live plot's marker says it."""
+    return ", ".join(
+        [f"{n} = {v!r}" for n, v in values.items()] + [trigger_text(t) for t in triggers]
+    )
 
 
 def control_value(text: str) -> Any:
@@ -68,10 +93,7 @@ class CellChanges:
 
     def describe(self) -> str:
         parts = [f"{n} = {v!r} at step {s}" for n, v, s in self.controls]
-        parts += [
-            f"{'save-now' if n == '__save__' else 'trigger ' + n} at step {s}"
-            for s, n in self.triggers
-        ]
+        parts += [f"{trigger_text(n)} at step {s}" for s, n in self.triggers]
         return "; ".join(parts)
 
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rtnb.core._changes import CellChanges
-from rtnb.core._messages import SAVE_TRIGGER, CellRequest, CellState, RankUpdate, StopPhase
+from rtnb.core._changes import CellChanges, change_text
+from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
 from rtnb.core._profile import PROFILE_START
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
@@ -132,12 +132,6 @@ class CellContext(Protocol):
     ) -> GroupStacks: ...
 
 
-def _trigger_text(name: str) -> str:
-    if name.startswith(PROFILE_START):
-        return f"profile {name[len(PROFILE_START) :]} steps"
-    return "save-now" if name == SAVE_TRIGGER else f"trigger {name}"
-
-
 @dataclass
 class _ControlRequest:
     values: dict[str, Any]
@@ -229,10 +223,7 @@ class CellHandle:
             self.triggers_schedule += saved.triggers
             self._unclaimed = saved.by_step()
             for step, values, fired in self._unclaimed:
-                shown = ", ".join(
-                    [f"{n} = {v!r}" for n, v in values.items()] + [_trigger_text(t) for t in fired]
-                )
-                context.metrics.add_marker(step, shown)
+                context.metrics.add_marker(step, change_text(values, fired))
         self.declared_controls: dict[str, Any] = {}
         self.controls_applied: dict[int, list[tuple[str, Any, int]]] = {}
         self._control_requests: list[_ControlRequest] = []
@@ -827,9 +818,7 @@ class CellHandle:
             )
         if step is None:
             return None
-        shown = ", ".join(
-            [f"{n} = {v!r}" for n, v in values.items()] + [_trigger_text(t) for t in triggers]
-        )
+        shown = change_text(values, triggers)
         self._context.metrics.add_marker(step, shown)
         self._note(f"[rtnb] {shown} at step {step} on every rank\n")
         return step
