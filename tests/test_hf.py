@@ -28,7 +28,7 @@ def make(max_steps, data=None, folder=OUT):
     args = TrainingArguments(
         output_dir=f"{folder}/rank{rtnb.get_context().world_rank}",
         per_device_train_batch_size=4, max_steps=max_steps, logging_steps=1,
-        save_steps=3, report_to=[], use_cpu=True, disable_tqdm=True,
+        save_steps=3, report_to=[], disable_tqdm=True,
     )
     return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data or Tokens())
 

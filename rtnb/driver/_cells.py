@@ -32,7 +32,7 @@ from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
 from rtnb.driver._commits import CheckpointCoordinator
-from rtnb.driver._datasets import DatasetHandOver, DatasetRecord, split_failed
+from rtnb.driver._datasets import DatasetHandOver, DatasetRecord, check_datasets, split_failed
 from rtnb.driver._debug import attach
 from rtnb.driver._doctor import StackReader
 from rtnb.driver._group import RankGroup, RankLost
@@ -537,7 +537,9 @@ class CellFlow:
         them again."""
         # A group first: datasets refused for want of one must not stay in the set
         # the next hand-over (or a replay) would give the ranks.
-        self.require_group(wait_s=_WAIT_FOR_GROUP_S)
+        group = self.require_group(wait_s=_WAIT_FOR_GROUP_S)
+        # Before anything is kept: a pipeline that could never run is refused whole.
+        group.check_data_room(check_datasets(datasets))
         record = self._datasets.record(datasets, data_config)
         data = pickle.dumps(record)
         self._journal.append(EntryKind.DATASETS, values=data, names=record.names)

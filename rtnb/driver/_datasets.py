@@ -13,17 +13,34 @@ them over before the cells after it run. In the kernel that passed them, the liv
 Dataset objects are used; a new kernel rebuilds them from their lineage, and says
 which it cannot (a dataset made from the notebook's memory, such as
 ``ray.data.from_numpy``: its blocks went with the kernel that made them).
+
+A pipeline whose tasks can never be scheduled would leave the ranks waiting in
+their first ``next()`` for ever, silently. Before handing datasets over, the
+group waits up to :data:`DATA_ROOM_WAIT_S` for the CPUs the pipeline's tasks need
+(:func:`pipeline_cpus`), then says in one line what holds the cluster's CPUs and
+what to change (:func:`wait_for_data_room`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtnb.errors import ConfigError, one_line
+from rtnb.errors import ClusterError, ConfigError, one_line
 
-__all__ = ["DatasetHandOver", "DatasetRecord", "check_datasets"]
+__all__ = [
+    "DATA_ROOM_WAIT_S",
+    "DatasetHandOver",
+    "DatasetRecord",
+    "check_datasets",
+    "pipeline_cpus",
+    "wait_for_data_room",
+]
+
+# How long a hand-over waits for CPUs its pipelines' tasks need before saying so.
+DATA_ROOM_WAIT_S = 15.0
 
 
 @dataclass
@@ -145,3 +162,52 @@ class DatasetHandOver:
 
 def split_failed(exc: BaseException) -> ConfigError:
     return ConfigError(f"the datasets could not be split for the ranks: {one_line(exc)}")
+
+
+def pipeline_cpus(dataset: Any) -> float:
+    """The CPUs one task of ``dataset``'s hungriest stage asks Ray for: 0 for data
+    already in the object store (``from_items``, ``materialize()``), else the
+    stage's ``num_cpus`` (Ray Data's tasks take 1 unless told otherwise)."""
+    need = 0.0
+    pending = [dataset._logical_plan.dag]
+    while pending:
+        op = pending.pop()
+        pending.extend(op.input_dependencies)
+        remote_args = getattr(op, "ray_remote_args", None)
+        if remote_args is not None:  # a stage that runs tasks (read, map, ...)
+            need = max(need, float(remote_args.get("num_cpus", 1)))
+    return need
+
+
+def wait_for_data_room(
+    datasets: Mapping[str, Any],
+    ranks_hold: float,
+    resources: Callable[[], tuple[dict[str, float], dict[str, float]]],
+    timeout_s: float = DATA_ROOM_WAIT_S,
+) -> None:
+    """Return once the cluster has the CPUs ``datasets``' pipelines need free (at
+    once, in the usual case); after ``timeout_s`` without them, one ClusterError
+    line: what the ranks (``ranks_hold`` CPUs) and others hold, what to change.
+    ``resources()`` gives the cluster's (total, free) resources."""
+    needs = {name: pipeline_cpus(ds) for name, ds in datasets.items()}
+    name, need = max(needs.items(), key=lambda item: item[1])
+    if need <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = resources()
+        if free.get("CPU", 0.0) + 1e-9 >= need:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    cpus = total.get("CPU", 0.0)
+    others = max(0.0, cpus - free.get("CPU", 0.0) - ranks_hold)
+    held = f"the ranks hold {ranks_hold:g} of the cluster's {cpus:g} CPUs" + (
+        f" and other work {others:g}" if others > 1e-9 else ""
+    )
+    raise ClusterError(
+        f"the Ray Data pipeline of {name!r} needs {need:g} free CPU for its tasks, but {held} "
+        f"and none came free within {timeout_s:g} s: start the group with "
+        "--cpus-per-worker 0.5 or fewer --workers, free the CPUs, or add a node with free CPUs"
+    )

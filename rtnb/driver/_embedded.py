@@ -7,6 +7,16 @@ Either kind leaves the fixed ports of a Ray the user starts (``ray start --head`
 6379, 8265, 10001, the dashboard agent's 52365) to that Ray. The warm Ray is also
 kept out of every way Ray finds "the local cluster" (:func:`start_embedded_ray`'s
 ``private_dir``), because it outlives the kernel and is not the user's.
+
+A Ray started here keeps one CPU for Ray Data beside the ranks (:data:`DATA_CPUS`).
+It declares the machine's CPUs plus that one, and a resource of its own,
+:data:`RANK_CPU`, as large as the machine's CPUs; the ranks' bundles ask for both
+(:func:`rank_bundle`), so groups never take Data's CPU while a pipeline's read and
+map tasks (one CPU each by default) always find it. Without it, two ranks on a
+2-core laptop hold every CPU Ray counts and a Data pipeline handed to them waits
+for ever (Ray Train's ``TorchTrainer(datasets=...)`` waits the same way there).
+The cores are shared either way: a rank's loop and Data's tasks take turns on
+them; only Ray's accounting kept the tasks out.
 """
 
 from __future__ import annotations
@@ -14,13 +24,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from rtnb.core._startup import lazy_imports_for_children
 
 __all__ = [
+    "DATA_CPUS",
     "HIDDEN_RAYLET_NAME",
+    "RANK_CPU",
+    "rank_bundle",
+    "rank_cpus",
     "LOOPBACK",
     "joining_private_ray",
     "node_ip_as_given",
@@ -34,6 +48,25 @@ HIDDEN_RAYLET_NAME = "rtnb-warm-node"
 # An embedded Ray takes 30% of RAM for its object store by default; a notebook
 # sharing the machine with the user's other work should not.
 _EMBEDDED_OBJECT_STORE_BYTES = 2 * 1024**3
+# Logical CPUs a Ray started here declares beyond the machine's, for Ray Data.
+DATA_CPUS = 1
+# The resource that only ranks ask for: as many as the machine's CPUs.
+RANK_CPU = "rtnb_rank_cpu"
+
+
+def rank_cpus(resources: Mapping[str, float]) -> float:
+    """The CPUs of ``resources`` (a cluster's total or free ones) that ranks may
+    take: on a Ray rtnb started, all but Ray Data's; elsewhere every CPU."""
+    cpus = resources.get("CPU", 0.0)
+    return min(cpus, resources[RANK_CPU]) if RANK_CPU in resources else cpus
+
+
+def rank_bundle(cpus: float, gpus: float, cluster: Mapping[str, float]) -> dict[str, float]:
+    """What one rank's placement-group bundle asks for on ``cluster``."""
+    bundle = {"CPU": cpus, "GPU": gpus}
+    if RANK_CPU in cluster:
+        bundle[RANK_CPU] = cpus
+    return {k: v for k, v in bundle.items() if v}
 
 
 def start_embedded_ray(
@@ -51,13 +84,18 @@ def start_embedded_ray(
     ``session_latest`` the CLI reads), and its raylet runs under another name, so
     ``ray status``, ``ray.init(address="auto")`` and Ray Train's own look-ups of
     "the local cluster" never find it (they scan for raylet processes and read
-    their ``--gcs-address``)."""
+    their ``--gcs-address``).
+
+    ``num_cpus`` (default: this machine's) is what ranks may take; Ray Data gets
+    :data:`DATA_CPUS` more."""
+    machine = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
     kwargs: dict = {
         "log_to_driver": False,
         "logging_level": logging.ERROR,
         "include_dashboard": False,
         "object_store_memory": _EMBEDDED_OBJECT_STORE_BYTES,
-        "num_cpus": num_cpus,
+        "num_cpus": machine + DATA_CPUS,
+        "resources": {RANK_CPU: machine},
         "namespace": namespace,
     }
     if (listen or LOOPBACK) not in ("0.0.0.0", "::"):

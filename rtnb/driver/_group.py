@@ -26,6 +26,8 @@ from rtnb.core._config import SessionConfig
 from rtnb.core._messages import CellRequest, RankPlace, RankUpdate, from_wire, to_wire
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
+from rtnb.driver._datasets import wait_for_data_room
+from rtnb.driver._embedded import rank_bundle, rank_cpus
 from rtnb.driver._ray_output import watch_ranks
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
@@ -121,6 +123,8 @@ class RankGroup(Protocol):
 
     def hand_datasets(self, datasets: dict[str, Any], data_config: Any) -> list[Any]: ...
 
+    def check_data_room(self, datasets: dict[str, Any]) -> None: ...
+
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]: ...
 
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]: ...
@@ -152,10 +156,7 @@ class WorkerGroup:
         cfg = self.config
         progress = progress or StartProgress()
         check_capacity(cfg)
-        bundle: dict[str, float] = {"CPU": cfg.cpus_per_worker}
-        if cfg.gpu:
-            bundle["GPU"] = 1
-        bundle = {k: v for k, v in bundle.items() if v}
+        bundle = rank_bundle(cfg.cpus_per_worker, 1 if cfg.gpu else 0, ray.cluster_resources())
         try:
             with progress.phase("placement", f"placing {cfg.workers} ranks ({cfg.strategy})"):
                 self._placement_group = placement_group(
@@ -399,6 +400,17 @@ class WorkerGroup:
         )
         return [actor.set_datasets.remote(shards[r]) for r, actor in enumerate(self.actors)]
 
+    def check_data_room(self, datasets: dict[str, Any]) -> None:
+        """Wait (up to ``DATA_ROOM_WAIT_S``) for the CPUs ``datasets``' tasks need
+        beside these ranks; one line when they stay taken."""
+        import ray
+
+        wait_for_data_room(
+            datasets,
+            ranks_hold=self.world_size * self.config.cpus_per_worker,
+            resources=lambda: (ray.cluster_resources(), ray.available_resources()),
+        )
+
     def share(self, data: bytes) -> Any:
         """``data`` stored once, to be passed to many ranks' calls (``push``)."""
         import ray
@@ -514,10 +526,12 @@ def check_capacity(
         total = ray.cluster_resources()
     where = where or "the Ray cluster"
     need_cpu = cfg.workers * cfg.cpus_per_worker
-    if need_cpu > total.get("CPU", 0):
+    have = rank_cpus(total)
+    if need_cpu > have:
+        kept = " (one more is kept for Ray Data)" if have < total.get("CPU", 0) else ""
         raise ClusterError(
             f"{cfg.workers} workers × {cfg.cpus_per_worker:g} CPU need {need_cpu:g} CPUs, "
-            f"but {where} has {total.get('CPU', 0):g}. Use fewer --workers or a "
+            f"but {where} has {have:g}{kept}. Use fewer --workers or a "
             "smaller --cpus-per-worker (e.g. 0.5)"
         )
     if cfg.gpu and cfg.workers > total.get("GPU", 0):

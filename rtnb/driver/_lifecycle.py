@@ -21,6 +21,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._cluster import ClusterConnection, will_embed
 from rtnb.driver._commits import CheckpointCoordinator
+from rtnb.driver._embedded import rank_cpus
 from rtnb.driver._group import RankGroup, RankLost, WorkerGroup, check_capacity
 from rtnb.driver._local import LocalGroup
 from rtnb.driver._startup import StartProgress, StartReport
@@ -273,7 +274,7 @@ class GroupLifecycle:
 
         cfg = self.config
         free = ray.available_resources()
-        room = [int(free.get("CPU", 0) / cfg.cpus_per_worker + 1e-9)] if cfg.cpus_per_worker else []
+        room = [int(rank_cpus(free) / cfg.cpus_per_worker + 1e-9)] if cfg.cpus_per_worker else []
         if cfg.gpu:
             room.append(int(free.get("GPU", 0) + 1e-9))
         return (min(room) if room else cfg.workers) + held

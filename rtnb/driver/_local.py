@@ -239,6 +239,9 @@ class LocalGroup:
 
         return [self._call(hand)]
 
+    def check_data_room(self, datasets: dict[str, Any]) -> None:
+        """The rank is the kernel: its pipeline shares the kernel's Ray as any would."""
+
     # ---- waiting on calls --------------------------------------------------------------
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]:
         self._delivery.shown()

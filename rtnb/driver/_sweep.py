@@ -46,6 +46,7 @@ from rtnb.core._context import CONFIG_NAME
 from rtnb.core._redact import redact_uri
 from rtnb.driver._cells import check_syntax
 from rtnb.driver._cluster import ClusterConnection, connect
+from rtnb.driver._embedded import rank_cpus
 from rtnb.driver._group import RankGroup, WorkerGroup
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import (
@@ -1330,7 +1331,7 @@ def _concurrency(config: SessionConfig, asked: int | None, total: int | None) ->
     per_trial = config.workers * config.cpus_per_worker
     cluster = ray.cluster_resources()
     free = ray.available_resources()
-    cpus, free_cpus = cluster.get("CPU", 0.0), free.get("CPU", 0.0)
+    cpus, free_cpus = rank_cpus(cluster), rank_cpus(free)
     if asked is not None:
         need = asked * per_trial
         if need > cpus + 1e-9:

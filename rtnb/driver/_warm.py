@@ -38,7 +38,7 @@ from rtnb.driver._auth import (
     as_the_environment_says,
     joining_with,
 )
-from rtnb.driver._embedded import LOOPBACK, joining_private_ray, node_ip_as_given
+from rtnb.driver._embedded import LOOPBACK, joining_private_ray, node_ip_as_given, rank_cpus
 from rtnb.errors import ClusterError, one_line
 from rtnb.storage._rundir import BATCH_RUNS_ENV
 from rtnb.worker._actor import RAY_OWNED_ENV
@@ -283,7 +283,7 @@ def attach(
         from rtnb.driver._warmhost import POOL_NAME, POOL_NAMESPACE
 
         pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)
-        free = ray.available_resources().get("CPU", 0.0)
+        free = rank_cpus(ray.available_resources())
         if free + 1e-9 < need_cpus:
             ray.shutdown()
             as_the_environment_says()

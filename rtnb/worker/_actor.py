@@ -210,6 +210,12 @@ class RankActor:
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is cuda:0 here.
             torch.cuda.set_device(0)
             ctx.device = "cuda:0"
+        else:
+            # accelerate (under a Hugging Face Trainer's TrainingArguments) takes a
+            # process without an accelerator as distributed only when told it runs
+            # on CPU; else each rank trains alone, as each worker of TorchTrainer.fit()
+            # does on CPU. A user's own setting wins.
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
         return ctx.device
 
     def init_distributed(self, master_addr: str, master_port: int, timeout_s: float) -> bool:

@@ -7,6 +7,7 @@ These functions only work inside a rank of a worker group (a ``%%rtrain`` cell o
 from __future__ import annotations
 
 import inspect
+import shutil
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from rtnb.core._context import CONFIG_NAME
 from rtnb.core._messages import SAVE_TRIGGER
 from rtnb.core._reports import portable_metric
-from rtnb.errors import RtnbError, SessionError
+from rtnb.errors import ConfigError, RtnbError, SessionError
 from rtnb.worker import _runtime as _rank
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 
@@ -147,6 +148,10 @@ def report(
     metrics: Mapping[str, Any],
     checkpoint: Any = None,
     checkpoint_dir_name: str | None = None,
+    checkpoint_upload_mode: Any = None,
+    delete_local_checkpoint_after_upload: bool | None = None,
+    checkpoint_upload_fn: Callable | None = None,
+    validation: Any = None,
     *,
     step: int | None = None,
 ) -> None:
@@ -156,7 +161,20 @@ def report(
     report never waits for the notebook. ``step`` counts reports per rank unless you
     pass one (or a ``"step"`` metric). An interrupted cell stops here, at the same
     step on every rank.
+
+    Ray Train 2.60's ``checkpoint_upload_mode`` (``SYNC`` or ``ASYNC``: a folder of
+    yours is copied to the run before ``report`` returns either way) and
+    ``delete_local_checkpoint_after_upload`` (default: with ``ASYNC``) are taken, so
+    code written for it (Lightning's ``RayTrainReportCallback``) runs as it is;
+    ``NO_UPLOAD``, ``checkpoint_upload_fn`` and ``validation`` are refused in one line.
     """
+    if checkpoint_upload_mode is not None or checkpoint_upload_fn is not None or validation:
+        delete_local_checkpoint_after_upload = _upload_options(
+            checkpoint_upload_mode,
+            delete_local_checkpoint_after_upload,
+            checkpoint_upload_fn,
+            validation,
+        )
     runtime = _rank._CURRENT
     if checkpoint is None and step is None and runtime is not None:
         # Every step of a fast loop (where the C path below is not built): keep it short.
@@ -184,6 +202,32 @@ def report(
             for name, value in metrics.items()
         }
     runtime.report(metrics, step, checkpoint)
+    if delete_local_checkpoint_after_upload and checkpoint is not None:
+        folder = getattr(checkpoint, "path", None)
+        if folder and not getattr(checkpoint, "_temporary", False):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _upload_options(mode: Any, delete: bool | None, upload_fn: Any, validation: Any) -> bool:
+    """Whether to delete the local folder after its upload; one line for what rtnb
+    does not do yet."""
+    name = str(getattr(mode, "value", mode) or "SYNC").upper()
+    if name not in ("SYNC", "ASYNC"):
+        raise ConfigError(
+            f"report(checkpoint_upload_mode={name}) is not supported: rtnb copies a "
+            "checkpoint into the run to commit it; use SYNC or ASYNC"
+        )
+    if upload_fn is not None:
+        raise ConfigError(
+            "report(checkpoint_upload_fn=...) is not supported: rtnb uploads the "
+            "checkpoint's folder itself; leave it out"
+        )
+    if validation:
+        raise ConfigError(
+            "report(validation=...) is not supported: run the validation in the cell "
+            "and report its metrics"
+        )
+    return name == "ASYNC" if delete is None else bool(delete)
 
 
 report_in_python = report
@@ -196,8 +240,9 @@ else:
     report = make_report(
         report_in_python,
         vars(_rank),
-        "report(metrics, checkpoint=None, checkpoint_dir_name=None, *, step=None)\n--\n\n"
-        + inspect.cleandoc(report_in_python.__doc__ or ""),
+        "report(metrics, checkpoint=None, checkpoint_dir_name=None, checkpoint_upload_mode=None, "
+        "delete_local_checkpoint_after_upload=None, checkpoint_upload_fn=None, validation=None, "
+        "*, step=None)\n--\n\n" + inspect.cleandoc(report_in_python.__doc__ or ""),
     )
 
 
