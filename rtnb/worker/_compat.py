@@ -3,13 +3,16 @@
 Inside a rank, ``ray.train.report/get_context/get_checkpoint/get_dataset_shard``,
 ``ray.train.torch.prepare_model/prepare_data_loader/get_device`` and
 ``ray.train.huggingface.transformers.prepare_trainer/RayTrainReportCallback`` and a Tune
-function trainable's ``ray.tune.report/get_checkpoint`` are pointed at rtnb's versions. The patch is applied when the user's code imports those modules
+function trainable's ``ray.tune.report/get_checkpoint`` are pointed at rtnb's versions;
+``ray.train.lightning``'s strategies and environment run as Ray ships them, on those
+names, and its ``RayTrainReportCallback`` is rtnb's (``_lightning``: every step's logs too). The patch is applied when the user's code imports those modules
 (an import hook), because importing ``ray.train.torch`` costs ~3 s that a rank
 that never uses it should not pay at start-up.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
@@ -52,6 +55,16 @@ def _patch_train_transformers(module) -> None:
     _set(module, "RayTrainReportCallback", _hf.RayTrainReportCallback)
 
 
+def _patch_train_lightning(module) -> None:
+    # Ray's Lightning strategies ask ``ray.train.torch.get_device()`` through the
+    # attribute, which exists once that module is imported (in a Ray Train worker,
+    # TorchTrainer has done so): import it, patched, with Lightning's own import.
+    importlib.import_module("ray.train.torch")
+    from rtnb.worker import _lightning
+
+    _set(module, "RayTrainReportCallback", _lightning.RayTrainReportCallback)
+
+
 def _patch_tune(module) -> None:
     # A Tune function trainable's own names: its body runs as a sweep's trial cell.
     from rtnb.worker import _api as _train
@@ -65,6 +78,7 @@ _PATCHES = {
     "ray.tune": _patch_tune,
     "ray.train.torch": _patch_train_torch,
     "ray.train.huggingface.transformers": _patch_train_transformers,
+    "ray.train.lightning": _patch_train_lightning,
 }
 
 
