@@ -32,7 +32,13 @@ from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cell import CellHandle
 from rtnb.driver._commits import CheckpointCoordinator
-from rtnb.driver._datasets import DatasetHandOver, DatasetRecord, check_datasets, split_failed
+from rtnb.driver._datasets import (
+    DatasetHandOver,
+    DatasetRecord,
+    DataWatch,
+    check_datasets,
+    split_failed,
+)
 from rtnb.driver._debug import attach
 from rtnb.driver._doctor import StackReader
 from rtnb.driver._group import RankGroup, RankLost
@@ -450,6 +456,10 @@ class CellFlow:
             if grown is not None:
                 handle.note(grown)
             self.metrics.begin(rank_list, total_steps)
+            if self._datasets.names:
+                DataWatch(
+                    self._datasets.names, group.data_progress, handle.note, handle.done
+                ).start()
             self._active = handle
             self._lifecycle.state_machine.to(GroupState.RUNNING, handle.name)
             if background:

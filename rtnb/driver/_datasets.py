@@ -32,6 +32,8 @@ from rtnb.errors import ClusterError, ConfigError, one_line
 
 __all__ = [
     "DATA_ROOM_WAIT_S",
+    "DataProgress",
+    "DataWatch",
     "DatasetHandOver",
     "DatasetRecord",
     "check_datasets",
@@ -204,10 +206,137 @@ def wait_for_data_room(
     cpus = total.get("CPU", 0.0)
     others = max(0.0, cpus - free.get("CPU", 0.0) - ranks_hold)
     held = f"the ranks hold {ranks_hold:g} of the cluster's {cpus:g} CPUs" + (
-        f" and other work {others:g}" if others > 1e-9 else ""
+        f", other work holds {others:g}," if others > 1e-9 else ""
     )
     raise ClusterError(
         f"the Ray Data pipeline of {name!r} needs {need:g} free CPU for its tasks, but {held} "
         f"and none came free within {timeout_s:g} s: start the group with "
         "--cpus-per-worker 0.5 or fewer --workers, free the CPUs, or add a node with free CPUs"
     )
+
+
+@dataclass
+class DataProgress:
+    """One execution of a handed dataset's pipeline (an epoch of its shards), as
+    Ray Data's stats actor keeps it."""
+
+    name: str
+    state: str  # PENDING, RUNNING, FINISHED, FAILED
+    stage: str  # the first stage still running, else the last one
+    blocks_done: int
+    blocks_total: int
+    rows_total: int | None
+    started: float
+    ended: float | None
+
+    @classmethod
+    def parse(cls, name: str, record: Mapping[str, Any]) -> DataProgress:
+        stages = [
+            op for op in (record.get("operators") or {}).values() if op.get("name") != "Input"
+        ]
+        running = next((op for op in stages if op.get("state") != "FINISHED"), None)
+        stage = running or (stages[-1] if stages else {})
+        return cls(
+            name=name,
+            state=str(record.get("state", "UNKNOWN")),
+            stage=str(stage.get("name", "")),
+            blocks_done=int(stage.get("progress") or 0),
+            blocks_total=int(stage.get("total") or 0),
+            rows_total=record.get("total_rows"),
+            started=float(record.get("start_time") or 0.0),
+            ended=record.get("end_time"),
+        )
+
+    def text(self) -> str:
+        rows = f"{self.rows_total} rows" if self.rows_total else "rows"
+        if self.state == "FINISHED":
+            took = f" in {self.ended - self.started:.1f} s" if self.ended else ""
+            return f"Ray Data {self.name!r}: {rows} read{took}"
+        if self.state == "FAILED":
+            return f"Ray Data {self.name!r}: its pipeline failed (the ranks' error says why)"
+        done = f"{self.blocks_done}/{self.blocks_total} blocks" if self.blocks_total else "starting"
+        approx = (
+            f" (≈{self.rows_total * self.blocks_done // self.blocks_total}/{self.rows_total} rows)"
+            if self.rows_total and self.blocks_total
+            else ""
+        )
+        return f"Ray Data {self.name!r}: {self.stage} {done}{approx}"
+
+
+# A pipeline that made no progress this long while its tasks lack CPUs is said to wait.
+_WAIT_NOTE_S = 3.0
+# Running pipelines are shown again at most this often (a line each, not a bar).
+_PROGRESS_NOTE_S = 10.0
+
+
+class DataWatch:
+    """A cell's view of the pipelines feeding it: a few lines in the cell — when
+    one starts, every ``_PROGRESS_NOTE_S`` while it runs, why it waits (its tasks
+    find no free CPU), when it ends — instead of Ray Data's progress bars, which a
+    notebook shows as a wall of text (and rtnb's ranks keep out of it)."""
+
+    def __init__(
+        self,
+        names: list[str],
+        fetch: Callable[[], tuple[list[dict], dict[str, float]]],
+        note: Callable[[str], None],
+        done: Callable[[], bool],
+        poll_s: float = 1.0,
+    ) -> None:
+        self._names = names
+        self._fetch = fetch
+        self._note = note
+        self._done = done
+        self._poll_s = poll_s
+        self._since = time.time()
+        self._shown: dict[str, float] = {}  # each execution, when it was last shown
+        self._stuck_noted: set[str] = set()
+        self._finished: set[str] = set()
+
+    def start(self) -> None:
+        import threading
+
+        threading.Thread(target=self._run, name="rtnb-data-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._done():
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - a view must never end the cell
+                return
+            time.sleep(self._poll_s)
+        try:
+            self.check()  # what ended with the cell
+        except Exception:  # noqa: BLE001
+            pass
+
+    def check(self) -> None:
+        records, free = self._fetch()
+        now = time.time()
+        for record in records:
+            tag = str(record.get("_tag", ""))
+            name = next((n for n in self._names if tag.startswith(f"{n}_")), None)
+            if name is None or tag in self._finished:
+                continue
+            progress = DataProgress.parse(name, record)
+            if progress.started < self._since - 1.0:
+                continue  # an epoch of an earlier cell
+            if progress.state in ("FINISHED", "FAILED"):
+                self._finished.add(tag)
+                self._note(f"[rtnb] {progress.text()}\n")
+                continue
+            last = self._shown.get(tag)
+            if last is None or now - last >= _PROGRESS_NOTE_S:
+                self._shown[tag] = now
+                self._note(f"[rtnb] {progress.text()}\n")
+            if (
+                tag not in self._stuck_noted
+                and progress.blocks_done == 0
+                and now - progress.started >= _WAIT_NOTE_S
+                and free.get("CPU", 0.0) < 1e-9
+            ):
+                self._stuck_noted.add(tag)
+                self._note(
+                    f"[rtnb] Ray Data {name!r} waits: its tasks find no free CPU "
+                    f"({progress.stage}; the cluster has {free.get('CPU', 0.0):g} free)\n"
+                )

@@ -125,6 +125,8 @@ class RankGroup(Protocol):
 
     def check_data_room(self, datasets: dict[str, Any]) -> None: ...
 
+    def data_progress(self) -> tuple[list[dict], dict[str, float]]: ...
+
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]: ...
 
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]: ...
@@ -410,6 +412,17 @@ class WorkerGroup:
             ranks_hold=self.world_size * self.config.cpus_per_worker,
             resources=lambda: (ray.cluster_resources(), ray.available_resources()),
         )
+
+    def data_progress(self) -> tuple[list[dict], dict[str, float]]:
+        """The executions of this kernel's Ray Data pipelines (Ray Data's stats
+        actor's records, each with its ``_tag``), and the cluster's free resources."""
+        import ray
+        from ray.data._internal.stats import get_or_create_stats_actor
+
+        job = ray.get_runtime_context().get_job_id()
+        found = ray.get(get_or_create_stats_actor().get_datasets.remote(job), timeout=5)
+        records = [{**record, "_tag": tag} for tag, record in found.items()]
+        return records, ray.available_resources()
 
     def share(self, data: bytes) -> Any:
         """``data`` stored once, to be passed to many ranks' calls (``push``)."""

@@ -187,20 +187,46 @@ def _cell_statements(
         and trainer is not None
         and any(node is trainer for node in ast.walk(n))
     }
+    # Names the left-out statements bind (the trainer, fit()'s result, a Tuner):
+    # a later statement reading one is the driver's too.
+    driver_names: set[str] = set()
     for statement in tree.body:
         contains_trainer = trainer is not None and any(n is trainer for n in ast.walk(statement))
         if isinstance(statement, ast.If) and _is_main_guard(statement):
             left.append("the `if __name__ == '__main__':` block")
-        elif contains_trainer:
+            continue
+        if contains_trainer:
             name = getattr(statement, "name", None)
             left.append(f"{name}() (builds the trainer)" if name else "building the trainer")
         elif isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
             continue  # the module's docstring
-        elif _calls_driver(statement) or _calls(statement, builders):
+        elif (
+            _calls_driver(statement)
+            or _calls(statement, builders)
+            or _reads(statement, driver_names)
+        ):
             left.append(f"line {statement.lineno} ({_first_line(statement)})")
         else:
             kept.append(statement)
+            continue
+        if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            driver_names |= _bound(statement)
     return kept, left
+
+
+def _bound(statement: ast.stmt) -> set[str]:
+    return {
+        node.id
+        for node in ast.walk(statement)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+    }
+
+
+def _reads(statement: ast.stmt, names: set[str]) -> bool:
+    return any(
+        isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names
+        for node in ast.walk(statement)
+    )
 
 
 def _calls(statement: ast.stmt, names: set[str]) -> bool:

@@ -242,6 +242,9 @@ class LocalGroup:
     def check_data_room(self, datasets: dict[str, Any]) -> None:
         """The rank is the kernel: its pipeline shares the kernel's Ray as any would."""
 
+    def data_progress(self) -> tuple[list[dict], dict[str, float]]:
+        return [], {}
+
     # ---- waiting on calls --------------------------------------------------------------
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]:
         self._delivery.shown()

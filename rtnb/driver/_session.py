@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -56,7 +57,7 @@ from rtnb.driver._startup import StartProgress, StartReport
 from rtnb.driver._state import GroupState, StateChange
 from rtnb.driver._status import GroupStatus, group_status
 from rtnb.driver._tracking import TrackingFlow
-from rtnb.errors import ConfigError
+from rtnb.errors import ClusterError, ConfigError
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointStore
@@ -588,11 +589,26 @@ class Session:
             script.notes.append(
                 "the script asks for GPUs (use_gpu=True); this group has none: start one with --gpu"
             )
-        if script.workers is not None and script.workers != self.config.workers:
-            self.scale(script.workers)
+        size = script.workers
+        if size == 0:
             script.notes.insert(
-                0, f"scaled to the script's {script.workers} ranks: {self.last_replay}"
+                0,
+                "the script runs in Ray Train's local mode (num_workers=0; under torchrun, "
+                f"one process per torchrun rank): it runs on this group's {self.world_size} ranks",
             )
+        elif size is not None and size != self.config.workers:
+            try:
+                self._lifecycle.check_fits(dataclasses.replace(self.config, workers=size))
+            except ClusterError as exc:
+                # A laptop runs a cluster's script on the group it has, as it is.
+                script.notes.insert(
+                    0,
+                    f"the script asks for {size} workers ({str(exc).split('. ')[0]}): "
+                    f"it runs on this group's {self.world_size} ranks",
+                )
+            else:
+                self.scale(size)
+                script.notes.insert(0, f"scaled to the script's {size} ranks: {self.last_replay}")
         return script
 
     # ---- status ------------------------------------------------------------------------

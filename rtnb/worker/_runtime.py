@@ -115,6 +115,16 @@ class RankContext:
     def get_trial_name(self) -> str:
         return self.run_name
 
+    def get_trial_dir(self) -> str:
+        from rtnb.errors import ConfigError
+
+        # Ray Train 2.x workers raise here too (a Tune-only name, deprecated).
+        raise ConfigError(
+            "get_context().get_trial_dir() is not for training workers (Ray Train 2.x "
+            "raises too): save the checkpoint into tempfile.TemporaryDirectory() and "
+            "report Checkpoint.from_directory(that folder)"
+        )
+
     def get_storage(self) -> str:
         return self.storage_path
 
