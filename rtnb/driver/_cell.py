@@ -188,6 +188,7 @@ class CellHandle:
         self.recovering = False  # the group is being rebuilt for this cell right now
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
         self._sinks: list[OutputSink] = []
+        self._last_words: list[Callable[[], None]] = []
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._callbacks_lock = threading.Lock()
         self._done = threading.Event()
@@ -257,6 +258,11 @@ class CellHandle:
             for entry in list(self.log):
                 sink(*entry)
         self._sinks.append(sink)
+
+    def before_end(self, last_words: Callable[[], None]) -> None:
+        """Call ``last_words()`` as the cell ends, before its output is flushed, so
+        what it notes (a pipeline's summary) is still the cell's."""
+        self._last_words.append(last_words)
 
     def add_done_callback(self, callback: Callable[[CellHandle], None]) -> None:
         # Checked and kept under the lock the end takes its list with: a cell ending
@@ -469,6 +475,7 @@ class CellHandle:
                     self._finished[rank] = update
             if self._dead:
                 raise _Restart()
+            self._stop_after_a_failed_rank()
             if self._debugging:
                 self._serve_debuggers(group)
             self._commit()
@@ -477,6 +484,21 @@ class CellHandle:
             self._take_control_requests(group)
             if self._stopping.advance(group, self._unfinished(), self._last, self.steps):
                 raise _Restart()
+
+    def _stop_after_a_failed_rank(self) -> None:
+        """A rank whose cell raised leaves the others waiting for it in their next
+        collective, for ever: stop them (cooperatively, then as any stop escalates),
+        as Ray Train ends every worker when one fails."""
+        if self._stopping.requested or not self._unfinished():
+            return
+        failed = sorted(r for r, u in self._finished.items() if u.error is not None)
+        if failed:
+            what = self._finished[failed[0]].error
+            summary = what[0] if isinstance(what, tuple) and what else str(what)
+            self.stop(
+                f"stopped: rank {failed[0]} failed ({summary}); the other ranks would "
+                "wait for it in their next collective"
+            )
 
     def _commit(self) -> None:
         if self.replay or self._commit_error is not None:
@@ -939,6 +961,11 @@ class CellHandle:
                     value, error = None, exc
         if self.recoveries:
             self._note_restart_origin(ended=True)
+        for last_words in self._last_words:
+            try:
+                last_words()
+            except Exception:  # noqa: BLE001 - a summary must never change the outcome
+                pass
         for sink in self._sinks:
             flush = getattr(sink, "flush", None)
             if flush is not None:

@@ -457,9 +457,9 @@ class CellFlow:
                 handle.note(grown)
             self.metrics.begin(rank_list, total_steps)
             if self._datasets.names:
-                DataWatch(
-                    self._datasets.names, group.data_progress, handle.note, handle.done
-                ).start()
+                watch = DataWatch(self._datasets.names, group.data_progress, handle.note)
+                handle.before_end(watch.end)
+                watch.start()
             self._active = handle
             self._lifecycle.state_machine.to(GroupState.RUNNING, handle.name)
             if background:

@@ -280,14 +280,16 @@ class DataWatch:
         names: list[str],
         fetch: Callable[[], tuple[list[dict], dict[str, float]]],
         note: Callable[[str], None],
-        done: Callable[[], bool],
         poll_s: float = 1.0,
     ) -> None:
+        import threading
+
         self._names = names
         self._fetch = fetch
         self._note = note
-        self._done = done
         self._poll_s = poll_s
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
         self._since = time.time()
         self._shown: dict[str, float] = {}  # each execution, when it was last shown
         self._stuck_noted: set[str] = set()
@@ -299,18 +301,31 @@ class DataWatch:
         threading.Thread(target=self._run, name="rtnb-data-watch", daemon=True).start()
 
     def _run(self) -> None:
-        while not self._done():
+        while not self._ended.wait(self._poll_s):
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - a view must never end the cell
                 return
-            time.sleep(self._poll_s)
-        try:
-            self.check()  # what ended with the cell
-        except Exception:  # noqa: BLE001
-            pass
 
-    def check(self) -> None:
+    def end(self, settle_s: float = 2.0) -> None:
+        """The cell ends: say how each pipeline it read ended. Ray Data records an
+        execution's end a moment after its last rows are read, so a pipeline seen
+        running is waited for up to ``settle_s``."""
+        self._ended.set()
+        deadline = time.monotonic() + settle_s
+        while True:
+            running = self.check()
+            if not running or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def check(self) -> int:
+        """Note what changed; how many executions seen are still running."""
+        with self._lock:
+            return self._check()
+
+    def _check(self) -> int:
+        running = 0
         records, free = self._fetch()
         now = time.time()
         for record in records:
@@ -325,6 +340,7 @@ class DataWatch:
                 self._finished.add(tag)
                 self._note(f"[rtnb] {progress.text()}\n")
                 continue
+            running += 1
             last = self._shown.get(tag)
             if last is None or now - last >= _PROGRESS_NOTE_S:
                 self._shown[tag] = now
@@ -340,3 +356,4 @@ class DataWatch:
                     f"[rtnb] Ray Data {name!r} waits: its tasks find no free CPU "
                     f"({progress.stage}; the cluster has {free.get('CPU', 0.0):g} free)\n"
                 )
+        return running

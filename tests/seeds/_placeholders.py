@@ -1,10 +1,13 @@
 # What the seeds leave to the reader (`MyModel`, `dataloader`, `train_epoch`, ...),
 # small and on CPU, run on the ranks before the seeds' own code.
+# The names the seeds use without importing them (their pages import them once,
+# in an earlier snippet):
 import os
 import ray
 import ray.train
 import torch
 import torch.nn as nn
+from ray import train
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from torch.utils.data import DataLoader

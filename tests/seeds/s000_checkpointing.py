@@ -3,6 +3,7 @@
 # `optimizer = ...` are filled with the corpus' MyModel and Adam (see _placeholders.py).
 from ray.train import Checkpoint
 import tempfile, os
+
 def train_func(config):
     model = MyModel()
     optimizer = torch.optim.Adam(model.parameters())

@@ -2,6 +2,8 @@
 # train_func a %%rtrain cell runs; `model`, `train_ds`, `eval_ds` and `config` are
 # the corpus' (a tiny GPT-2 built from a config: nothing downloaded).
 from ray.train.huggingface.transformers import prepare_trainer, RayTrainReportCallback
+
+
 def train_func(config):
     from transformers import Trainer, TrainingArguments
     training_args = TrainingArguments(

@@ -2,6 +2,7 @@
 # pipeline (the bucket path is a local parquet folder the corpus writes) and the
 # train_func that reads its shard.
 import ray
+
 # Create a streaming dataset (doesn't load all data into memory)
 ds = ray.data.read_parquet(PARQUET_PATH)
 # Preprocessing pipeline

@@ -1,6 +1,7 @@
 # Seed 000, "Ray Tune Integration" (indentation restored): the Tuner's
 # param_space and TuneConfig, handed to rtnb.sweep with the corpus' train_func.
 from ray import tune
+
 param_space={
     "train_loop_config": {
         "lr": tune.loguniform(1e-5, 1e-3),
