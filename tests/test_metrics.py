@@ -545,6 +545,10 @@ def test_report_keeps_its_signature_help_and_errors_when_built_in_c(monkeypatch)
         "metrics",
         "checkpoint",
         "checkpoint_dir_name",
+        "checkpoint_upload_mode",
+        "delete_local_checkpoint_after_upload",
+        "checkpoint_upload_fn",
+        "validation",
         "step",
     ]
     assert "cheap enough to call every step" in inspect.getdoc(rtnb.report)

@@ -77,6 +77,19 @@ class _RayLost(Exception):
     """Internal: the Ray under the group is gone; nothing to rebuild on."""
 
 
+# What gloo and NCCL raise in a rank whose peer process went away.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+)
+
+
+def _summary(error: tuple[str, str] | None) -> str:
+    return error[0] if error else ""
+
+
 class CellContext(Protocol):
     """What a cell needs of the session's other flows (the cell flow gives it)."""
 
@@ -189,6 +202,7 @@ class CellHandle:
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
         self._sinks: list[OutputSink] = []
         self._last_words: list[Callable[[], None]] = []
+        self._stopped_for_failure = False  # the stop asked because a rank's cell raised
         self._done_callbacks: list[Callable[[CellHandle], None]] = []
         self._callbacks_lock = threading.Lock()
         self._done = threading.Event()
@@ -492,9 +506,14 @@ class CellHandle:
         if self._stopping.requested or not self._unfinished():
             return
         failed = sorted(r for r, u in self._finished.items() if u.error is not None)
-        if failed:
-            what = self._finished[failed[0]].error
-            summary = what[0] if isinstance(what, tuple) and what else str(what)
+        summaries = {r: _summary(self._finished[r].error) for r in failed}
+        # A collective that lost its peer is the symptom of a rank that died: its
+        # death (a recovery) is what to wait for, not a stop.
+        causes = [r for r in failed if not any(s in summaries[r] for s in _PEER_LOST)]
+        if causes:
+            self._stopped_for_failure = True
+            summary = summaries[causes[0]]
+            failed = causes
             self.stop(
                 f"stopped: rank {failed[0]} failed ({summary}); the other ranks would "
                 "wait for it in their next collective"
@@ -547,7 +566,10 @@ class CellHandle:
             self.name,
             dead=dict(self._dead),
             stuck=tuple(self._unfinished()) if not self._dead else (),
-            stop_reason=self._stopping.reason,
+            # A rank that died while the others were being stopped after a failed
+            # rank is a failure to recover from (its peers' errors were the symptom),
+            # not a stop the user asked for.
+            stop_reason=None if self._dead and self._stopped_for_failure else self._stopping.reason,
         )
         self.recovering = True
         try:
@@ -905,7 +927,8 @@ class CellHandle:
             return
         interrupted = [u for u in finished.values() if u.state is CellState.INTERRUPTED]
         stopping = self._stopping
-        if stopping.requested and interrupted:
+        failures = {r: u.error for r, u in finished.items() if u.state is CellState.ERROR}
+        if stopping.requested and interrupted and not (failures and self._stopped_for_failure):
             steps = {u.step for u in interrupted}
             at = (
                 f" at step {steps.pop()}" if len(steps) == 1 and stopping.target is not None else ""
@@ -924,8 +947,14 @@ class CellHandle:
                 )
             )
             return
-        failures = {r: u.error for r, u in finished.items() if u.state is CellState.ERROR}
         if failures:
+            if interrupted:
+                stopped = ", ".join(
+                    str(r) for r in sorted(r for r, u in finished.items() if u in interrupted)
+                )
+                self._note(
+                    f"[rtnb] {self.name}: rank(s) {stopped} stopped after the failure below\n"
+                )
             error = CellError.from_failures(failures)
             here = next((u.exception for u in finished.values() if u.exception is not None), None)
             if here is not None:

@@ -167,18 +167,13 @@ def split_failed(exc: BaseException) -> ConfigError:
 
 
 def pipeline_cpus(dataset: Any) -> float:
-    """The CPUs one task of ``dataset``'s hungriest stage asks Ray for: 0 for data
-    already in the object store (``from_items``, ``materialize()``), else the
-    stage's ``num_cpus`` (Ray Data's tasks take 1 unless told otherwise)."""
-    need = 0.0
-    pending = [dataset._logical_plan.dag]
-    while pending:
-        op = pending.pop()
-        pending.extend(op.input_dependencies)
-        remote_args = getattr(op, "ray_remote_args", None)
-        if remote_args is not None:  # a stage that runs tasks (read, map, ...)
-            need = max(need, float(remote_args.get("num_cpus", 1)))
-    return need
+    """The CPUs a pipeline's task asks Ray for: none for data already in the object
+    store (``from_items``, ``from_numpy``, ``materialize()``: a MaterializedDataset),
+    else one, Ray Data's default for a read or map task. (A stage made with
+    ``num_cpus=0.5`` may start with less free; Ray Data keeps its stages private.)"""
+    from ray.data import MaterializedDataset
+
+    return 0.0 if isinstance(dataset, MaterializedDataset) else 1.0
 
 
 def wait_for_data_room(

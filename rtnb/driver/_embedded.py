@@ -54,11 +54,13 @@ DATA_CPUS = 1
 RANK_CPU = "rtnb_rank_cpu"
 
 
-def rank_cpus(resources: Mapping[str, float]) -> float:
-    """The CPUs of ``resources`` (a cluster's total or free ones) that ranks may
-    take: on a Ray rtnb started, all but Ray Data's; elsewhere every CPU."""
+def rank_cpus(resources: Mapping[str, float], total: Mapping[str, float] | None = None) -> float:
+    """The CPUs of ``resources`` (a cluster's ``total`` or its free ones) that ranks
+    may take: on a Ray rtnb started, all but Ray Data's; elsewhere every CPU. For free
+    resources pass ``total`` too: Ray leaves a resource with none free out."""
     cpus = resources.get("CPU", 0.0)
-    return min(cpus, resources[RANK_CPU]) if RANK_CPU in resources else cpus
+    marked = RANK_CPU in (resources if total is None else total)
+    return min(cpus, resources.get(RANK_CPU, 0.0)) if marked else cpus
 
 
 def rank_bundle(cpus: float, gpus: float, cluster: Mapping[str, float]) -> dict[str, float]:

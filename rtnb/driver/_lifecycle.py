@@ -274,7 +274,11 @@ class GroupLifecycle:
 
         cfg = self.config
         free = ray.available_resources()
-        room = [int(rank_cpus(free) / cfg.cpus_per_worker + 1e-9)] if cfg.cpus_per_worker else []
+        room = (
+            [int(rank_cpus(free, ray.cluster_resources()) / cfg.cpus_per_worker + 1e-9)]
+            if cfg.cpus_per_worker
+            else []
+        )
         if cfg.gpu:
             room.append(int(free.get("GPU", 0) + 1e-9))
         return (min(room) if room else cfg.workers) + held

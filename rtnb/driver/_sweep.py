@@ -1331,7 +1331,7 @@ def _concurrency(config: SessionConfig, asked: int | None, total: int | None) ->
     per_trial = config.workers * config.cpus_per_worker
     cluster = ray.cluster_resources()
     free = ray.available_resources()
-    cpus, free_cpus = rank_cpus(cluster), rank_cpus(free)
+    cpus, free_cpus = rank_cpus(cluster), rank_cpus(free, cluster)
     if asked is not None:
         need = asked * per_trial
         if need > cpus + 1e-9:

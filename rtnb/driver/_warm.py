@@ -283,7 +283,7 @@ def attach(
         from rtnb.driver._warmhost import POOL_NAME, POOL_NAMESPACE
 
         pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)
-        free = rank_cpus(ray.available_resources())
+        free = rank_cpus(ray.available_resources(), ray.cluster_resources())
         if free + 1e-9 < need_cpus:
             ray.shutdown()
             as_the_environment_says()

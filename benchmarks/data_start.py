@@ -1,0 +1,198 @@
+"""A Ray Data cell on the default path of a 2-core laptop, against Ray Train's
+``TorchTrainer(datasets=...)`` on the same machine: who finishes, and when.
+
+The pipeline (both sides): ``ray.data.range(ROWS, override_num_blocks=20)`` with a
+row ``map``, split over 2 ranks by Ray Train's ``DataConfig``; each rank reads its
+shard once with ``iter_rows()``.
+
+rtnb: a real kernel as a user has it (no ``RAY_ADDRESS``; the warm Ray in a fresh
+``RTNB_HOME`` at this machine's CPU count; a plain ``%rtnb start``), then the timed
+cell ``%%rtrain --datasets train=ds``. Measured from the cell's submission: the
+first row on a rank, and the cell's end (every row read; the group already exists:
+that is rtnb's point).
+
+Ray Train, two rows:
+  * as on this laptop: ``ray.init()`` (2 CPUs) and ``ScalingConfig(num_workers=2)``
+    (1 CPU a worker, its default): Ray Data's tasks never get a CPU; the fit is
+    ended after ``--peer-timeout`` s and reported as not finished;
+  * tuned alike: ``ray.init(num_cpus=3)``, the one CPU rtnb keeps for Ray Data,
+    and ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1``. Measured from ``fit()``: first row,
+    end of the loop, end of ``fit()`` (it starts its workers: its lifecycle).
+
+Each side runs in a fresh process, alternating, ``--rounds`` times.
+
+    .venv/bin/python benchmarks/data_start.py [--rounds 3] [--rows 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+READ = """
+import time as _t, rtnb as _r
+_first = None
+_n = 0
+_began = _t.time()
+for _row in _r.get_dataset_shard("train").iter_rows():
+    if _first is None:
+        _first = _t.time()
+    _n += 1
+_res = (_n, _began, _first, _t.time())
+"""
+
+PEER = r"""
+import json, os, sys, tempfile, time
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+cpus, rows = int(sys.argv[1]), int(sys.argv[2])
+ray.init(num_cpus=cpus, object_store_memory=300_000_000, include_dashboard=False,
+         log_to_driver=False, logging_level="ERROR")
+ds = ray.data.range(rows, override_num_blocks=20).map(lambda r: {"id": r["id"] * 2})
+
+def loop(config):
+    began, first, n = time.time(), None, 0
+    for _row in ray.train.get_dataset_shard("train").iter_rows():
+        if first is None:
+            first = time.time()
+        n += 1
+    ray.train.report({"rows": n, "began": began, "first": first, "end": time.time()})
+
+trainer = TorchTrainer(loop, datasets={"train": ds},
+                       scaling_config=ScalingConfig(num_workers=2),
+                       run_config=RunConfig(storage_path=tempfile.mkdtemp()))
+print("FIT", time.time(), flush=True)
+result = trainer.fit()
+print("RESULT " + json.dumps({"fit_end": time.time(), **result.metrics}), flush=True)
+"""
+
+
+def rtnb_round(rows: int) -> dict:
+    from cold_start import _execute, _texts
+    from jupyter_client.manager import KernelManager
+
+    home = tempfile.mkdtemp(prefix="rtnb-home-")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RTNB_WARM_RAY")}
+    env.update(RTNB_HOME=home, RTNB_WARM_RAY_IDLE_S="2")
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=tempfile.mkdtemp(prefix="rtnb-data-"), env=env)
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=120)
+        _execute(client, "%load_ext rtnb")
+        _execute(client, "%rtnb start")
+        _execute(
+            client,
+            f"import ray\nds = ray.data.range({rows}, override_num_blocks=20)"
+            ".map(lambda r: {'id': r['id'] * 2})",
+        )
+        submitted = time.time()
+        cell_s, messages = _execute(client, "%%rtrain --datasets train=ds\n" + READ)
+        _, pulled = _execute(
+            client, "import json\n_v = %rtnb pull _res\nprint(json.dumps(list(_v)))"
+        )
+        shown = _texts(messages)
+        per_rank = json.loads(_texts(pulled).strip().splitlines()[-1])
+        _execute(client, "%rtnb stop")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+    assert sum(r[0] for r in per_rank) == rows, (per_rank, shown)
+    return {
+        "first_row_s": min(r[2] for r in per_rank) - submitted,
+        "read_s": max(r[3] for r in per_rank) - min(r[1] for r in per_rank),
+        "total_s": cell_s,
+    }
+
+
+def peer_round(cpus: int, rows: int, timeout_s: float) -> dict:
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    started = time.time()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEER, str(cpus), str(rows)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        return {"finished": False, "waited_s": time.time() - started}
+    fit = next((float(x.split()[1]) for x in out.splitlines() if x.startswith("FIT ")), None)
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if fit is None or line is None:
+        raise SystemExit(f"the TorchTrainer run failed:\n{out[-2000:]}\n{err[-3000:]}")
+    m = json.loads(line[len("RESULT ") :])
+    return {
+        "finished": True,
+        "first_row_s": m["first"] - fit,
+        "read_s": m["end"] - m["began"],
+        "total_s": m["fit_end"] - fit,
+    }
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--peer-timeout", type=float, default=90.0)
+    args = parser.parse_args()
+    cpus = os.cpu_count() or 1
+    rtnb_runs, tuned_runs = [], []
+    for _ in range(args.rounds):
+        rtnb_runs.append(rtnb_round(args.rows))
+        tuned_runs.append(peer_round(cpus + 1, args.rows, args.peer_timeout * 3))
+    laptop = peer_round(cpus, args.rows, args.peer_timeout)
+    print(
+        f"Ray Data cell start, {args.rows} rows on 2 ranks, {cpus}-CPU machine, "
+        f"{args.rounds} rounds (min / median / max, seconds)"
+    )
+    print(f"{'':44} {'first row':>20} {'read on ranks':>20} {'total':>20}")
+    for name, runs in (
+        ("rtnb, default path (%%rtrain --datasets)", rtnb_runs),
+        (f"TorchTrainer, ray.init(num_cpus={cpus + 1}) (tuned)", tuned_runs),
+    ):
+        print(
+            f"{name:44} {_spread([r['first_row_s'] for r in runs]):>20} "
+            f"{_spread([r['read_s'] for r in runs]):>20} {_spread([r['total_s'] for r in runs]):>20}"
+        )
+    verdict = (
+        f"did not finish: no row read after {laptop['waited_s']:.0f} s (ended)"
+        if not laptop["finished"]
+        else f"finished in {laptop['total_s']:.2f} s"
+    )
+    print(f"{f'TorchTrainer, ray.init() ({cpus} CPUs, laptop)':44} {verdict}")
+    ratio = statistics.median(r["total_s"] for r in tuned_runs) / statistics.median(
+        r["total_s"] for r in rtnb_runs
+    )
+    print(f"ratio total (TorchTrainer tuned fit / rtnb cell): {ratio:.2f}x")
+    print(
+        "RESULT "
+        + json.dumps({"rtnb": rtnb_runs, "torchtrainer_tuned": tuned_runs, "torchtrainer": laptop})
+    )
+
+
+if __name__ == "__main__":
+    main()
