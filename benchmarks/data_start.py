@@ -16,7 +16,9 @@ Ray Train, two rows:
     (1 CPU a worker, its default): Ray Data's tasks never get a CPU; the fit is
     ended after ``--peer-timeout`` s and reported as not finished;
   * tuned alike: ``ray.init(num_cpus=3)``, the one CPU rtnb keeps for Ray Data,
-    and ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1``. Measured from ``fit()``: first row,
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1``, and rtnb's lazy stand-in for
+    jsonschema's IRI grammar on its processes' path (as rtnb's Ray has it; see the
+    README's *Cold start*). Measured from ``fit()``: first row,
     end of the loop, end of ``fit()`` (it starts its workers: its lifecycle).
 
 Each side runs in a fresh process, alternating, ``--rounds`` times.
@@ -62,20 +64,31 @@ ray.init(num_cpus=cpus, object_store_memory=300_000_000, include_dashboard=False
          log_to_driver=False, logging_level="ERROR")
 ds = ray.data.range(rows, override_num_blocks=20).map(lambda r: {"id": r["id"] * 2})
 
+out = tempfile.mkdtemp()
+
 def loop(config):
     began, first, n = time.time(), None, 0
     for _row in ray.train.get_dataset_shard("train").iter_rows():
         if first is None:
             first = time.time()
         n += 1
-    ray.train.report({"rows": n, "began": began, "first": first, "end": time.time()})
+    # Ray Train keeps only a checkpoint's metrics in its Result: the timings go to files.
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump({"rows": n, "began": began, "first": first, "end": time.time()}, f)
 
-trainer = TorchTrainer(loop, datasets={"train": ds},
+trainer = TorchTrainer(loop, train_loop_config={"out": out}, datasets={"train": ds},
                        scaling_config=ScalingConfig(num_workers=2),
                        run_config=RunConfig(storage_path=tempfile.mkdtemp()))
 print("FIT", time.time(), flush=True)
-result = trainer.fit()
-print("RESULT " + json.dumps({"fit_end": time.time(), **result.metrics}), flush=True)
+trainer.fit()
+fit_end = time.time()
+ranks = [json.load(open(os.path.join(out, name))) for name in sorted(os.listdir(out))]
+print("RESULT " + json.dumps({
+    "fit_end": fit_end, "rows": sum(r["rows"] for r in ranks),
+    "began": min(r["began"] for r in ranks), "first": min(r["first"] for r in ranks),
+    "end": max(r["end"] for r in ranks),
+}), flush=True)
 """
 
 
@@ -105,7 +118,10 @@ def rtnb_round(rows: int) -> dict:
             client, "import json\n_v = %rtnb pull _res\nprint(json.dumps(list(_v)))"
         )
         shown = _texts(messages)
-        per_rank = json.loads(_texts(pulled).strip().splitlines()[-1])
+        lines = [x for x in _texts(pulled).splitlines() if x.startswith("[[")]
+        if not lines:
+            raise SystemExit(f"rtnb's cell failed:\n{shown}\n{_texts(pulled)}")
+        per_rank = json.loads(lines[-1])
         _execute(client, "%rtnb stop")
     finally:
         client.stop_channels()
@@ -119,7 +135,15 @@ def rtnb_round(rows: int) -> dict:
 
 
 def peer_round(cpus: int, rows: int, timeout_s: float) -> dict:
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_DEDUP_LOGS": "0"}
+    from rtnb.core._startup import with_lazy_imports
+
+    # Tuned alike: Ray's processes skip jsonschema's IRI grammar build, as rtnb's do.
+    env = {
+        **os.environ,
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHONPATH": with_lazy_imports(os.environ.get("PYTHONPATH")),
+    }
     env.pop("RAY_ADDRESS", None)
     started = time.time()
     proc = subprocess.Popen(
@@ -141,6 +165,7 @@ def peer_round(cpus: int, rows: int, timeout_s: float) -> dict:
     if fit is None or line is None:
         raise SystemExit(f"the TorchTrainer run failed:\n{out[-2000:]}\n{err[-3000:]}")
     m = json.loads(line[len("RESULT ") :])
+    assert m["rows"] == rows, m
     return {
         "finished": True,
         "first_row_s": m["first"] - fit,

@@ -171,7 +171,7 @@ def pipeline_cpus(dataset: Any) -> float:
     store (``from_items``, ``from_numpy``, ``materialize()``: a MaterializedDataset),
     else one, Ray Data's default for a read or map task. (A stage made with
     ``num_cpus=0.5`` may start with less free; Ray Data keeps its stages private.)"""
-    from ray.data import MaterializedDataset
+    from ray.data.dataset import MaterializedDataset
 
     return 0.0 if isinstance(dataset, MaterializedDataset) else 1.0
 
