@@ -512,11 +512,9 @@ class CellHandle:
         causes = [r for r in failed if not any(s in summaries[r] for s in _PEER_LOST)]
         if causes:
             self._stopped_for_failure = True
-            summary = summaries[causes[0]]
-            failed = causes
             self.stop(
-                f"stopped: rank {failed[0]} failed ({summary}); the other ranks would "
-                "wait for it in their next collective"
+                f"stopped: rank {causes[0]} failed ({summaries[causes[0]]}); the other "
+                "ranks would wait for it in their next collective"
             )
 
     def _commit(self) -> None:

@@ -23,6 +23,7 @@ what to change (:func:`wait_for_data_room`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -276,23 +277,21 @@ class DataWatch:
         fetch: Callable[[], tuple[list[dict], dict[str, float]]],
         note: Callable[[str], None],
         poll_s: float = 1.0,
+        since: float | None = None,
     ) -> None:
-        import threading
-
         self._names = names
         self._fetch = fetch
         self._note = note
         self._poll_s = poll_s
         self._ended = threading.Event()
         self._lock = threading.Lock()
-        self._since = time.time()
+        # Executions that started before (the cell's start) are earlier cells' epochs.
+        self._since = time.time() if since is None else since
         self._shown: dict[str, float] = {}  # each execution, when it was last shown
         self._stuck_noted: set[str] = set()
         self._finished: set[str] = set()
 
     def start(self) -> None:
-        import threading
-
         threading.Thread(target=self._run, name="rtnb-data-watch", daemon=True).start()
 
     def _run(self) -> None:
