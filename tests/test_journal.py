@@ -160,7 +160,10 @@ def test_replaying_finished_resume_pattern_cells_costs_their_setup_not_their_tra
         killer.join()
         report = session.last_recovery.replay
         assert report.cells == 10
-        assert report.duration_s < 0.1 * trained_s, (report.duration_s, trained_s)
+        # Re-training would take about trained_s (~22 s); each replayed cell starts past
+        # the latest checkpoint and costs its set-up (well under a second in all): half
+        # of the training separates the two without racing a busy machine.
+        assert report.duration_s < 0.5 * trained_s, (report.duration_s, trained_s)
         assert session.run("i") == {0: 75, 1: 75}
 
 

@@ -1,7 +1,7 @@
 """The kernel outlives its Ray: the warm Ray's host, its GCS alone, or a
 `ray start --head` used with --address is SIGKILLed during a foreground and,
-after a new start at once, during a background cell. Each cell ends within 5 s
-with one line naming what died and what to do; status and stop answer at once;
+after a new start at once, during a background cell. Each cell ends in about a
+second with one line naming what died and what to do; status and stop answer at once;
 the process lives on past Ray's own 60 s "GCS gone, exit" timeout; a new start in
 the same process works, and --replay brings the ranks' variables back from the
 journal."""
@@ -74,7 +74,16 @@ for n, how in enumerate(("foreground", "background")):
     kill_out = {"how": how, "x": s.run("x") if n else None}
     if n == 0:
         s.run("x = 41")
-    killed = threading.Timer(2.0, kill)
+    # The kill comes once the loop is running on the ranks (its first report), not
+    # after a fixed time, which a slow start could outlast.
+    running = threading.Event()
+    unsubscribe = s.metrics.subscribe(lambda rank, batch: running.set())
+    killed_at = []
+    def kill_when_running():
+        running.wait(120)
+        killed_at.append(time.monotonic())
+        kill()
+    killed = threading.Thread(target=kill_when_running)
     killed.start()
     started = time.monotonic()
     try:
@@ -86,8 +95,9 @@ for n, how in enumerate(("foreground", "background")):
     except Exception as exc:
         kill_out["error"] = [type(exc).__name__, str(exc)]
     killed.join()
-    first_kill = first_kill or started + 2.0
-    kill_out["ended_after_kill_s"] = time.monotonic() - started - 2.0
+    unsubscribe()
+    first_kill = first_kill or killed_at[0]
+    kill_out["ended_after_kill_s"] = time.monotonic() - killed_at[0]
     t = time.monotonic(); status = s.status(); kill_out["status"] = [status.state, status.cell, time.monotonic() - t]
     t = time.monotonic(); s.stop(); kill_out["stop_s"] = time.monotonic() - t
     out["kills"].append(kill_out)
@@ -163,10 +173,12 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
         assert kind == "ClusterError", kill
         assert "is gone" in text and "--name lost --replay" in text, text
         assert "\n" not in text
-        assert kill["ended_after_kill_s"] < 5, kill
+        # Bounds ~10x what they take (about 1 s; milliseconds): they catch a wait on
+        # the dead Ray (Ray's own time-outs are 30-60 s), not a busy machine.
+        assert kill["ended_after_kill_s"] < 10, kill
         state, cell, status_s = kill["status"]
-        assert state == "failed" and "is gone" in cell and status_s < 1.0, kill
-        assert kill["stop_s"] < 1.0, kill
+        assert state == "failed" and "is gone" in cell and status_s < 5, kill
+        assert kill["stop_s"] < 5, kill
     # The immediate new start had the ranks' variables back from the journal.
     assert out["kills"][1]["x"] in ({"0": 41, "1": 41}, {0: 41, 1: 41}), out["kills"][1]
     if victim == "host":

@@ -333,7 +333,9 @@ def test_warm_status_and_stop_from_a_notebook_and_the_shell(tmp_path):
         assert "%rtnb start --name w --replay" in waited.evalue, waited
         status = cell("%rtnb status")
         shown = status.text + "".join(r.get("text/plain", "") for r in status.results)
-        assert status.elapsed_s < 1 and ": failed," in shown, (forced.text, shown)
+        # Answered without Ray (milliseconds); 5 s catches a wait on the dead Ray
+        # (Ray's own time-outs are 30-60 s), not a busy machine.
+        assert status.elapsed_s < 5 and ": failed," in shown, (forced.text, shown)
         cell("%rtnb stop")
         # A new start in the same kernel starts a fresh warm Ray and replays the run.
         cell(f"%rtnb start --workers 2 --storage {tmp_path}/runs --name w --replay")
