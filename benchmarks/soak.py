@@ -93,6 +93,8 @@ def main() -> None:
             f"{final[name]:7.1f} MB, growth {grew:+6.1f} MB"
         )
     print(f"  largest growth {worst:+.1f} MB (goal ≤ 50 MB): {'met' if worst <= 50 else 'MISSED'}")
+    if worst > 50:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
