@@ -54,3 +54,18 @@ def run_phase(
         [sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=timeout
     )
     return phase_result(proc, what)
+
+
+def peer_first() -> bool:
+    """Whether this round runs the peer's side first (``run.py`` alternates it)."""
+    return os.environ.get("RTNB_BENCH_PEER_FIRST") == "1"
+
+
+def in_order(rtnb_side: str, *peer_sides: str) -> list[str]:
+    """The sides of one round in the order ``run.py`` asked for."""
+    return [*peer_sides, rtnb_side] if peer_first() else [rtnb_side, *peer_sides]
+
+
+def emit(**figures: float | None) -> None:
+    """This round's figures, on the one line ``run.py`` reads."""
+    print("FIGURES " + json.dumps(figures), flush=True)

@@ -5,7 +5,12 @@ Plain: every rank torch.save()s its state to the storage directory, then
 torch.load()s it. rtnb: every rank reports it as a checkpoint (its shard uploaded
 and hashed in parallel, the driver commits the manifest), then loads it back
 through ``rtnb.get_checkpoint().load_state()`` (files verified against the
-manifest first), and once more with ``full_verify=True`` (every byte re-hashed). Times are the wall time of the cell on the driver.
+manifest first), and once more with ``full_verify=True`` (every byte re-hashed).
+
+Both sides are durable alike: a save is timed from its cell's start until its files
+are complete (rtnb: until the driver lists the checkpoint committed, its shards
+written by the ranks' upload threads) and a following ``os.sync()`` on every rank
+has returned; a load likewise ends with ``os.sync()``. The sides alternate.
 
     .venv/bin/python benchmarks/checkpoint_io.py [--mb 150]
 """
@@ -24,7 +29,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from _common import embedded_ray, quiet
+    from _common import embedded_ray, emit, in_order, quiet
 
     import rtnb
 
@@ -35,30 +40,47 @@ def main() -> None:
         f"import torch, os, rtnb, torch.distributed as dist\n"
         f"state = {{'w': torch.randn({args.mb} * 1024 * 1024 // 4), 'rank': dist.get_rank()}}\n"
         f"plain_dir = os.path.join({storage!r}, 'plain')\nos.makedirs(plain_dir, exist_ok=True)\n"
-        "step = 0",
+        "pass",
         output=quiet,
     )
 
-    def timed(code: str) -> float:
+    def timed(code: str, *, committed_step: int | None = None) -> float:
+        """The cell, then (rtnb) until the driver lists the checkpoint committed, then
+        os.sync() on every rank: the same durability for both sides."""
         t0 = time.perf_counter()
         session.run(code, output=quiet)
+        while committed_step is not None:
+            latest = session.checkpoints.latest()
+            if latest is not None and latest.step == committed_step:
+                break
+            time.sleep(0.005)
+        session.run("os.sync()", output=quiet)
         return time.perf_counter() - t0
 
     plain_save, plain_load, rtnb_save, rtnb_load, rtnb_full = [], [], [], [], []
+    step = 0
     for _ in range(args.repeats):
-        plain_save.append(
-            timed(
-                "p = os.path.join(plain_dir, f'rank{dist.get_rank()}.pt')\ntorch.save(state, p)\nos.sync()"
-            )
-        )
-        plain_load.append(timed("back = torch.load(p, weights_only=True)"))
-        rtnb_save.append(
-            timed(
-                "step += 1\nrtnb.report({'step': step}, checkpoint=rtnb.Checkpoint.from_state(state))\nos.sync()"
-            )
-        )
-        rtnb_load.append(timed("back = rtnb.get_checkpoint().load_state()"))
-        rtnb_full.append(timed("back = rtnb.get_checkpoint().load_state(full_verify=True)"))
+        for side in in_order("rtnb", "plain"):
+            if side == "plain":
+                plain_save.append(
+                    timed(
+                        "p = os.path.join(plain_dir, f'rank{dist.get_rank()}.pt')\n"
+                        "torch.save(state, p)"
+                    )
+                )
+                plain_load.append(timed("back = torch.load(p, weights_only=True)"))
+            else:
+                step += 1
+                rtnb_save.append(
+                    timed(
+                        f"rtnb.report({{'step': {step}}}, checkpoint=rtnb.Checkpoint.from_state(state))",
+                        committed_step=step,
+                    )
+                )
+                rtnb_load.append(timed("back = rtnb.get_checkpoint().load_state()"))
+                rtnb_full.append(
+                    timed("back = rtnb.get_checkpoint().load_state(full_verify=True)")
+                )
     checked = session.run(
         "bool(back['w'].equal(state['w'])) if back['rank'] == dist.get_rank() else 'shard of another rank'",
         output=quiet,
@@ -75,6 +97,9 @@ def main() -> None:
     rf = statistics.median(rtnb_full)
     print(f"restore, every byte re-hashed (full_verify=True) {rf:6.2f} s   ratio {rf / pl:.2f}x")
     print(f"round trip ratio {(rs + rl) / (ps + pl):.2f}x; restored state checked: {dict(checked)}")
+    if not all(v is True for v in checked.values()):
+        raise SystemExit(f"the restored state differs: {dict(checked)}")
+    emit(save_ratio=rs / ps, restore_ratio=rl / pl)
 
 
 if __name__ == "__main__":

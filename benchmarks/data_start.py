@@ -16,7 +16,7 @@ Ray Train, two rows:
     (1 CPU a worker, its default): Ray Data's tasks never get a CPU; the fit is
     ended after ``--peer-timeout`` s and reported as not finished;
   * tuned alike: ``ray.init(num_cpus=3)``, the one CPU rtnb keeps for Ray Data,
-    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1``, and rtnb's lazy stand-in for
+    Ray Train's settings from ``peers.py``, and rtnb's lazy stand-in for
     jsonschema's IRI grammar on its processes' path (as rtnb's Ray has it; see the
     README's *Cold start*). Measured from ``fit()``: first row,
     end of the loop, end of ``fit()`` (it starts its workers: its lifecycle).
@@ -135,12 +135,14 @@ def rtnb_round(rows: int) -> dict:
 
 
 def peer_round(cpus: int, rows: int, timeout_s: float) -> dict:
+    from peers import ray_train_env
+
     from rtnb.core._startup import with_lazy_imports
 
     # Tuned alike: Ray's processes skip jsonschema's IRI grammar build, as rtnb's do.
     env = {
         **os.environ,
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+        **ray_train_env(),
         "RAY_DEDUP_LOGS": "0",
         "PYTHONPATH": with_lazy_imports(os.environ.get("PYTHONPATH")),
     }
@@ -183,13 +185,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--peer-timeout", type=float, default=90.0)
+    parser.add_argument("--quick", action="store_true", help="no laptop-default TorchTrainer row")
     args = parser.parse_args()
+    from _common import emit, in_order
+
     cpus = os.cpu_count() or 1
     rtnb_runs, tuned_runs = [], []
     for _ in range(args.rounds):
-        rtnb_runs.append(rtnb_round(args.rows))
-        tuned_runs.append(peer_round(cpus + 1, args.rows, args.peer_timeout * 3))
-    laptop = peer_round(cpus, args.rows, args.peer_timeout)
+        for side in in_order("rtnb", "peer"):
+            if side == "rtnb":
+                rtnb_runs.append(rtnb_round(args.rows))
+            else:
+                tuned_runs.append(peer_round(cpus + 1, args.rows, args.peer_timeout * 3))
+    laptop = None if args.quick else peer_round(cpus, args.rows, args.peer_timeout)
     print(
         f"Ray Data cell start, {args.rows} rows on 2 ranks, {cpus}-CPU machine, "
         f"{args.rounds} rounds (min / median / max, seconds)"
@@ -203,20 +211,18 @@ def main() -> None:
             f"{name:44} {_spread([r['first_row_s'] for r in runs]):>20} "
             f"{_spread([r['read_s'] for r in runs]):>20} {_spread([r['total_s'] for r in runs]):>20}"
         )
-    verdict = (
-        f"did not finish: no row read after {laptop['waited_s']:.0f} s (ended)"
-        if not laptop["finished"]
-        else f"finished in {laptop['total_s']:.2f} s"
-    )
-    print(f"{f'TorchTrainer, ray.init() ({cpus} CPUs, laptop)':44} {verdict}")
+    if laptop is not None:
+        verdict = (
+            f"did not finish: no row read after {laptop['waited_s']:.0f} s (ended)"
+            if not laptop["finished"]
+            else f"finished in {laptop['total_s']:.2f} s"
+        )
+        print(f"{f'TorchTrainer, ray.init() ({cpus} CPUs, laptop)':44} {verdict}")
     ratio = statistics.median(r["total_s"] for r in tuned_runs) / statistics.median(
         r["total_s"] for r in rtnb_runs
     )
     print(f"ratio total (TorchTrainer tuned fit / rtnb cell): {ratio:.2f}x")
-    print(
-        "RESULT "
-        + json.dumps({"rtnb": rtnb_runs, "torchtrainer_tuned": tuned_runs, "torchtrainer": laptop})
-    )
+    emit(total_ratio=ratio, rtnb_cell_s=statistics.median(r["total_s"] for r in rtnb_runs))
 
 
 if __name__ == "__main__":

@@ -169,9 +169,11 @@ def phase_trainer(device: str, workers: int) -> dict:
 
 def _run_phase(name: str, device: str, workers: int) -> dict:
     from _common import run_phase
+    from peers import ray_train_env
 
     args = ["--phase", name, "--device", device, "--workers", str(workers)]
-    return run_phase(__file__, args, f"phase {name}", 1200)
+    env = ray_train_env() if name == "trainer" else {}
+    return run_phase(__file__, args, f"phase {name}", 1200, env)
 
 
 PHASES = {"torchrun": phase_torchrun, "rtnb": phase_rtnb, "trainer": phase_trainer}
@@ -192,9 +194,11 @@ def main() -> None:
         f"ddp_throughput: {args.workers} rank(s), {backend}, {args.device}; {STEPS} timed steps after "
         f"{WARMUP} warm-up; {args.rounds} interleaved rounds, median"
     )
+    from _common import emit, in_order
+
     seen: dict[str, list[float]] = {name: [] for name in PHASES}
     for _ in range(args.rounds):
-        for name in PHASES:
+        for name in in_order("rtnb", "torchrun", "trainer"):
             seen[name].append(_run_phase(name, args.device, args.workers)["step_s"])
     step = {name: statistics.median(values) for name, values in seen.items()}
     base = step["torchrun"]
@@ -202,7 +206,7 @@ def main() -> None:
     for name, label in (
         ("torchrun", "torchrun"),
         ("rtnb", "rtnb cell"),
-        ("trainer", "TorchTrainer.fit"),
+        ("trainer", "TorchTrainer.fit (tuned)"),
     ):
         runs = ", ".join(f"{v * 1e3:.1f}" for v in seen[name])
         print(
@@ -210,6 +214,7 @@ def main() -> None:
             f"torchrun   (runs: {runs} ms)"
         )
     print(f"goal: rtnb >= 0.98x torchrun's throughput -> {base / step['rtnb']:.3f}x")
+    emit(rtnb_vs_torchrun=base / step["rtnb"], trainer_vs_torchrun=base / step["trainer"])
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ For 2 and 8 ranks, each reporting 100 times a second for ``--seconds`` (fed into
 kernel's metrics store in 50 ms batches per rank, as the long-polls deliver them):
 
 - rtnb: ``LiveMetrics`` on the store, redrawing on its own thread;
-- peer: the plot a user writes themselves, a ``FigureWidget`` with one trace per rank
-  whose ``x``/``y`` are set from every point so far, 10 times a second (the same
-  rate as rtnb's ceiling).
+- peer: the plot a careful user writes themselves, a ``FigureWidget`` with one trace
+  per rank, redrawn at most 10 times a second (rtnb's ceiling) when points arrived,
+  each trace thinned to 1,000 points (see ``_PeerView``).
 
 Printed per side: the kernel CPU share of the drawing thread (thread CPU time over
 wall time), the mean cost of one redraw, redraws per second, and the plot's lag:
@@ -68,11 +68,13 @@ def _drawn_last(figure, ranks: int) -> dict[int, int]:
 
 
 class _PeerView:
-    """The hand-written live plot: every point into one FigureWidget at 10 Hz, a
-    subplot per metric and a trace per rank (rtnb's figure also has each metric's
-    mean)."""
+    """The live plot a careful user writes: one FigureWidget, a subplot per metric and
+    a trace per rank (rtnb's figure also has each metric's mean), redrawn at most 10
+    times a second and only when points arrived, each trace thinned to at most
+    MAX_POINTS (every k-th point and the last), all traces in one batch_update."""
 
     METRICS = ("loss", "acc")
+    MAX_POINTS = 1000
 
     def __init__(self, store, ranks: int) -> None:
         import plotly.graph_objects as go
@@ -94,15 +96,28 @@ class _PeerView:
         self.thread.start()
 
     def _loop(self) -> None:
+        drawn = -1
         while not self._stop.wait(0.1):
             started = time.thread_time()
+            arrived = self.store.count()
+            if arrived == drawn:
+                continue
+            drawn = arrived
             with self.figure.batch_update():
                 for index, trace in enumerate(self.figure.data):
                     metric, rank = self.METRICS[index // self.ranks], index % self.ranks
                     steps, _times, values = self.store.series(metric, rank)
-                    trace.x, trace.y = list(steps), list(values)
+                    trace.x, trace.y = self._thin(list(steps)), self._thin(list(values))
             self.spent += time.thread_time() - started
             self.redraws += 1
+
+    @classmethod
+    def _thin(cls, points: list) -> list:
+        stride = -(-len(points) // cls.MAX_POINTS)
+        if stride <= 1:
+            return points
+        kept = points[::stride]
+        return kept if (len(points) - 1) % stride == 0 else [*kept, points[-1]]
 
     def close(self) -> None:
         self._stop.set()
@@ -165,11 +180,14 @@ def main() -> None:
     args = parser.parse_args()
     tempfile.tempdir = tempfile.mkdtemp(prefix="rtnb-live-bench-")
     # As in a kernel after `%rtnb start`: plotly's widget machinery imported already.
+    from _common import emit, in_order
     from plotly.graph_objects import FigureWidget  # noqa: F401
 
     print(f"live_view: {RATE_HZ} reports/s per rank for {args.seconds:g} s, no frontend attached")
+    figures = {}
     for ranks in (2, 8):
-        results = {kind: _measure(kind, ranks, args.seconds) for kind in ("rtnb", "peer")}
+        measured = {kind: _measure(kind, ranks, args.seconds) for kind in in_order("rtnb", "peer")}
+        results = {kind: measured[kind] for kind in ("rtnb", "peer")}
         for kind, r in results.items():
             print(
                 f"  {ranks} ranks, {kind:4}: drawing CPU {100 * r['cpu_share']:5.1f}% of a core | "
@@ -184,6 +202,14 @@ def main() -> None:
             f"lag p95 {ours['lag_p95'] / max(1, peer['lag_p95']):.2f}x "
             f"(goal: p95 lag <= 1 s = {RATE_HZ} steps)"
         )
+        figures.update(
+            {
+                f"cpu_ratio_{ranks}": ours["cpu_share"] / peer["cpu_share"],
+                f"p95_lag_steps_{ranks}": ours["lag_p95"],
+                f"cpu_share_{ranks}": 100 * ours["cpu_share"],
+            }
+        )
+    emit(**figures)
 
 
 if __name__ == "__main__":

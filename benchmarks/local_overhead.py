@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
 
+    from _common import emit, in_order
+
     import rtnb
 
     session = rtnb.Session(workers=0, storage=tempfile.mkdtemp(prefix="rtnb-bench-"))
@@ -61,12 +63,14 @@ def main() -> None:
             exec(compiled, plain)
         ours, theirs = [], []
         for _ in range(args.runs):
-            t0 = time.perf_counter()
-            session.run(code, output=quiet)
-            ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            exec(compiled, plain)
-            theirs.append(time.perf_counter() - t0)
+            for side in in_order("rtnb", "exec"):
+                t0 = time.perf_counter()
+                if side == "rtnb":
+                    session.run(code, output=quiet)
+                    ours.append(time.perf_counter() - t0)
+                else:
+                    exec(compiled, plain)
+                    theirs.append(time.perf_counter() - t0)
         ratio = statistics.median(ours) / statistics.median(theirs)
         print(
             f"(1) training cell, {args.steps} steps with a report each: local mode "
@@ -86,6 +90,7 @@ def main() -> None:
             f"(2) trivial cell: local mode {statistics.median(trivial) * 1e3:.2f} ms "
             f"(p95 {sorted(trivial)[int(0.95 * len(trivial))] * 1e3:.2f} ms) vs exec {exec_us:.1f} us"
         )
+        emit(train_ratio=ratio)
     finally:
         session.stop()
 

@@ -6,7 +6,7 @@
    the kernel's CPU per report received during them (process time, all threads);
 2. the most reports per second one rank sustains (every one reaching the driver);
 3. report -> driver latency, p50/p95, at 100 reports/s per rank;
-4. for contrast, Ray Train's ``ray.train.report()`` per call, at its defaults.
+4. for contrast, Ray Train's ``ray.train.report()`` per call, tuned as peers.py says.
 
 With ``--device cuda`` (one rank on a GPU) it measures instead what reporting a
 CUDA loss every step costs a GPU loop: the loss tensor itself
@@ -19,6 +19,7 @@ Ray Train loop writes: a GPU sync per step) and, for contrast, the bare sync.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -50,7 +51,7 @@ LOOPS = [
 ]
 
 
-def _loop_overhead(session, quiet, target_s: float, size: int, metrics: dict):
+def _loop_overhead(session, quiet, target_s: float, size: int, metrics: dict, runs: int = 9):
     """(median ratio, runs, seconds per step, kernel CPU microseconds per report)."""
     inner = 4
     for _ in range(3):
@@ -61,7 +62,7 @@ def _loop_overhead(session, quiet, target_s: float, size: int, metrics: dict):
     session.run(LOOP.format(inner=inner, size=size, metrics=metrics), output=quiet)
     steps = max(2000, int(1.0 / target_s))
     ratios, base, cpu_per_report = [], [], []
-    for _ in range(9):
+    for _ in range(runs):
         without = max(session.run(f"run({steps}, False)", output=quiet).values())
         before = session.metrics.count()
         cpu = time.process_time()
@@ -138,23 +139,62 @@ def main_cuda() -> None:
     print(f"  reports received: {received:,} (sent {sent:,})")
 
 
+def _ray_train_report_cost() -> float:
+    """Seconds per ``ray.train.report()`` call on 2 workers, tuned as peers.py says."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cost_file = tempfile.mktemp(prefix="rtnb-raytrain-cost-")
+
+    def loop(config):
+        import time as _t
+
+        import ray.train as rt
+
+        costs = []
+        for i in range(4):
+            t0 = _t.perf_counter()
+            rt.report({"i": i})
+            costs.append(_t.perf_counter() - t0)
+        if rt.get_context().get_world_rank() == 0:
+            with open(config["cost_file"], "w") as out:
+                out.write(str(sum(costs) / len(costs)))
+
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config={"cost_file": cost_file},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp()),
+    )
+    trainer.fit()
+    with open(cost_file) as src:
+        return float(src.read())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    if parser.parse_args().device == "cuda":
+    parser.add_argument("--quick", action="store_true", help="two loop speeds, 5 runs each")
+    args = parser.parse_args()
+    if args.device == "cuda":
         main_cuda()
         return
 
-    from _common import embedded_ray, quiet
+    from _common import embedded_ray, emit, peer_first, quiet
+    from peers import ray_train_env
 
     import rtnb
 
+    # Ray Train's controller reads its settings from the environment Ray starts with.
+    os.environ.update(ray_train_env())
     embedded_ray()
+    ray_train_cost = _ray_train_report_cost() if peer_first() else None
     session = rtnb.Session(workers=2, storage=tempfile.mkdtemp(prefix="rtnb-bench-")).start()
 
+    runs = 5 if args.quick else 9
     loops = [
-        (label, goal, _loop_overhead(session, quiet, target, size, metrics))
-        for label, target, size, metrics, goal in LOOPS
+        (label, goal, _loop_overhead(session, quiet, target, size, metrics, runs))
+        for label, target, size, metrics, goal in (LOOPS[:2] if args.quick else LOOPS)
     ]
 
     # Max sustained rate: report as fast as possible for 2 s; all must reach the driver.
@@ -184,35 +224,8 @@ def main() -> None:
     p50 = latencies[len(latencies) // 2]
     p95 = latencies[int(len(latencies) * 0.95)]
 
-    # Ray Train's report at defaults, same machine, same run.
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    cost_file = tempfile.mktemp(prefix="rtnb-raytrain-cost-")
-
-    def loop(config):
-        import time as _t
-
-        import ray.train as rt
-
-        costs = []
-        for i in range(4):
-            t0 = _t.perf_counter()
-            rt.report({"i": i})
-            costs.append(_t.perf_counter() - t0)
-        if rt.get_context().get_world_rank() == 0:
-            with open(config["cost_file"], "w") as out:
-                out.write(str(sum(costs) / len(costs)))
-
-    trainer = TorchTrainer(
-        loop,
-        train_loop_config={"cost_file": cost_file},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp()),
-    )
-    trainer.fit()
-    with open(cost_file) as src:
-        ray_train_cost = float(src.read())
+    if ray_train_cost is None:
+        ray_train_cost = _ray_train_report_cost()
 
     print("report_overhead: 2 ranks, gloo, CPU, embedded Ray (2 CPUs)")
     for label, goal, (ratio, runs, per_step, cpu_us) in loops:
@@ -229,8 +242,17 @@ def main() -> None:
         f"3. report -> driver latency: p50 {p50 * 1e3:.0f} ms, p95 {p95 * 1e3:.0f} ms (goal p95 <= 150 ms), n={len(latencies)}"
     )
     print(
-        f"4. Ray Train report() at defaults, same run: {ray_train_cost * 1e3:,.0f} ms per call "
+        f"4. Ray Train report(), tuned (peers.py), same run: {ray_train_cost * 1e3:,.0f} ms per call "
         f"(rtnb at the sustained rate: {1e6 / rate:.1f} us per call)"
+    )
+    by_label = {label: ratio for label, _goal, (ratio, *_rest) in loops}
+    emit(
+        loop_1khz=by_label.get("~1 kHz"),
+        loop_10khz=by_label.get("~10 kHz"),
+        kernel_us_per_report=max(cpu for *_x, (_r, _runs, _p, cpu) in loops),
+        reports_per_s=rate,
+        p95_ms=p95 * 1e3,
+        ray_train_per_call=ray_train_cost / (1.0 / rate),
     )
 
 

@@ -133,7 +133,7 @@ def main() -> None:
     if args.phase:
         print("RESULT " + json.dumps(phase(args.phase)))
         return
-    from _common import run_phase
+    from _common import emit, run_phase
 
     sizes = [int(x) for x in args.sizes.split(",")]
     print(f"scale: rtnb's embedded Ray (2 CPUs), ranks with 1.9/N CPUs each, sizes {sizes}")
@@ -158,6 +158,11 @@ def main() -> None:
             f" (goal <= 3x at 32), kernel CPU {r['cpu_plain'] * 100:.1f}% (goal <= 10% at 32),"
             f" start {r['start_s'] / base['start_s']:.1f}x"
         )
+    largest = rows[-1]
+    emit(
+        trivial_ratio_max=largest["trivial_s"] / base["trivial_s"],
+        kernel_cpu_max=largest["cpu_plain"] * 100,
+    )
 
 
 if __name__ == "__main__":

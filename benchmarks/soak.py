@@ -39,7 +39,7 @@ def main() -> None:
 
     import os
 
-    from _common import embedded_ray, quiet
+    from _common import embedded_ray, emit, quiet
 
     import rtnb
 
@@ -93,6 +93,10 @@ def main() -> None:
             f"{final[name]:7.1f} MB, growth {grew:+6.1f} MB"
         )
     print(f"  largest growth {worst:+.1f} MB (goal ≤ 50 MB): {'met' if worst <= 50 else 'MISSED'}")
+    emit(
+        kernel_growth_mb=final["kernel"] - baseline["kernel"],
+        rank_growth_mb=max(final[n] - baseline[n] for n in final if n.startswith("rank")),
+    )
     if worst > 50:
         sys.exit(1)
 

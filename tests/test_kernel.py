@@ -128,7 +128,13 @@ def test_background_cell_runs_while_other_cells_work(kernel):
     assert kernel.execute("x_in_notebook = 1 + 1").status == "ok"
     status = kernel.execute("%rtnb status").results[-1]["text/plain"]
     assert "running" in status and "background" in status
-    assert kernel.execute("%rtnb pull i").status == "ok"
+    # The running loop's own variable, read while it runs: one value per rank.
+    pull = kernel.execute("%rtnb pull i")
+    assert pull.status == "ok", pull.text
+    pulled = pull.results[-1]["text/plain"]
+    values = eval(pulled)
+    assert isinstance(values, list) and len(values) == 2, pulled
+    assert all(isinstance(v, int) and 0 <= v < 40 for v in values), pulled
     waited = kernel.execute("%rtnb wait --timeout 30")
     assert waited.results[-1]["text/plain"] == "[rank 0] 'done'\n[rank 1] 'done'"
 

@@ -30,9 +30,13 @@ def _killer(session, kills: int, done: threading.Event, committed_seen: list, ga
     rng = random.Random(7)
     killed = 0
     while killed < kills and not done.is_set():
-        # Let the rebuilt group make progress (commit at least one more checkpoint).
-        before = len(session.checkpoints.list())
+        # Each kill is its own failure: wait until the last one was noticed, then
+        # for the rebuilt group to make progress (commit one more checkpoint), so a
+        # kill never lands on a group already being replaced.
         deadline = time.monotonic() + 60
+        while session.failures < killed and time.monotonic() < deadline and not done.is_set():
+            time.sleep(0.05)
+        before = len(session.checkpoints.list())
         while time.monotonic() < deadline and not done.is_set():
             if session.state.value == "running" and len(session.checkpoints.list()) > before:
                 break
@@ -182,10 +186,8 @@ def test_kills_during_shard_writes_never_leave_a_partial_checkpoint_listed(ray_c
         finally:
             done.set()
             killer.join(timeout=30)
-        # Two kills can land within one failure (the second while the first is being
-        # noticed), so count at least most of them; what matters below is that none
-        # left a partial checkpoint behind.
-        assert session.failures >= kills - 3
+        # The killer waits for each failure to be noticed before the next kill.
+        assert session.failures == kills, f"{session.failures} recoveries for {kills} kills"
         assert value[0] == value[1] > 0
         listed = session.checkpoints.list(include_incomplete=True)
         assert all(c.status == "committed" for c in listed), [

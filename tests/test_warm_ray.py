@@ -209,7 +209,11 @@ print(json.dumps({
     "cpus_held": ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0),
     "ray_s": s.last_start.seconds("Ray"),
 }), flush=True)
-busy = "import time\nwhile True:\n    time.sleep(0.001)"
+busy = (
+    "import os, time, rtnb\n"
+    f"open(os.path.join({sys.argv[3]!r}, str(rtnb.get_context().world_rank)), 'w').close()\n"
+    "while True:\n    time.sleep(0.001)"
+)
 if sys.argv[2] == "background":
     s.run_background(busy)
 print("ready", flush=True)
@@ -221,7 +225,7 @@ time.sleep(600)
 
 def test_a_killed_kernels_ranks_end_at_once(tmp_path):
     """A kernel SIGKILLed idle, during a foreground and during a background cell: its
-    ranks end within 2 s although nobody reaped the kernel (a zombie, as under a
+    ranks end within seconds although nobody reaped the kernel (a zombie, as under a
     Jupyter server), its CPUs are free, and the next kernel takes warm spare ranks."""
     (tmp_path / "nb").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -230,8 +234,10 @@ def test_a_killed_kernels_ranks_end_at_once(tmp_path):
     took: dict[str, float] = {}
     try:
         for when in ("idle", "foreground", "background"):
+            marks = tmp_path / f"running-{when}"
+            marks.mkdir()
             kernel = subprocess.Popen(
-                [sys.executable, "-c", DYING, str(tmp_path / "runs"), when],
+                [sys.executable, "-c", DYING, str(tmp_path / "runs"), when, str(marks)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -251,7 +257,11 @@ def test_a_killed_kernels_ranks_end_at_once(tmp_path):
                 # and its CPUs were free: only this kernel's group holds any.
                 assert seen["spares_taken"] == 2, f"{when}: {seen}"
                 assert seen["cpus_held"] == 1.0, f"{when}: the dead kernel's CPUs: {seen}"
-            time.sleep(0.5)  # the cell is running on the ranks
+            if when != "idle":  # wait until the cell runs on both ranks
+                deadline = time.monotonic() + 60
+                while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert len(list(marks.iterdir())) == 2, f"{when}: the cell never ran"
             kernel.kill()  # not waited for: the kernel stays a zombie
             killed = time.monotonic()
             assert _wait_gone(seen["ranks"], 20) == [], f"{when}: ranks outlived the kernel"
@@ -259,7 +269,8 @@ def test_a_killed_kernels_ranks_end_at_once(tmp_path):
             kernel.wait()
             _wait_for_spares(tmp_path / "home", 2, timeout_s=60)
         print("ranks ended after", took)
-        assert max(took.values()) < 2.0, took
+        # Typically well under a second; the bound leaves room for a busy machine.
+        assert max(took.values()) < 10.0, took
     finally:
         if host is not None:
             for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import threading
+import time
 
 import ipywidgets as w
 import plotly.graph_objects as go
@@ -160,7 +161,9 @@ class RunsDashboard(w.VBox):
         self._runs: list = []
         self._rows: list[dict] = []
         self._busy = False
-        self.title = w.HTML(f"<b>{html.escape(title)}</b>" if title else "")
+        self._title = f"<b>{html.escape(title)}</b>" if title else ""
+        self._refresh_s = refresh_s
+        self.title = w.HTML(self._title)
         self.metric = w.Dropdown(options=[], description="metric", layout=w.Layout(width="220px"))
         self.sort = w.Dropdown(
             options=list(_SORTS),
@@ -253,6 +256,7 @@ class RunsDashboard(w.VBox):
                     continue
                 self._loaded_at[run.name] = run.updated
         self._runs = runs
+        self._show_freshness()
         names = list(
             dict.fromkeys(
                 m
@@ -271,6 +275,20 @@ class RunsDashboard(w.VBox):
         finally:
             self._busy = False
         self._render_table()
+
+    def _show_freshness(self) -> None:
+        """Say, while a run is live, when its curves were last read: a plot that stopped
+        moving is then told apart from a run that stopped reporting."""
+        live = [run.name for run in self._runs if run.state == "live"]
+        if not live or self._refresh_s <= 0:
+            self.title.value = self._title
+            return
+        read_at = time.strftime("%H:%M:%S")
+        note = (
+            f"live: {html.escape(', '.join(live))}, re-read every {self._refresh_s:g} s, "
+            f"last at {read_at}"
+        )
+        self.title.value = f'{self._title} <span class="rtnb-runs-read">{note}</span>'
 
     def _follow(self, every_s: float) -> None:
         while not self._closed.wait(every_s):

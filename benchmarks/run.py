@@ -1,0 +1,491 @@
+"""Every benchmark against its peer, several rounds, one table that judges itself.
+
+    .venv/bin/python benchmarks/run.py [--quick] [--check] [--only NAME[,NAME]] [--json FILE]
+
+Each benchmark script runs once per round in a fresh process (and runs each side in
+fresh processes of its own where it starts Ray or a kernel); rounds alternate which
+side goes first (``RTNB_BENCH_PEER_FIRST``), so the machine's drift over a run hits
+both alike. A round prints its figures on one ``FIGURES {json}`` line; this runner
+keeps every round's value and prints, per figure: its goal, min / median / max over
+the rounds, MET or MISSED (judged on the median), and what the peer was and how it
+was tuned (``peers.py``). ``--check`` exits 1 when a goal is missed or a benchmark
+failed. ``--json`` writes all of it, with the machine and the commit, for the docs.
+
+``--quick``: 3 rounds of smaller sizes (within 15 minutes on 2 cores); otherwise 5
+rounds of the sizes the docs quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from peers import PEERS  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str  # the name in the script's FIGURES line
+    label: str
+    unit: str  # "x" (a ratio), "s", "ms", "us", "/s", "MB", "%"
+    goal: float | None = None
+    lower_is_better: bool = True
+
+    def met(self, value: float | None) -> bool | None:
+        if self.goal is None or value is None:
+            return None
+        return value <= self.goal if self.lower_is_better else value >= self.goal
+
+    def goal_text(self) -> str:
+        if self.goal is None:
+            return ""
+        return f"{'<=' if self.lower_is_better else '>='} {_fmt(self.goal, self.unit)}"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    figures: tuple[Figure, ...]
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ()
+    timeout_s: float = 600
+    needs: Callable[[], str | None] | None = None  # why it cannot run here, or None
+
+
+def _x(key: str, label: str, goal: float | None = None, lower: bool = True) -> Figure:
+    return Figure(key, label, "x", goal, lower)
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "cell_latency",
+        (
+            _x("trivial_ratio", "warm trivial cell vs plain actor exec", 1.5),
+            Figure("trivial_ms", "warm trivial cell", "ms"),
+            _x(
+                "lifecycle_ratio",
+                "lifecycle: warm fit() of a 20-step loop / the loop re-run in a live group",
+                50,
+                False,
+            ),
+            _x("start_ratio", "group start to ready vs first fit() to its loop", 0.25),
+        ),
+        quick_args=("--quick",),
+        timeout_s=400,
+    ),
+    Benchmark(
+        "report_overhead",
+        (
+            _x("loop_1khz", "~1 kHz loop with a report every step / without", 1.03),
+            _x("loop_10khz", "~10 kHz loop with a report every step / without", 1.05),
+            Figure("kernel_us_per_report", "kernel CPU per report", "us", 2.0),
+            Figure("reports_per_s", "sustained reports/s per rank", "/s", 200_000, False),
+            Figure("p95_ms", "report -> driver latency p95 at 100/s", "ms", 150),
+            _x("ray_train_per_call", "Ray Train report() per call / rtnb's"),
+        ),
+        quick_args=("--quick",),
+        timeout_s=400,
+    ),
+    Benchmark(
+        "ddp_throughput",
+        (
+            _x("rtnb_vs_torchrun", "rtnb cell's DDP throughput / torchrun's", 0.98, False),
+            _x("trainer_vs_torchrun", "TorchTrainer's DDP throughput / torchrun's"),
+        ),
+        args=("--rounds", "1"),
+        quick_args=("--rounds", "1"),
+        timeout_s=600,
+    ),
+    Benchmark(
+        "checkpoint_io",
+        (
+            _x("save_ratio", "checkpoint save, durable / torch.save durable", 1.2),
+            _x("restore_ratio", "restore (verified) / torch.load", 1.2),
+        ),
+        args=("--repeats", "3"),
+        quick_args=("--mb", "60", "--repeats", "2"),
+        timeout_s=400,
+    ),
+    Benchmark(
+        "cold_start",
+        (
+            _x(
+                "cold_server_ratio",
+                "cold, from a Jupyter server's launch: rtnb / jupyter-distributed+gloo",
+                1.0,
+            ),
+            _x(
+                "warm_server_ratio",
+                "warm, a kernel on a running server: rtnb / jupyter-distributed+gloo",
+                1.0,
+            ),
+            _x("cold_no_server_ratio", "cold, no server: rtnb embedded Ray / nbdistributed", 1.0),
+            Figure("warm_server_s", "warm: rtnb's next kernel to first result", "s", 1.0),
+        ),
+        args=("--rounds", "1", "--install-peers"),
+        quick_args=("--rounds", "1", "--install-peers", "--quick"),
+        timeout_s=600,
+    ),
+    Benchmark(
+        "data_start",
+        (
+            _x("total_ratio", "Ray Data cell: tuned TorchTrainer fit / rtnb cell", 1.0, False),
+            Figure("rtnb_cell_s", "rtnb Ray Data cell, every row read", "s"),
+        ),
+        args=("--rounds", "1"),
+        quick_args=("--rounds", "1", "--rows", "5000", "--quick"),
+        timeout_s=400,
+    ),
+    Benchmark(
+        "data_throughput",
+        (
+            _x(
+                "rows_ratio",
+                "Ray Data rows/s per rank, epochs 2-3: rtnb / TorchTrainer",
+                0.95,
+                False,
+            ),
+            _x("hf_ratio", "HF Trainer steps/s: rtnb / TorchTrainer", 0.98, False),
+        ),
+        quick_args=("--quick",),
+        timeout_s=600,
+    ),
+    Benchmark(
+        "elastic_shrink",
+        (
+            _x("resume_ratio", "node lost -> next step: rtnb / elastic TorchTrainer", 1.0),
+            Figure("rtnb_resume_s", "rtnb: node lost -> next step", "s"),
+        ),
+        timeout_s=600,
+    ),
+    Benchmark(
+        "live_view",
+        (
+            _x("cpu_ratio_8", "kernel CPU of the view, 8 ranks: rtnb / throttled FigureWidget"),
+            Figure("p95_lag_steps_8", "rtnb plot lag p95, 8 ranks at 100 steps/s", "steps", 100),
+            Figure("cpu_share_8", "rtnb view's kernel CPU share, 8 ranks", "%", 10),
+        ),
+        quick_args=("--seconds", "4"),
+        timeout_s=300,
+    ),
+    Benchmark(
+        "local_overhead",
+        (_x("train_ratio", "local-mode training cell / exec()", 1.1),),
+        quick_args=("--runs", "7"),
+        timeout_s=300,
+    ),
+    Benchmark(
+        "recovery_replay",
+        (
+            _x("replay_ratio", "journal replay / the cells' first run", 0.1),
+            _x("scale_ratio", "scale keeping state / restart + re-run by hand"),
+            _x("journal_ratio", "warm trivial cell with the journal / without"),
+        ),
+        quick_args=("--quick",),
+        timeout_s=400,
+    ),
+    Benchmark(
+        "stacks_latency",
+        (
+            _x("stacks_ratio", "all ranks' stacks: %rtnb stacks / py-spy dump", 1.0),
+            Figure("stacks_ms", "%rtnb stacks, 2 ranks", "ms", 200),
+        ),
+        quick_args=("--quick",),
+        timeout_s=300,
+        needs=lambda: None,
+    ),
+    Benchmark(
+        "sweep",
+        (_x("sweep_ratio", "8-trial grid: rtnb sweep / Tune + TorchTrainer", 0.5),),
+        quick_args=("--quick",),
+        timeout_s=600,
+    ),
+    Benchmark(
+        "scale",
+        (
+            _x("trivial_ratio_max", "trivial cell at 32 ranks (8 quick) / at 2 ranks", 3.0),
+            Figure("kernel_cpu_max", "kernel CPU, 32 ranks (8 quick) at 100 reports/s", "%", 10),
+        ),
+        quick_args=("--sizes", "2,8"),
+        timeout_s=400,
+    ),
+    Benchmark(
+        "soak",
+        (
+            Figure("kernel_growth_mb", "kernel RSS growth after warm-up", "MB", 50),
+            Figure("rank_growth_mb", "largest rank RSS growth after warm-up", "MB", 50),
+        ),
+        quick_args=("--cells", "200"),
+        timeout_s=600,
+    ),
+)
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "/s":
+        return f"{value:,.0f}/s"
+    if abs(value) >= 100:
+        return f"{value:,.0f} {unit}"
+    return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}"
+
+
+@dataclass
+class Round:
+    peer_first: bool
+    seconds: float
+    values: dict[str, float | None] = field(default_factory=dict)
+    error: str = ""
+
+
+def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
+    args = bench.quick_args if quick else bench.args
+    env = {**os.environ, "RTNB_BENCH_PEER_FIRST": "1" if peer_first else "0"}
+    env.pop("RAY_ADDRESS", None)  # each round starts what it measures
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / f"{bench.name}.py"), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=bench.timeout_s,
+            cwd=HERE.parent,
+        )
+    except subprocess.TimeoutExpired:
+        return Round(
+            peer_first,
+            time.perf_counter() - began,
+            error=f"no result within {bench.timeout_s:.0f} s",
+        )
+    took = time.perf_counter() - began
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("FIGURES ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
+        return Round(peer_first, took, error=f"exit {proc.returncode}: {' | '.join(tail)}"[:400])
+    return Round(peer_first, took, json.loads(lines[-1][len("FIGURES ") :]))
+
+
+@dataclass
+class Row:
+    benchmark: str
+    figure: str
+    label: str
+    unit: str
+    goal: str
+    values: list[float]
+    min: float | None
+    median: float | None
+    max: float | None
+    verdict: str  # MET, MISSED, "" (no goal), FAILED
+    peer: str
+
+
+def summarise(bench: Benchmark, rounds: list[Round]) -> list[Row]:
+    rows = []
+    failed = [r.error for r in rounds if r.error]
+    for fig in bench.figures:
+        values = [r.values[fig.key] for r in rounds if r.values.get(fig.key) is not None]
+        median = statistics.median(values) if values else None
+        met = fig.met(median)
+        if failed or median is None:
+            verdict = "FAILED" if fig.goal is not None or failed else ""
+        else:
+            verdict = "" if met is None else ("MET" if met else "MISSED")
+        rows.append(
+            Row(
+                bench.name,
+                fig.key,
+                fig.label,
+                fig.unit,
+                fig.goal_text(),
+                values,
+                min(values) if values else None,
+                median,
+                max(values) if values else None,
+                verdict,
+                PEERS.get(bench.name, ""),
+            )
+        )
+    return rows
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
+        ).stdout.strip()
+        return out.stdout.strip() + ("+changes" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def print_table(rows: list[Row], out=sys.stdout) -> None:
+    head = ("benchmark", "figure", "goal", "min", "median", "max", "verdict")
+    lines = [
+        (
+            r.benchmark,
+            r.label,
+            r.goal,
+            _fmt(r.min, r.unit),
+            _fmt(r.median, r.unit),
+            _fmt(r.max, r.unit),
+            r.verdict,
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    widths[1] = min(widths[1], 72)
+    for line in (head, *lines):
+        cells = [c if len(c) <= widths[i] else c[: widths[i] - 1] + "…" for i, c in enumerate(line)]
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip(), file=out)
+    print("\npeers (benchmarks/peers.py):", file=out)
+    for name in dict.fromkeys(r.benchmark for r in rows):
+        print(f"  {name}: {PEERS.get(name, '')}", file=out)
+
+
+DOCS = HERE.parent / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- run.py table: begin -->", "<!-- run.py table: end -->"
+
+
+def markdown(result: dict) -> str:
+    """The docs' table of one ``--json`` result: machine, commit, every figure."""
+    m = result["machine"]
+    lines = [
+        f"`benchmarks/run.py{' --quick' if result['quick'] else ''}`, {result['rounds']} rounds "
+        f"(min / median / max), {result['date']}, commit `{result['commit']}`, "
+        f"{m['cpus']} CPUs, {m['memory_gb']} GiB, Python {m['python']}; "
+        f"{result['minutes']} min in all.",
+        "",
+        "| benchmark | figure | goal | min | median | max | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for bench in result["benchmarks"]:
+        for row in bench["figures"]:
+            unit = row["unit"]
+            lines.append(
+                f"| {row['benchmark']} | {row['label']} | {row['goal'].replace('<=', '≤').replace('>=', '≥')} "
+                f"| {_fmt(row['min'], unit)} | {_fmt(row['median'], unit)} | {_fmt(row['max'], unit)} "
+                f"| {row['verdict']} |"
+            )
+        failed = [r["error"] for r in bench["rounds"] if r["error"]]
+        if failed:
+            lines.append(f"| {bench['benchmark']} | failed: {failed[0][:150]} | | | | | |")
+    lines += ["", "Peers, as `benchmarks/peers.py` sets them:", ""]
+    for bench in result["benchmarks"]:
+        lines.append(f"- `{bench['benchmark']}`: {PEERS.get(bench['benchmark'], '')}")
+    return "\n".join(lines)
+
+
+def write_docs(result: dict) -> None:
+    text = DOCS.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    DOCS.write_text(f"{head}{BEGIN}\n{markdown(result)}\n{END}{tail}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds of smaller sizes")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--rounds", type=int, default=0, help="override the round count")
+    parser.add_argument(
+        "--docs", action="store_true", help="write the table into docs/benchmarks.md"
+    )
+    parser.add_argument("--render", default="", help="print the docs' table of a --json FILE")
+    args = parser.parse_args()
+    if args.render:
+        print(markdown(json.loads(Path(args.render).read_text())))
+        return 0
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - {b.name for b in BENCHMARKS}
+    if unknown:
+        parser.error(f"no benchmark named {', '.join(sorted(unknown))}")
+    rounds = args.rounds or (3 if args.quick else 5)
+    began = time.perf_counter()
+    rows: list[Row] = []
+    report = []
+    for bench in chosen:
+        done: list[Round] = []
+        for k in range(rounds):
+            result = run_round(bench, args.quick, peer_first=bool(k % 2))
+            done.append(result)
+            what = result.error or ", ".join(
+                f"{key} {_fmt(v, 'x' if isinstance(v, float) and v < 100 else '')}".strip()
+                for key, v in result.values.items()
+            )
+            print(
+                f"[{time.perf_counter() - began:6.0f} s] {bench.name} round {k + 1}/{rounds} "
+                f"({'peer' if result.peer_first else 'rtnb'} first, {result.seconds:.0f} s): {what}",
+                flush=True,
+            )
+            if result.error and k == 0:
+                break  # a benchmark that cannot run here will not run in the next round
+        bench_rows = summarise(bench, done)
+        rows.extend(bench_rows)
+        report.append(
+            {
+                "benchmark": bench.name,
+                "rounds": [asdict(r) for r in done],
+                "figures": [asdict(r) for r in bench_rows],
+            }
+        )
+    total = time.perf_counter() - began
+    print()
+    print_table(rows)
+    missed = [r for r in rows if r.verdict in ("MISSED", "FAILED")]
+    print(
+        f"\n{len(rows)} figures, {sum(r.verdict == 'MET' for r in rows)} goals met, "
+        f"{len(missed)} missed or failed; {rounds} rounds{' (quick)' if args.quick else ''}, "
+        f"{total / 60:.1f} min"
+    )
+    result = {
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "quick": args.quick,
+        "rounds": rounds,
+        "minutes": round(total / 60, 1),
+        "benchmarks": report,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.docs:
+        write_docs(result)
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""benchmarks/run.py: each round a fresh process, figures judged against their goals,
+--check failing on a miss, and every peer's settings in one place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import run as runner  # noqa: E402
+
+
+def test_a_real_benchmark_run_through_the_runner_is_judged_and_recorded(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run.py"),
+            "--only",
+            "local_overhead",
+            "--quick",
+            "--rounds",
+            "2",
+            "--check",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    result = json.loads(out.read_text())
+    (bench,) = result["benchmarks"]
+    assert [r["peer_first"] for r in bench["rounds"]] == [False, True], "sides alternate"
+    assert all(not r["error"] for r in bench["rounds"]), bench["rounds"]
+    (figure,) = bench["figures"]
+    assert figure["figure"] == "train_ratio" and len(figure["values"]) == 2
+    assert figure["min"] <= figure["median"] <= figure["max"]
+    assert figure["verdict"] == ("MET" if figure["median"] <= 1.1 else "MISSED")
+    assert done.returncode == (0 if figure["verdict"] == "MET" else 1), done.stdout
+    assert "local-mode training cell / exec()" in done.stdout and "exec() of the same" in done.stdout
+    assert result["machine"]["cpus"] and result["commit"]
+    table = runner.markdown(result)
+    assert "| local_overhead | local-mode training cell / exec() | ≤ 1.10x |" in table
+
+
+def _bench(goal: float, lower: bool = True) -> runner.Benchmark:
+    return runner.Benchmark("probe", (runner.Figure("f", "a figure", "x", goal, lower),))
+
+
+@pytest.mark.parametrize(
+    ("values", "lower", "verdict"),
+    [([1.1, 1.3, 0.9], True, "MISSED"), ([1.1, 1.3, 0.9], False, "MET"), ([0.8, 0.9], True, "MET")],
+)
+def test_the_median_decides_the_verdict(values, lower, verdict):
+    rounds = [runner.Round(False, 1.0, {"f": v}) for v in values]
+    (row,) = runner.summarise(_bench(1.0, lower), rounds)
+    assert row.verdict == verdict and row.min == min(values) and row.max == max(values)
+
+
+def test_a_failed_round_is_a_failure_not_a_skip():
+    rounds = [runner.Round(False, 1.0, {"f": 0.5}), runner.Round(True, 1.0, error="exit 1: boom")]
+    (row,) = runner.summarise(_bench(1.0), rounds)
+    assert row.verdict == "FAILED"
+
+
+def test_every_benchmark_has_its_peer_named_and_ray_train_is_tuned_in_one_place():
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("[a-z]*.py")} - {"run", "peers"}
+    assert {b.name for b in runner.BENCHMARKS} == scripts, "run.py runs every benchmark"
+    assert all(runner.PEERS.get(b.name) for b in runner.BENCHMARKS)
+    for name in scripts:
+        text = (REPO / "benchmarks" / f"{name}.py").read_text()
+        assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S\"" not in text, f"{name} tunes Ray Train itself"
+        assert "emit(" in text, f"{name} prints no FIGURES line"
