@@ -5,7 +5,7 @@ Ray Data has a CPU of its own), each side in a fresh process, one run each.
 (a) rows/s per rank reading a Ray Data shard (``iter_torch_batches``; a
     ``map_batches`` preprocessing step on the cluster) over epochs 2-3 of 3 (the
     first starts the pipeline); goal >= 0.95x of TorchTrainer's;
-(b) a tiny GPT-2's Trainer step time on 2 ranks (DDP, gloo), from step 20 to the last (120; 60 with --quick); goal:
+(b) a tiny GPT-2's Trainer step time on 2 ranks (DDP, gloo), from step 20 to the last (120; 50 with --quick); goal:
     rtnb's steps/s >= 0.98x of TorchTrainer's.
 
     .venv/bin/python benchmarks/data_throughput.py
@@ -24,8 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 QUICK = os.environ.get("RTNB_BENCH_QUICK") == "1"
-ROWS = 100_000 if QUICK else 200_000
-HF_STEPS = 60 if QUICK else 120
+ROWS = 60_000 if QUICK else 200_000
+HF_STEPS = 50 if QUICK else 120
 EPOCHS = 3  # the figure: epochs 2-3
 
 
@@ -184,7 +184,7 @@ def phase_trainer() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", default=None)
-    parser.add_argument("--quick", action="store_true", help=f"{100_000:,} rows, 60 HF steps")
+    parser.add_argument("--quick", action="store_true", help=f"{60_000:,} rows, 50 HF steps")
     args = parser.parse_args()
     if args.phase == "rtnb":
         print("RESULT " + json.dumps(phase_rtnb()))

@@ -153,6 +153,9 @@ def rtnb_run(address: str, head_log: Path, storage: str) -> dict:
     session.start()
     try:
         assert session.world_size == 2, session.status()
+        nodes = session.run("import ray\nray.get_runtime_context().get_node_id()")
+        if len(set(nodes.values())) != 2:
+            raise SystemExit(f"rtnb's two ranks are not on the two nodes: {nodes}")
         session.run(LOOP)
         done = threading.Event()
         handle = session.run_background(

@@ -77,7 +77,7 @@ def main() -> None:
     def kill_when_running():
         while session.active_cell is None:
             time.sleep(0.01)
-        os.kill(session._group.ranks[1].pid, signal.SIGKILL)
+        os.kill(session.group.ranks[1].pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_when_running)
     killer.start()

@@ -90,7 +90,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         (
             _x("loop_1khz", "~1 kHz loop with a report every step / without", 1.03),
             _x("loop_10khz", "~10 kHz loop with a report every step / without", 1.05),
-            Figure("kernel_us_per_report", "kernel CPU per report", "us", 2.0),
+            Figure("kernel_us_per_report", "kernel CPU per report at ~10 kHz", "us", 2.0),
             Figure("reports_per_s", "sustained reports/s per rank", "/s", 200_000, False),
             Figure("p95_ms", "report -> driver latency p95 at 100/s", "ms", 150),
             _x("ray_train_per_call", "Ray Train report() per call / rtnb's"),
@@ -208,7 +208,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "sweep",
-        (_x("sweep_ratio", "8-trial grid: rtnb sweep / Tune + TorchTrainer", 0.5),),
+        (_x("sweep_ratio", "grid of 8 trials (4 quick): rtnb sweep / Tune + TorchTrainer", 0.5),),
         quick_args=("--quick",),
         timeout_s=600,
     ),
@@ -227,7 +227,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             Figure("kernel_growth_mb", "kernel RSS growth after warm-up", "MB", 50),
             Figure("rank_growth_mb", "largest rank RSS growth after warm-up", "MB", 50),
         ),
-        quick_args=("--cells", "200"),
+        quick_args=("--cells", "150"),
         timeout_s=600,
     ),
 )
@@ -251,6 +251,7 @@ class Round:
     seconds: float
     values: dict[str, float | None] = field(default_factory=dict)
     error: str = ""
+    output: str = ""  # the round's printed lines (its tail), for reading a figure's cause
 
 
 def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
@@ -277,8 +278,16 @@ def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
     lines = [x for x in proc.stdout.splitlines() if x.startswith("FIGURES ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
-        return Round(peer_first, took, error=f"exit {proc.returncode}: {' | '.join(tail)}"[:400])
-    return Round(peer_first, took, json.loads(lines[-1][len("FIGURES ") :]))
+        return Round(
+            peer_first,
+            took,
+            error=f"exit {proc.returncode}: {' | '.join(tail)}"[:400],
+            output=(proc.stdout + proc.stderr)[-6000:],
+        )
+    output = "\n".join(
+        x for x in proc.stdout.splitlines() if not x.startswith(("FIGURES ", "RESULT "))
+    )
+    return Round(peer_first, took, json.loads(lines[-1][len("FIGURES ") :]), output=output[-6000:])
 
 
 @dataclass

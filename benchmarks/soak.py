@@ -48,7 +48,7 @@ def main() -> None:
         workers=2, storage=tempfile.mkdtemp(prefix="rtnb-soak-"), name="soak", stop_grace_s=1.0
     ).start()
     session.run("import torch, rtnb", output=quiet)
-    pids = [r.pid for r in session._group.ranks]
+    pids = [r.pid for r in session.group.ranks]
     counts = {"cells": 0, "background": 0, "interrupts": 0, "checkpoints": 0}
     baseline: dict[str, float] = {}
     started = time.monotonic()
