@@ -452,7 +452,7 @@ def main() -> int:
             result = run_round(bench, args.quick, peer_first=bool(k % 2))
             done.append(result)
             what = result.error or ", ".join(
-                f"{key} {_fmt(v, 'x' if isinstance(v, float) and v < 100 else '')}".strip()
+                f"{key} {'—' if v is None else f'{v:.4g}'}"
                 for key, v in result.values.items()
             )
             print(
