@@ -378,7 +378,10 @@ def main() -> None:
 
     for _ in range(args.rounds):
         for side in in_order("rtnb", "peers"):
-            rtnb_side() if side == "rtnb" else peer_side()
+            if side == "rtnb":
+                rtnb_side()
+            else:
+                peer_side()
 
     def median(name: str, key: str) -> float | None:
         values = [r[key] for r in runs[name] if isinstance(r.get(key), (int, float))]
