@@ -151,3 +151,31 @@ def test_one_runs_first_loss_does_not_flatten_the_others_unless_asked():
     assert clipped.layout.yaxis.range[1] < 5.0, "the 1000 at step 0 is left out"
     full = runs_figure(stores, ["wild", "calm"], "loss", outliers=False)
     assert full.layout.yaxis.range is None
+
+
+def test_a_live_run_says_when_its_curves_were_last_read(tmp_path):
+    """While a run is live the dashboard says when it last read it (a plot that stopped
+    moving is told apart from a run that stopped reporting); without one, nothing."""
+    from rtnb.widgets import RunsDashboard
+
+    storage = str(tmp_path)
+
+    def load(name):
+        return MetricsStore.from_rows(read_run_metrics(storage, name))
+
+    _run(tmp_path, "done", {0: [1.0, 0.5]}, "stopped", 100.0)
+    quiet = RunsDashboard(lambda: list_runs(storage), load, refresh_s=30, title="runs")
+    try:
+        assert quiet.title.value == "<b>runs</b>"
+    finally:
+        quiet.close()
+    _run(tmp_path, "now", {0: [9.0, 8.0]}, "running", 300.0)
+    view = RunsDashboard(lambda: list_runs(storage), load, refresh_s=30, title="runs")
+    try:
+        assert view.title.value.startswith("<b>runs</b> <span class=\"rtnb-runs-read\">")
+        assert "live: now, re-read every 30 s, last at " in view.title.value
+        _run(tmp_path, "now", {0: [9.0, 8.0, 7.0]}, "stopped", 400.0)
+        view.refresh()
+        assert view.title.value == "<b>runs</b>", "a finished run is not re-read"
+    finally:
+        view.close()
