@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,7 +60,6 @@ class Benchmark:
     args: tuple[str, ...] = ()
     quick_args: tuple[str, ...] = ()
     timeout_s: float = 600
-    needs: Callable[[], str | None] | None = None  # why it cannot run here, or None
 
 
 def _x(key: str, label: str, goal: float | None = None, lower: bool = True) -> Figure:
@@ -204,7 +202,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ),
         quick_args=("--quick",),
         timeout_s=300,
-        needs=lambda: None,
     ),
     Benchmark(
         "sweep",
