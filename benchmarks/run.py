@@ -413,11 +413,51 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+README = HERE.parent / "README.md"
+README_BEGIN, README_END = "<!-- run.py headline: begin -->", "<!-- run.py headline: end -->"
+
+
+def readme_markdown(result: dict) -> str:
+    """The README's few lines of one ``--json`` result: each benchmark's first judged
+    figure, then every other missed one (the docs have them all)."""
+    rows = [row for bench in result["benchmarks"] for row in bench["figures"]]
+    judged = [row for row in rows if row["verdict"] in ("MET", "MISSED", "FAILED")]
+    met = sum(row["verdict"] == "MET" for row in judged)
+    lines = [
+        f"`benchmarks/run.py{' --quick' if result['quick'] else ''}`, medians of "
+        f"{result['rounds']} rounds, {result['date'][:10]}, commit `{result['commit']}`, "
+        f"{result['machine']['cpus']} CPUs: {met} of {len(judged)} goals met, "
+        f"{result['minutes']} min in all.",
+        "",
+        "| figure | median | goal | |",
+        "| --- | --- | --- | --- |",
+    ]
+    shown = []
+    for bench in result["benchmarks"]:
+        first = next((r for r in bench["figures"] if r["verdict"] != ""), None)
+        shown += [first] if first else []
+    shown += [r for r in judged if r["verdict"] != "MET" and r not in shown]
+    for row in shown:
+        goal = row["goal"].replace("<=", "≤").replace(">=", "≥")
+        lines.append(
+            f"| {row['label']} | {_fmt(row['median'], row['unit'])} | {goal} | {row['verdict']} |"
+        )
+    return "\n".join(lines)
+
+
+def _replace_between(path: Path, begin: str, end: str, body: str) -> None:
+    text = path.read_text()
+    head, found, rest = text.partition(begin)
+    if not found:
+        raise SystemExit(f"{path.name} has no {begin} marker")
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
+
+
 def write_docs(result: dict) -> None:
-    text = DOCS.read_text()
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOCS.write_text(f"{head}{BEGIN}\n{markdown(result)}\n{END}{tail}")
+    """The docs' whole table and the README's headline, both from this result."""
+    _replace_between(DOCS, BEGIN, END, markdown(result))
+    _replace_between(README, README_BEGIN, README_END, readme_markdown(result))
 
 
 def main() -> int:
@@ -428,12 +468,23 @@ def main() -> int:
     parser.add_argument("--json", default="", help="write the results here")
     parser.add_argument("--rounds", type=int, default=0, help="override the round count")
     parser.add_argument(
-        "--docs", action="store_true", help="write the table into docs/benchmarks.md"
+        "--docs",
+        action="store_true",
+        help="write the table into docs/benchmarks.md and the headline into README.md",
     )
     parser.add_argument("--render", default="", help="print the docs' table of a --json FILE")
+    parser.add_argument(
+        "--docs-from",
+        default="",
+        metavar="FILE",
+        help="write docs/benchmarks.md's table and README's headline from a --json FILE",
+    )
     args = parser.parse_args()
     if args.render:
         print(markdown(json.loads(Path(args.render).read_text())))
+        return 0
+    if args.docs_from:
+        write_docs(json.loads(Path(args.docs_from).read_text()))
         return 0
     chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only.split(",")]
     unknown = set(filter(None, args.only.split(","))) - {b.name for b in BENCHMARKS}

@@ -11,7 +11,14 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Subcommand", "complete", "full_help", "parser_flags", "subcommand_help"]
+__all__ = [
+    "Subcommand",
+    "complete",
+    "full_help",
+    "parser_flags",
+    "reference_markdown",
+    "subcommand_help",
+]
 
 
 @dataclass(frozen=True)
@@ -130,3 +137,29 @@ def _safe(source: Callable[[], list[str]]) -> list[str]:
         return list(source())
     except Exception:  # noqa: BLE001
         return []
+
+
+def reference_markdown(subcommands: list[Subcommand], cell_parser, intro: str) -> str:
+    """The manual's magics reference: ``%rtnb SUB --help`` for every subcommand and the
+    ``%%rtrain`` flags, as the parsers print them (the docs build calls this, so a
+    renamed flag changes the page in the same build)."""
+    lines = [intro.strip(), "", "| subcommand | what it does |", "| --- | --- |"]
+    for sub in subcommands:
+        purpose = sub.purpose.replace("|", "\\|")
+        lines.append(f"| [`%rtnb {sub.name}`](#rtnb-{sub.name}) | {purpose} |")
+    lines.append("| [`%%rtrain`, `%rtrain`](#rtrain) | run a cell / one line on every rank |")
+    for sub in subcommands:
+        sentence = sub.purpose[:1].upper() + sub.purpose[1:] + "."
+        lines += ["", f"## `%rtnb {sub.name}` {{#rtnb-{sub.name}}}", "", sentence, ""]
+        lines += ["```text", subcommand_help("%rtnb", sub), "```"]
+    usage = cell_parser.format_help().replace(cell_parser.prog, "%%rtrain", 1)
+    lines += ["", "## `%%rtrain`, `%rtrain` {#rtrain}", ""]
+    lines += [
+        "`%%rtrain` runs its cell on every rank (or `--ranks`), `%rtrain` one line; "
+        "both take these flags.",
+        "",
+        "```text",
+        usage.rstrip(),
+        "```",
+    ]
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from rtnb.magics._help import Subcommand, complete, full_help, parser_flags, subcommand_help
+from rtnb.magics._help import (
+    Subcommand,
+    complete,
+    full_help,
+    parser_flags,
+    reference_markdown,
+    subcommand_help,
+)
 from rtnb.widgets import (
     CheckpointBrowser,
     LiveMetrics,
@@ -62,7 +69,7 @@ from rtnb.driver._sweep import on_sweep_start
 from rtnb.errors import ConfigError, SessionError
 from rtnb.storage._checkpoints import checkpoints_table
 
-__all__ = ["SUBCOMMANDS", "RtnbMagics", "completer"]
+__all__ = ["SUBCOMMANDS", "RtnbMagics", "completer", "reference"]
 
 
 def _ranks_option(func):
@@ -674,7 +681,8 @@ class RtnbMagics(Magics):
         if args.workers is None:
             print(session.last_growth or "rtnb: the elastic group stays: no room for more ranks")
         elif session.last_replay is not None:
-            print(f"rtnb: now {session.world_size} ranks, state kept: {session.last_replay}")
+            ranks = f"{session.world_size} rank{'s' if session.world_size != 1 else ''}"
+            print(f"rtnb: now {ranks}, state kept: {session.last_replay}")
         display(session.status())
 
     def _rtnb_wait(self, rest: str):
@@ -1161,6 +1169,11 @@ RtnbMagics.rtnb.__doc__ = full_help(
     SUBCOMMANDS,
     RtnbMagics.rtrain_cell.parser,
 )
+
+
+def reference() -> str:
+    """The manual's magics reference (docs/reference/magics.md), from the parsers."""
+    return reference_markdown(SUBCOMMANDS, RtnbMagics.rtrain_cell.parser, _intro)
 
 
 def completer(magics: RtnbMagics):

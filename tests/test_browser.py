@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "rtnb-browser-test"
+DOC_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
 
 def _require_tools() -> None:
@@ -99,6 +100,14 @@ def _lab(tmp_path, theme: str | None = None):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def _doc_picture(target, name: str) -> None:
+    """A picture for the manual (docs/images/NAME) of what this test sees: the pages
+    show these and no other, so a changed widget changes its picture in the commit
+    that changed it (tests/test_docs.py checks every one is shown)."""
+    DOC_IMAGES.mkdir(parents=True, exist_ok=True)
+    target.screenshot(path=str(DOC_IMAGES / name))
 
 
 def _notebook(root: Path, cells: list[str]) -> str:
@@ -341,6 +350,7 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             lags.append(_lag_sample(page, 1))
             time.sleep(0.5)
         page.screenshot(path=str(tmp_path / "live_plot_dark.png"), full_page=True)
+        _doc_picture(page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-dark.png")
         look = page.evaluate(
             "() => { const el = document.querySelector('.js-plotly-plot');"
             " const area = el.closest('.jp-OutputArea-output');"
@@ -472,6 +482,7 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         _wait_idle(page)
         page.wait_for_selector(".updatemenu-button", state="attached", timeout=30_000)
         light_colours = _colours(page)
+        _doc_picture(page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-light.png")
         train_prompt = page.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text()
         page.keyboard.press("Shift+Enter")  # a syntax error
         _wait_idle(page)
@@ -508,6 +519,7 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         page.wait_for_selector("text=training from i=3", timeout=60_000)
         message = browser_widget.locator(".widget-html-content:has-text('Resume:')").inner_text()
         page.screenshot(path=str(tmp_path / "resumed.png"), full_page=True)
+        _doc_picture(browser_widget, "checkpoints.png")
         # The runs dashboard while the run is live (it re-reads live runs every 3 s):
         # select both runs, see both curves and the resumed run's main line.
         page.locator(".jp-Cell").nth(4).click()
@@ -533,6 +545,7 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         during_refreshes = [c for c in noise if c not in before_refreshes]
         overlaid = page.evaluate(dashboard_plot)
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        _doc_picture(page.locator(".jp-OutputArea-output:has(.rtnb-runs-rows)"), "runs.png")
         page.locator(".jp-Cell").nth(5).click()
         page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")  # wait for the resumed cell, stop the group
@@ -694,6 +707,7 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         samples = _seen_growing(page, 60, cell=2)
         assert len(samples) >= 3 and samples[-1][0] > samples[0][0], samples
         assert len(samples[-1]) == 3, "two trials and the stopped-early marks"
+        _doc_picture(view, "sweep.png")
         # Pick trial 1's row: only its curve stays visible.
         view.locator(".rtnb-sweep-rows select").select_option(index=[1])  # sorted by trial
         page.wait_for_function(
@@ -789,6 +803,7 @@ def test_the_stacks_panel_a_control_input_and_a_ranks_debugger_prompt_in_jupyter
         assert "rank 1" in text and "line 13" in text, text
         assert "rank 0: in all_reduce" in text, text
         page.screenshot(path=str(tmp_path / "stacks.png"), full_page=True)
+        _doc_picture(page.locator(".jp-Cell").nth(2).locator(".jp-OutputArea"), "stacks.png")
         flag.touch()
         _wait_idle(page, timeout_s=60)
         page.locator(".jp-Cell").nth(3).click()

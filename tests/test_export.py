@@ -96,6 +96,9 @@ def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cl
     # The same file under torchrun: Ray Train's local mode in torchrun's processes.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TRAIN_V2_ENABLED"] = "1"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env["TMPDIR"] = str(scratch)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     launched = subprocess.run(
         [torchrun, "--nproc-per-node=2", str(script)],
@@ -107,6 +110,8 @@ def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cl
     )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert _final_losses(launched.stdout) == pytest.approx(sorted(ours.values()), rel=1e-5)
+    # Each report's checkpoint went to the run's storage; its scratch copy is gone.
+    assert not list(scratch.glob("checkpoint-*")), list(scratch.iterdir())
 
 
 def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path):

@@ -215,9 +215,12 @@ def static_figure_bundle(
         return None
     progress = store.progress()
     names = [m for m in store.metric_names() if metrics is None or m in metrics]
+    # The ranks and steps of this cell (a group scaled since reported with others).
+    ranks = sorted(rank for rank, steps in progress.steps.items() if steps > 0) or store.ranks()
     summary = (
-        f"rtnb metrics: {', '.join(names)} for ranks {store.ranks()} up to step "
-        f"{max(progress.steps.values(), default=0)}"
+        f"rtnb metrics: {', '.join(names)} for ranks {ranks}, "
+        f"{max(progress.steps.values(), default=0)} steps up to step "
+        f"{max(progress.run_steps.values(), default=0)}"
     )
     return {
         "application/vnd.plotly.v1+json": json.loads(fig.to_json()),

@@ -246,7 +246,13 @@ class DataProgress:
     def text(self) -> str:
         rows = f"{self.rows_total} rows" if self.rows_total else "rows"
         if self.state == "FINISHED":
-            took = f" in {self.ended - self.started:.1f} s" if self.ended else ""
+            # Ray Data's record can pair a new execution's start with the last one's
+            # end (a dataset read again): no duration then, rather than a negative one.
+            took = (
+                f" in {self.ended - self.started:.1f} s"
+                if self.ended and self.ended >= self.started
+                else ""
+            )
             return f"Ray Data {self.name!r}: {rows} read{took}"
         if self.state == "FAILED":
             return f"Ray Data {self.name!r}: its pipeline failed (the ranks' error says why)"

@@ -59,14 +59,25 @@ _LOAD_STATE = "load_state"
 
 _HELPERS = {
     _FROM_STATE: '''
+_checkpoint_directories: list = []
+
+
 def checkpoint_from_state(state: dict) -> ray.train.Checkpoint:
     """rtnb's Checkpoint.from_state: ``state`` saved with torch.save as this rank's
-    file (rtnb's layout: state-rank<R>.pt) in a new directory, as a Checkpoint."""
+    file (rtnb's layout: state-rank<R>.pt) in a new directory, as a Checkpoint.
+    The directory of the call before is removed: ray.train.report has copied it to
+    the run's storage by now, and a long run would otherwise fill the disk."""
+    import atexit
+    import shutil
     import tempfile
 
     import torch
 
+    while _checkpoint_directories:
+        shutil.rmtree(_checkpoint_directories.pop(), ignore_errors=True)
     directory = tempfile.mkdtemp(prefix="checkpoint-")
+    _checkpoint_directories.append(directory)
+    atexit.register(shutil.rmtree, directory, True)
     rank = ray.train.get_context().get_world_rank()
     torch.save(state, os.path.join(directory, f"state-rank{rank}.pt"))
     return ray.train.Checkpoint.from_directory(directory)

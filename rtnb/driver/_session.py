@@ -598,7 +598,11 @@ class Session:
             )
         elif size is not None and size != self.config.workers:
             try:
-                self._lifecycle.check_fits(dataclasses.replace(self.config, workers=size))
+                # At the script's fixed size: an elastic group's MIN would pass a size
+                # that scale() then cannot place.
+                self._lifecycle.check_fits(
+                    dataclasses.replace(self.config, workers=size, min_workers=None)
+                )
             except ClusterError as exc:
                 # A laptop runs a cluster's script on the group it has, as it is.
                 script.notes.insert(

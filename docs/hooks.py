@@ -1,0 +1,215 @@
+"""MkDocs hooks: the parts of the manual that are written from the code at build time.
+
+A page holds a marker comment; the build puts the generated text in its place:
+
+- ``<!-- rtnb:magics -->``: every ``%rtnb`` subcommand and ``%%rtrain`` flag, as the
+  magics' parsers print them (``rtnb.magics._magics.reference``);
+- ``<!-- rtnb:api -->``: every public name of ``rtnb``, from its docstring (mkdocstrings);
+- ``<!-- rtnb:errors -->``: every error rtnb raises on purpose, read from the raise
+  sites in ``rtnb/``, ``magics/`` and ``widgets/`` (class, message, where), so a new or
+  reworded message is in the troubleshooting page of the same commit.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("rtnb", "magics", "widgets")
+# The order the troubleshooting page lists them in: errors.py's tree, then IPython's
+# UsageError (a mistake in a magic's line).
+ERROR_CLASSES = (
+    "ConfigError",
+    "ClusterError",
+    "SessionError",
+    "WaitTimeout",
+    "CellError",
+    "CellInterrupted",
+    "StorageError",
+    "WorkerGroupError",
+    "CheckpointError",
+    "RtnbError",
+    "UsageError",
+)
+BUILT_AT_RUN_TIME = "(composed at run time; see where it is raised)"
+
+
+@dataclass(frozen=True)
+class RaiseSite:
+    error: str  # the class raised
+    message: str  # the message's template; {name} where a value goes
+    where: str  # module:function
+
+
+def _template(node: ast.expr, assigned: dict[str, ast.expr], depth: int = 0) -> str | None:
+    """The text of a message expression: literals as they are, interpolated values as
+    ``{expression}``; None when it cannot be read without running the code."""
+    if depth > 4:
+        return None
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        parts = []
+        for value in node.values:
+            if isinstance(value, ast.Constant):
+                parts.append(str(value.value))
+            else:
+                assert isinstance(value, ast.FormattedValue)
+                parts.append("{" + ast.unparse(value.value) + "}")
+        return "".join(parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left = _template(node.left, assigned, depth + 1)
+        right = _template(node.right, assigned, depth + 1)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.Name) and node.id in assigned:
+        return _template(assigned[node.id], assigned, depth + 1)
+    if isinstance(node, ast.IfExp):
+        body = _template(node.body, assigned, depth + 1)
+        other = _template(node.orelse, assigned, depth + 1)
+        if body is not None and other is not None:
+            return f"{body} / {other}"
+    if isinstance(node, (ast.Name, ast.Call, ast.Attribute, ast.Subscript)):
+        return "{" + ast.unparse(node) + "}"
+    return None
+
+
+def raise_sites() -> list[RaiseSite]:
+    """Every ``raise SomeError(message)`` of rtnb's own errors (and UsageError) in the
+    package, one per distinct (class, message)."""
+    found: dict[tuple[str, str], RaiseSite] = {}
+    for package in SOURCES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            module = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+            for function in ast.walk(tree):
+                if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                assigned = {
+                    target.id: node.value
+                    for node in ast.walk(function)
+                    if isinstance(node, ast.Assign)
+                    for target in node.targets
+                    if isinstance(target, ast.Name)
+                }
+                for node in ast.walk(function):
+                    site = _site(node, assigned, f"{module}:{function.name}")
+                    if site is not None:
+                        found.setdefault((site.error, site.message), site)
+    order = {name: i for i, name in enumerate(ERROR_CLASSES)}
+    return sorted(found.values(), key=lambda s: (order[s.error], s.where, s.message))
+
+
+def _site(node: ast.AST, assigned: dict[str, ast.expr], where: str) -> RaiseSite | None:
+    if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+        return None
+    func = node.exc.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+    if name not in ERROR_CLASSES or not node.exc.args:
+        return None
+    message = _template(node.exc.args[0], assigned)
+    if message == "{str(exc)}":
+        return None  # a re-raise of an error listed at its own site (ConfigError -> UsageError)
+    if message is None or (
+        message.startswith("{") and message.endswith("}") and message.count("{") == 1
+    ):
+        return RaiseSite(name, BUILT_AT_RUN_TIME, where)
+    return RaiseSite(name, " ".join(message.split()), where)
+
+
+def error_table() -> str:
+    """The troubleshooting page's tables: one per error class, its docstring first."""
+    import rtnb.errors
+
+    sites = raise_sites()
+    out: list[str] = []
+    for error in ERROR_CLASSES:
+        rows = [s for s in sites if s.error == error]
+        if not rows:
+            continue
+        doc = (
+            getattr(rtnb.errors, error, None).__doc__
+            if error != "UsageError"
+            else (
+                "A mistake in a magic's line (an unknown subcommand or flag, a bad value): "
+                "IPython prints it as one line and the cell runs nothing."
+            )
+        )
+        summary = " ".join((doc or "").strip().split("\n\n")[0].split())
+        out += [f"### {error}", "", summary, "", f"| message ({len(rows)}) | raised in |"]
+        out.append("| --- | --- |")
+        for row in rows:
+            out.append(f"| {_markdown_cell(row.message)} | `{row.where}` |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _markdown_cell(message: str) -> str:
+    """A message as a table cell: its `code` spans kept, everything else escaped so
+    ``{x[:300]}`` or ``*args`` in a message is shown as written."""
+
+    def escaped(text: str) -> str:
+        for char in "\\`[]*_<":
+            text = text.replace(char, "\\" + char)
+        return text
+
+    parts = message.split("`")
+    if len(parts) % 2 == 0:  # an odd number of backticks: no code spans at all
+        return escaped(message).replace("|", "\\|")
+    parts[::2] = [escaped(part) for part in parts[::2]]
+    return "`".join(parts).replace("|", "\\|")
+
+
+def _magics_reference() -> str:
+    from rtnb.magics._magics import reference
+
+    return reference()
+
+
+API_SECTIONS = (
+    ("In the notebook", lambda module: module.startswith(("rtnb.driver", "rtnb.core"))),
+    (
+        "Runs, metrics and checkpoints",
+        lambda module: module.startswith(("rtnb.storage", "rtnb.metrics")),
+    ),
+    (
+        "Inside a cell (on every rank), named as in ray.train",
+        lambda module: module.startswith("rtnb.worker"),
+    ),
+    ("Errors", lambda module: module == "rtnb.errors"),
+)
+
+
+def api_reference() -> str:
+    """Every public name of ``rtnb`` (its lazy export table), rendered by mkdocstrings
+    from the docstring where the name is defined: a new export is in the reference
+    without anyone writing a line for it."""
+    from rtnb import _EXPORTS
+
+    out: list[str] = []
+    for title, belongs in API_SECTIONS:
+        names = [name for name, module in _EXPORTS.items() if belongs(module)]
+        out += [f"## {title}", ""]
+        for name in names:
+            out += [
+                f"::: {_EXPORTS[name]}.{name}",
+                "    options:",
+                f"      heading: rtnb.{name}",
+                "",
+            ]
+    return "\n".join(out)
+
+
+GENERATED = {
+    "<!-- rtnb:magics -->": _magics_reference,
+    "<!-- rtnb:errors -->": error_table,
+    "<!-- rtnb:api -->": api_reference,
+}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' signature)
+    for marker, make in GENERATED.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, make())
+    return markdown

@@ -1,0 +1,180 @@
+"""The manual: built strictly and offline, its references generated from the code,
+its pictures the browser tests' own, and every code example run in a real kernel.
+
+A renamed flag, a removed function or an example that no longer works fails here,
+not in the reader's notebook.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from tests._docs import ROOT, doc_pages, examples, notebook_of
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+
+MKDOCS = Path(sys.executable).parent / "mkdocs"
+README_LINES = 250
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as `.ci/run` builds it: `mkdocs build --strict`, every warning fatal."""
+    out = tmp_path_factory.mktemp("site")
+    build = subprocess.run(
+        [str(MKDOCS), "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
+    return out
+
+
+def _text(page: Path) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+
+
+def test_the_magics_reference_lists_every_subcommand_and_flag_the_parsers_accept(site):
+    from rtnb.magics._help import parser_flags
+    from rtnb.magics._magics import SUBCOMMANDS, RtnbMagics
+
+    text = _text(site / "reference" / "magics.html")
+    for sub in SUBCOMMANDS:
+        assert f"usage: %rtnb {sub.name}" in text, sub.name
+        for flag in sub.flags():
+            assert flag in text, f"%rtnb {sub.name} {flag}"
+    for flag in parser_flags(RtnbMagics.rtrain_cell.parser):
+        assert flag in text, f"%%rtrain {flag}"
+
+
+def test_the_api_reference_renders_every_public_name_from_its_docstring(site):
+    import rtnb
+
+    page = (site / "reference" / "api.html").read_text()
+    for name in rtnb._EXPORTS:
+        assert f'id="rtnb.{name}"' in page or f">rtnb.{name}<" in page, name
+    # The docstring itself, not only a heading: Session's first line.
+    first_line = rtnb.Session.__doc__.strip().splitlines()[0]
+    assert html.escape(first_line, quote=False)[:40] in page
+
+
+def test_troubleshooting_lists_every_message_rtnb_raises(site):
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    sites = hooks.raise_sites()
+    assert len(sites) > 150, "the raise sites were not found"
+    text = " ".join(_text(site / "troubleshooting.html").split())
+    for raised in sites:
+        assert raised.message.replace("`", "")[:60] in text, raised
+    # One the user meets first, as the magic prints it.
+    assert "has no subcommand" in text and "did you mean" in text
+
+
+def test_the_site_needs_nothing_from_the_network(site):
+    """No stylesheet, script, font or image from another host: the site opens offline
+    (Material's offline plugin; fonts off)."""
+    fetched = re.compile(r"""(?:src|href)\s*=\s*["'](https?:)?//""", re.I)
+    css_import = re.compile(r"""url\(\s*["']?(https?:)?//""", re.I)
+    for path in site.rglob("*"):
+        if path.suffix == ".html":
+            # Links a reader clicks (<a href>) may point anywhere; what loads may not.
+            loads = re.findall(r"<(?:script|link|img|iframe|source)\b[^>]*>", path.read_text())
+            bad = [tag for tag in loads if fetched.search(tag)]
+            assert not bad, f"{path.relative_to(site)} loads {bad[:3]}"
+        elif path.suffix == ".css":
+            assert not css_import.search(path.read_text()), path.relative_to(site)
+
+
+def test_every_picture_the_pages_show_is_one_the_browser_tests_take(site):
+    """The pictures come from tests/test_browser.py (never drawn by hand), and every
+    one of them is on a page and in the built site."""
+    images = ROOT / "docs" / "images"
+    shown = set()
+    for page in doc_pages():
+        shown |= set(re.findall(r"\]\((?:docs/)?images/([\w.-]+\.png)\)", page.read_text()))
+    browser_tests = (ROOT / "tests" / "test_browser.py").read_text()
+    taken = set(re.findall(r'_doc_picture\(.*?"([\w.-]+\.png)"\)', browser_tests, re.S))
+    assert shown and shown <= taken, f"shown but no test takes them: {sorted(shown - taken)}"
+    assert taken <= shown, f"taken but on no page: {sorted(taken - shown)}"
+    for name in shown:
+        assert (images / name).stat().st_size > 5_000, name
+        assert (site / "images" / name).exists(), name
+
+
+def test_the_readme_is_one_screen_of_the_users_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines"
+    text = "\n".join(lines)
+    # Its two set-up commands, as .ci/run runs them.
+    assert "bash .ci/setup && .venv/bin/rtnb demo" in text
+    assert "bash .ci/setup && .venv/bin/python -m pytest -q" in text
+
+
+def test_every_example_not_run_says_why():
+    for page in doc_pages():
+        for example in examples(page):
+            if example.not_run:
+                assert len(example.not_run) > 8, f"{example.where}: give the reason"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "page",
+    [p.relative_to(ROOT).as_posix() for p in doc_pages() if notebook_of(p) is not None],
+)
+def test_every_code_example_runs(page, ray_cluster, tmp_path):
+    """The page's examples as one notebook in a fresh kernel on the session's cluster,
+    in a folder of its own; a block marked `raises` must fail with that error."""
+    assert wait_for_free_cpus(CLUSTER_CPUS, timeout=60) >= CLUSTER_CPUS, "a page left ranks"
+    nb = notebook_of(ROOT / page)
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        where = _failed_cell(nb)
+        pytest.fail(f"{where}: the example failed\n{str(exc)[-3000:]}", pytrace=False)
+    finally:
+        nbformat.write(nb, tmp_path / "page.ipynb")
+    for cell in nb.cells:
+        meta = cell.metadata["rtnb_example"]
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        # IPython prints a magic's UsageError as one line on stderr, not as an error.
+        errors += [
+            nbformat.NotebookNode(ename="UsageError", evalue=o.text)
+            for o in cell.outputs
+            if o.output_type == "stream" and o.name == "stderr" and o.text.startswith("UsageError")
+        ]
+        if meta["raises"]:
+            assert errors and errors[0].ename == meta["raises"], (
+                f"{meta['where']}: should raise {meta['raises']}, got "
+                f"{[e.ename + ': ' + e.evalue for e in errors] or 'no error'}"
+            )
+    shutil.rmtree(tmp_path / "rtnb_runs", ignore_errors=True)
+
+
+def _failed_cell(nb) -> str:
+    for cell in nb.cells:
+        if (
+            any(o.output_type == "error" for o in cell.get("outputs", []))
+            and not cell.metadata["rtnb_example"]["raises"]
+        ):
+            return cell.metadata["rtnb_example"]["where"]
+    return "a cell"
