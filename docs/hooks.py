@@ -150,7 +150,7 @@ def _markdown_cell(message: str) -> str:
     ``{x[:300]}`` or ``*args`` in a message is shown as written."""
 
     def escaped(text: str) -> str:
-        for char in "\\`[]*_<":
+        for char in "\\`[]*_<{}":
             text = text.replace(char, "\\" + char)
         return text
 
@@ -192,12 +192,7 @@ def api_reference() -> str:
         names = [name for name, module in _EXPORTS.items() if belongs(module)]
         out += [f"## {title}", ""]
         for name in names:
-            out += [
-                f"::: {_EXPORTS[name]}.{name}",
-                "    options:",
-                f"      heading: rtnb.{name}",
-                "",
-            ]
+            out += [f"::: rtnb.{name}", ""]
     return "\n".join(out)
 
 

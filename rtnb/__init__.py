@@ -200,6 +200,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         ConfigError,
         RtnbError,
         SessionError,
+        StorageError,
         WaitTimeout,
         WorkerGroupError,
     )

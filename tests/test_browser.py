@@ -107,7 +107,18 @@ def _doc_picture(target, name: str) -> None:
     show these and no other, so a changed widget changes its picture in the commit
     that changed it (tests/test_docs.py checks every one is shown)."""
     DOC_IMAGES.mkdir(parents=True, exist_ok=True)
-    target.screenshot(path=str(DOC_IMAGES / name))
+    page = target.page
+    size = page.viewport_size
+    box = target.bounding_box()
+    # JupyterLab scrolls the notebook inside its panel, so a picture shows only what
+    # fits the window: make the window tall enough for the whole output, then back.
+    if box is not None and box["height"] > size["height"] - 250:
+        page.set_viewport_size({"width": size["width"], "height": int(box["height"]) + 300})
+    try:
+        target.scroll_into_view_if_needed()
+        target.screenshot(path=str(DOC_IMAGES / name))
+    finally:
+        page.set_viewport_size(size)
 
 
 def _notebook(root: Path, cells: list[str]) -> str:
@@ -707,7 +718,6 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         samples = _seen_growing(page, 60, cell=2)
         assert len(samples) >= 3 and samples[-1][0] > samples[0][0], samples
         assert len(samples[-1]) == 3, "two trials and the stopped-early marks"
-        _doc_picture(view, "sweep.png")
         # Pick trial 1's row: only its curve stays visible.
         view.locator(".rtnb-sweep-rows select").select_option(index=[1])  # sorted by trial
         page.wait_for_function(
@@ -728,6 +738,7 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         )
         resume = cell.locator(".rtnb-sweep-resume button:has-text('Resume')")
         resume.wait_for(timeout=60_000)
+        _doc_picture(cell.locator(".jp-OutputArea"), "sweep.png")
         resume.click()
         page.wait_for_selector("text=carries on in the notebook", timeout=90_000)
         page.locator(".jp-Cell").nth(3).click()
