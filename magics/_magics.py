@@ -29,14 +29,12 @@ from rtnb.widgets import (
     CheckpointBrowser,
     LiveMetrics,
     LiveOnFirstReport,
+    NotebookOutput,
     ProgressLines,
     RankLog,
     RunsDashboard,
     SweepProgress,
     SweepView,
-    ask_page_theme,
-    has_live_frontend,
-    import_figure_widget_in_background,
     profile_figure,
     runs_bundle,
     show_static_figure,
@@ -45,6 +43,7 @@ from rtnb.widgets import (
 )
 
 from rtnb import (
+    CheckpointInfo,
     MetricsStore,
     RunAccess,
     Session,
@@ -63,11 +62,9 @@ from rtnb.core._config import (
     declared_defaults,
     parse_workers,
 )
+from rtnb.core._output import print_sink
 from rtnb.core._redact import redact_uri
-from rtnb.driver._output import print_sink
-from rtnb.driver._sweep import on_sweep_start
 from rtnb.errors import ConfigError, SessionError
-from rtnb.storage._checkpoints import checkpoints_table
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer", "reference"]
 
@@ -538,9 +535,10 @@ class RtnbMagics(Magics):
     def __init__(self, shell=None, **kwargs) -> None:
         super().__init__(shell=shell, **kwargs)
         self.session: Session | None = None
+        self.output = NotebookOutput()  # live widgets or lasting output: it decides
         self.last_view = None  # the widget of the latest cell, for inspection
         self.last_sweep: Sweep | None = None
-        self._unwatch_sweeps = on_sweep_start(self._show_sweep)
+        self._unwatch_sweeps = Sweep.on_start(self._show_sweep)
 
     def shutdown(self) -> None:
         self._unwatch_sweeps()
@@ -646,11 +644,7 @@ class RtnbMagics(Magics):
             print(f"rtnb: run {session.run_name!r} rebuilt from its journal: {session.last_replay}")
         self.session = session
         display(session.status())
-        if has_live_frontend():
-            # While the user writes the next cell: the first live plot draws at once,
-            # its text in the colour for the page's theme.
-            import_figure_widget_in_background()
-            ask_page_theme()
+        self.output.prepare()
 
     def _rtnb_status(self, rest: str):
         self._no_args("status", rest)
@@ -806,15 +800,18 @@ class RtnbMagics(Magics):
         session = self._require()
         if args.list:
             return session.list_checkpoints(run=args.run)
-        if not has_live_frontend():
-            # Nothing can click it (papermill, nbclient): the table, as text.
+
+        def lasting() -> None:  # nothing can click it: the table, as text
             rows = session.list_checkpoints(include_incomplete=True, run=args.run)
-            print(checkpoints_table(rows) if rows else "rtnb: no checkpoints yet")
-            return None
-        self.last_view = self._browser_for(
-            session, session.config.storage_path, args.run or session.run_name
-        )
-        display(self.last_view)
+            print(CheckpointInfo.table(rows) if rows else "rtnb: no checkpoints yet")
+
+        def live() -> None:
+            self.last_view = self._browser_for(
+                session, session.config.storage_path, args.run or session.run_name
+            )
+            display(self.last_view)
+
+        self.output.show(live, lasting)
 
     def _rtnb_resume(self, rest: str):
         args = parse_argstring(_resume_args, rest)
@@ -896,12 +893,13 @@ class RtnbMagics(Magics):
 
     def _show_sweep(self, started: Sweep) -> None:
         """Every sweep of this kernel (``%%rtnb sweep`` or ``rtnb.sweep``) gets its view."""
-        if has_live_frontend():
+
+        def live() -> None:
             self.last_view = SweepView(
                 started, resume=lambda index: _resume_trial_in_view(self, started, index)
             ).show()
-        else:
-            SweepProgress(started)
+
+        self.output.show(live, lambda: SweepProgress(started))
 
     def _rtnb_result(self, rest: str):
         self._no_args("result", rest)
@@ -923,7 +921,7 @@ class RtnbMagics(Magics):
         if not table.runs:
             print(f"rtnb: no rtnb runs in {redact_uri(storage)}")
             return None
-        if not has_live_frontend():
+        if not self.output.live:
             # A saved notebook and papermill keep the table as text and a figure.
             stores = {run.name: load(run.name) for run in table.runs}
             metric = args.metric or next(
@@ -1078,7 +1076,7 @@ class RtnbMagics(Magics):
 
     def _run(self, code: str, args, live_view: bool = True):
         session = self._require()
-        live = live_view and not args.no_live and has_live_frontend()
+        live = live_view and not args.no_live and self.output.live
         label = self._cell_label()
         datasets = self._datasets_from([args.datasets]) if args.datasets else None
         try:

@@ -200,7 +200,7 @@ def test_stacks_in_a_real_kernel_the_magic_the_live_views_hang_panel_and_its_but
 def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_the_metrics(
     session,
 ):
-    from rtnb.widgets._live import format_header
+    from rtnb.widgets import format_header
 
     from rtnb.storage._metricslog import read_metrics
     from rtnb.storage._rundir import RunDirectory

@@ -232,6 +232,38 @@ def test_no_import_cycles_between_engine_modules():
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
 
 
+def _front_modules() -> dict[str, Path]:
+    """rtnb.magics.* and rtnb.widgets.* (installed inside the rtnb namespace)."""
+    found = {}
+    for folder in ("magics", "widgets"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            found["rtnb." + _module_name(path)] = path
+    return found
+
+
+def test_no_import_cycles_among_the_engine_the_magics_and_the_widgets():
+    """Counting imports inside functions and under TYPE_CHECKING."""
+    modules = {**_engine_modules(), **_front_modules()}
+    graph = {name: _rtnb_imports(name, path, modules, True) for name, path in modules.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_the_magics_reach_the_engine_only_through_its_public_face():
+    """The magics bind to rtnb's public names (rtnb.Session and the rest), never to a
+    private driver or storage module: what a magic does is a public call."""
+    modules = {**_engine_modules(), **_front_modules()}
+    for name, path in _front_modules().items():
+        if not name.startswith("rtnb.magics"):
+            continue
+        private = sorted(
+            target
+            for target in _rtnb_imports(name, path, modules, True)
+            if target.startswith(("rtnb.driver", "rtnb.storage"))
+        )
+        assert not private, f"{name} imports {private}"
+
+
 def test_a_rank_using_the_public_face_loads_no_driver_or_batch_code():
     probe = (
         "import rtnb, sys; rtnb.report; rtnb.Checkpoint; rtnb.get_context; "
@@ -336,3 +368,21 @@ def test_every_path_of_a_run_comes_from_the_run_layout():
         'join(folder, "_manifest.json")\nf"rank-{rank}.log"'
     )
     assert len(_path_literals(ast.parse(planted))) == 5
+
+
+def test_one_output_adapter_decides_live_widget_or_lasting_output(monkeypatch):
+    """Only NotebookOutput asks whether a live frontend is there; the magics hand it
+    both renderings (RTNB_LIVE forces either, as a user can)."""
+    from rtnb.widgets import NotebookOutput
+
+    askers = sorted(
+        str(path.relative_to(REPO))
+        for folder in ("magics", "widgets")
+        for path in (REPO / folder).rglob("*.py")
+        if "has_live_frontend(" in path.read_text()
+    )
+    assert askers == ["widgets/_frontend.py", "widgets/_output.py"], askers
+    output = NotebookOutput()
+    for forced, expected in (("1", "widget"), ("0", "text")):
+        monkeypatch.setenv("RTNB_LIVE", forced)
+        assert output.show(live=lambda: "widget", lasting=lambda: "text") == expected

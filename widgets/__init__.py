@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from rtnb.widgets._checkpoints import CheckpointBrowser
 from rtnb.widgets._frontend import has_live_frontend
-from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport, format_header
+from rtnb.widgets._header import format_header
+from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport
 from rtnb.widgets._logs import RankLog
+from rtnb.widgets._output import NotebookOutput
 from rtnb.widgets._plot import import_figure_widget_in_background
 from rtnb.widgets._profile import profile_figure
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
@@ -17,6 +19,7 @@ __all__ = [
     "CheckpointBrowser",
     "LiveMetrics",
     "LiveOnFirstReport",
+    "NotebookOutput",
     "ProgressLines",
     "RankLog",
     "RunsDashboard",

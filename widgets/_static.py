@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from rtnb.widgets._live import format_header
+from rtnb.widgets._header import format_header
 from rtnb.widgets._plot import build_figure, robust_range, smooth, trace_keys
 from rtnb.widgets._svg import figure_svg
 from rtnb.widgets._theme import redraw_when_theme_known

@@ -25,11 +25,11 @@ from typing import Any, Protocol
 
 from rtnb.core._changes import CellChanges, change_text
 from rtnb.core._messages import CellRequest, CellState, RankUpdate, StopPhase
+from rtnb.core._output import OutputSink
 from rtnb.core._profile import PROFILE_START
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._group import RankGroup, RankLost
-from rtnb.driver._output import OutputSink
 from rtnb.driver._policy import Failure, RankDied, RecoveryOutcome
 from rtnb.driver._state import GroupState
 from rtnb.driver._stopping import StopProtocol

@@ -27,6 +27,7 @@ from rtnb.core._changes import SavedChanges
 from rtnb.core._config import SessionConfig, parse_ranks
 from rtnb.core._context import CONFIG_NAME
 from rtnb.core._messages import SAVE_TRIGGER, CellRequest
+from rtnb.core._output import OutputSink, print_sink
 from rtnb.core._profile import ProfileReport, profile_trigger
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
@@ -43,7 +44,6 @@ from rtnb.driver._debug import attach
 from rtnb.driver._doctor import StackReader
 from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._lifecycle import GroupLifecycle
-from rtnb.driver._output import OutputSink, print_sink
 from rtnb.driver._policy import Failure, FailurePolicy, RecoveryOutcome
 from rtnb.driver._profiling import merge_profile
 from rtnb.driver._recovery import RecoveryFlow

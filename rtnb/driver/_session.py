@@ -35,6 +35,7 @@ from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.core._messages import SAVE_TRIGGER
+from rtnb.core._output import OutputSink
 from rtnb.core._profile import ProfileReport
 from rtnb.core._redact import redact_uri
 from rtnb.core._score import score_rule
@@ -49,7 +50,6 @@ from rtnb.driver._export import ExportedScript, export_run
 from rtnb.driver._group import RankGroup
 from rtnb.driver._import import TrainScript, read_train_script
 from rtnb.driver._lifecycle import GroupLifecycle, new_group
-from rtnb.driver._output import OutputSink
 from rtnb.driver._policy import FailurePolicy, RecoveryOutcome, ReplayReport
 from rtnb.driver._recovery import RecoveryFlow, Replayer
 from rtnb.driver._resume import ResumeFlow, ResumePlan

@@ -393,6 +393,13 @@ class Sweep:
     stops every trial at a step boundary.
     """
 
+    @staticmethod
+    def on_start(viewer: Callable[[Sweep], None]) -> Callable[[], None]:
+        """Call ``viewer(sweep)`` for every sweep this process starts, before its
+        first trial (the notebook shows its view so); returns the function that
+        removes it."""
+        return on_sweep_start(viewer)
+
     def __init__(
         self,
         name: str,

@@ -90,6 +90,12 @@ class CheckpointInfo:
         parsed = parse_checkpoint_id(self.id)
         return parsed[1] if parsed else 0
 
+    @staticmethod
+    def table(rows: list[CheckpointInfo]) -> str:
+        """``rows`` as an aligned text table: what ``rtnb checkpoints`` prints, and
+        ``%rtnb checkpoints`` where no widget can render (papermill, nbclient)."""
+        return checkpoints_table(rows)
+
 
 class CheckpointStore:
     def __init__(

@@ -1,4 +1,5 @@
-"""Where a cell's output goes on the driver: sinks, and the ``[rank N]`` printer."""
+"""Where a cell's output goes: sinks, and the ``[rank N]`` printer (the driver's
+and the notebook front end's: plain Python, no Ray)."""
 
 from __future__ import annotations
 
