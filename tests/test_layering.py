@@ -323,8 +323,8 @@ def test_no_driver_object_touches_another_ones_private_attributes():
 
 
 _LAYOUT_NAMES = ("checkpoints", "metrics", "logs", "journal", "tensorboard", "notebooks")
-_LAYOUT_FILES = ("run.json", "_manifest.json", "index.json")
-_LAYOUT_PREFIXES = tuple(f"{n}/" for n in _LAYOUT_NAMES) + ("rank-",)
+_LAYOUT_FILES = ("run.json", "_manifest.json", "index.json", "sweep.json", "journal-spool")
+_LAYOUT_PREFIXES = tuple(f"{n}/" for n in _LAYOUT_NAMES) + ("rank-", "state-rank", "ahead-")
 
 
 def _path_literals(tree: ast.AST) -> list[int]:
@@ -365,9 +365,10 @@ def test_every_path_of_a_run_comes_from_the_run_layout():
     # The rule sees what it is for.
     planted = (
         'run_dir.exists("run.json")\nposixpath.join(base, "checkpoints")\nf"checkpoints/{cid}"\n'
-        'join(folder, "_manifest.json")\nf"rank-{rank}.log"'
+        'join(folder, "_manifest.json")\nf"rank-{rank}.log"\nf"state-rank{rank}.pt"\n'
+        'name.startswith("ahead-")\nwrite_json("sweep.json", record)'
     )
-    assert len(_path_literals(ast.parse(planted))) == 5
+    assert len(_path_literals(ast.parse(planted))) == 8
 
 
 def test_one_output_adapter_decides_live_widget_or_lasting_output(monkeypatch):

@@ -59,6 +59,7 @@ from rtnb.errors import (
 )
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore
+from rtnb.storage._layout import SWEEP_RECORD
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = [
@@ -72,7 +73,6 @@ __all__ = [
     "sweep",
 ]
 
-SWEEP_RECORD = "sweep.json"
 # Schedulers that pause trials and resume them later (from a checkpoint, perhaps
 # with another trial's weights): rtnb's trials run to their end or stop early.
 _PAUSING = ("HyperBandScheduler", "PopulationBasedTraining", "ResourceChangingScheduler")

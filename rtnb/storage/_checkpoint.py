@@ -40,7 +40,7 @@ import xxhash
 
 from rtnb.core._context import current_rank
 from rtnb.errors import CheckpointError
-from rtnb.storage._layout import MANIFEST
+from rtnb.storage._layout import MANIFEST, state_file, state_file_rank
 
 __all__ = ["MANIFEST", "Checkpoint", "upload_directory"]
 
@@ -88,7 +88,7 @@ class Checkpoint:
         import torch
 
         folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
-        torch.save(state, os.path.join(folder, _state_file(current_rank())))
+        torch.save(state, os.path.join(folder, state_file(current_rank())))
         checkpoint = cls(folder)
         checkpoint._temporary = True  # removed once reported (the upload keeps the data)
         return checkpoint
@@ -180,21 +180,15 @@ class Checkpoint:
         if not trusted and self.manifest is None:
             self.verify()  # raises: no manifest
         with self.as_directory(trusted=True) as folder:
-            shards = sorted(
-                f for f in os.listdir(folder) if f.startswith("state-rank") and f.endswith(".pt")
-            )
+            shards = sorted(f for f in os.listdir(folder) if state_file_rank(f) is not None)
             if not shards:
                 raise CheckpointError(
                     f"checkpoint {self.id} has no state saved with Checkpoint.from_state"
                 )
             # Each rank reads its own shard; when only some ranks saved (often rank 0
             # alone), the others read the lowest rank's.
-            mine = _state_file(current_rank())
-            chosen = (
-                mine
-                if mine in shards
-                else min(shards, key=lambda f: int(f[len("state-rank") : -3]))
-            )
+            mine = state_file(current_rank())
+            chosen = mine if mine in shards else min(shards, key=state_file_rank)
             path = os.path.join(folder, chosen)
             check = None if trusted else self._start_check(chosen, path, full_verify)
             try:
@@ -314,10 +308,6 @@ def _unchanged_since_commit(path: str, entry: dict) -> bool:
     except OSError:
         return False
     return st.st_size == entry["size"] and _stamp_of(st) == stamp
-
-
-def _state_file(rank: int) -> str:
-    return f"state-rank{rank}.pt"
 
 
 def _chunks(stream) -> Iterator[bytes]:

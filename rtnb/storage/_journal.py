@@ -44,13 +44,12 @@ from typing import Any
 
 from rtnb.core._paths import rtnb_home
 from rtnb.errors import SessionError, one_line
-from rtnb.storage._layout import JOURNAL
+from rtnb.storage._layout import JOURNAL, JOURNAL_SPOOL, is_journal_ahead, journal_ahead_file
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["CellOutcome", "EntryKind", "Journal", "JournalEntry", "ReplayStep"]
 
 FOLDER = JOURNAL
-SPOOL = "journal-spool"
 
 
 class EntryKind(str, enum.Enum):
@@ -159,7 +158,9 @@ class Journal:
         self._ahead_dir = (
             os.path.join(run_dir.path, FOLDER)
             if run_dir.is_local
-            else str(rtnb_home() / SPOOL / hashlib.sha1(run_dir.uri.encode()).hexdigest()[:16])
+            else str(
+                rtnb_home() / JOURNAL_SPOOL / hashlib.sha1(run_dir.uri.encode()).hexdigest()[:16]
+            )
         )
 
     # ---- reading -------------------------------------------------------------------
@@ -213,7 +214,7 @@ class Journal:
     def _read_ahead(self) -> dict[int, JournalEntry]:
         found: dict[int, JournalEntry] = {}
         try:
-            names = sorted(n for n in os.listdir(self._ahead_dir) if n.startswith("ahead-"))
+            names = sorted(n for n in os.listdir(self._ahead_dir) if is_journal_ahead(n))
         except OSError:
             return found
         for name in names:
@@ -270,7 +271,7 @@ class Journal:
         try:
             if self._ahead_fd is None:
                 os.makedirs(self._ahead_dir, mode=0o700, exist_ok=True)
-                name = f"ahead-{time.time_ns()}-{os.getpid()}.jsonl"
+                name = journal_ahead_file(time.time_ns(), os.getpid())
                 self._ahead_fd = os.open(
                     os.path.join(self._ahead_dir, name),
                     os.O_WRONLY | os.O_CREAT | os.O_APPEND,

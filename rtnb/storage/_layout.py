@@ -6,12 +6,18 @@ these functions, relative to the run directory ``{storage}/{run}/``::
 
     run.json                    the run record (RunRecord)
     checkpoints/{id}/           a checkpoint's files; _manifest.json written last
+    checkpoints/{id}/state-rank{r}.pt   Checkpoint.from_state: each rank's state
     checkpoints/index.json      a summary of the checkpoints for people and tools
     metrics/rank-{r}/           each rank's reports (append-log chunks)
     logs/rank-{r}/              each rank's printed lines
     journal/                    the run journal (write-ahead; replay reads it)
+    journal/ahead-{ns}-{pid}.jsonl   the lines written ahead (on object storage: in
+                                this machine's RTNB_HOME/journal-spool/{hash}/ instead)
     tensorboard/                TensorBoard event files (--tensorboard)
     notebooks/                  the output notebooks of `rtnb run` / `rtnb submit`
+
+and a sweep's folder ``{storage}/{sweep}/`` holds ``sweep.json`` (SWEEP_RECORD) beside
+its trials' run directories.
 """
 
 from __future__ import annotations
@@ -24,19 +30,25 @@ __all__ = [
     "CHECKPOINTS",
     "JOURNAL",
     "LOGS",
+    "JOURNAL_SPOOL",
     "MANIFEST",
     "METRICS",
     "SYSTEM_METRICS",
     "RUN_RECORD",
     "RunRecord",
+    "SWEEP_RECORD",
     "checkpoint_dir",
     "checkpoint_file",
     "checkpoint_index",
     "committed_in_index",
+    "is_journal_ahead",
+    "journal_ahead_file",
     "notebook",
     "rank_file",
     "rank_folder",
     "read_run_record",
+    "state_file",
+    "state_file_rank",
     "profile_rank_trace",
     "profile_trace",
     "tensorboard_dir",
@@ -57,6 +69,12 @@ MLFLOW_ARTIFACTS = "mlflow-artifacts"
 NOTEBOOKS = "notebooks"
 PROFILES = "profiles"  # %rtnb profile: each rank's trace and the merged one
 _INDEX = "index.json"
+# This machine's copy of the lines a run on object storage writes ahead (under
+# RTNB_HOME): object stores cannot append.
+JOURNAL_SPOOL = "journal-spool"
+_AHEAD = "ahead-"
+_STATE_PREFIX, _STATE_SUFFIX = "state-rank", ".pt"
+SWEEP_RECORD = "sweep.json"
 # In a checkpoint's folder, written last: a folder without it is not a checkpoint.
 MANIFEST = "_manifest.json"
 # 1: the first versioned record (earlier ones had no version field and are read the
@@ -87,6 +105,28 @@ def committed_in_index(run_dir) -> int:
     except (OSError, ValueError):
         return 0
     return sum(1 for c in index.get("checkpoints", []) if c.get("status") == "committed")
+
+
+def state_file(rank: int) -> str:
+    """The file ``Checkpoint.from_state`` saves a rank's state in, in a checkpoint."""
+    return f"{_STATE_PREFIX}{rank}{_STATE_SUFFIX}"
+
+
+def state_file_rank(name: str) -> int | None:
+    """The rank whose state file ``name`` is; None when it is not one."""
+    if not (name.startswith(_STATE_PREFIX) and name.endswith(_STATE_SUFFIX)):
+        return None
+    number = name[len(_STATE_PREFIX) : -len(_STATE_SUFFIX)]
+    return int(number) if number.isdigit() else None
+
+
+def journal_ahead_file(now_ns: int, pid: int) -> str:
+    """A writer's file of journal lines written ahead: one per process, in order."""
+    return f"{_AHEAD}{now_ns}-{pid}.jsonl"
+
+
+def is_journal_ahead(name: str) -> bool:
+    return name.startswith(_AHEAD)
 
 
 def profile_rank_trace(profile_id: str, rank: int) -> str:
