@@ -4,6 +4,7 @@ A page holds a marker comment; the build puts the generated text in its place:
 
 - ``<!-- rtnb:magics -->``: every ``%rtnb`` subcommand and ``%%rtrain`` flag, as the
   magics' parsers print them (``rtnb.magics._magics.reference``);
+- ``<!-- rtnb:cli -->``: the ``rtnb`` command line, as ``rtnb COMMAND --help`` prints it;
 - ``<!-- rtnb:api -->``: every public name of ``rtnb``, from its docstring (mkdocstrings);
 - ``<!-- rtnb:errors -->``: every error rtnb raises on purpose, read from the raise
   sites in ``rtnb/``, ``magics/`` and ``widgets/`` (class, message, where), so a new or
@@ -196,10 +197,25 @@ def api_reference() -> str:
     return "\n".join(out)
 
 
+def cli_reference() -> str:
+    """``rtnb --help`` and each command's ``--help``, from the command line's parser."""
+    import argparse
+
+    from rtnb.batch.cli import _parser
+
+    parser = _parser()
+    out = ["```text", parser.format_help().rstrip(), "```"]
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        out += ["", f"### `rtnb {name}`", "", "```text", command.format_help().rstrip(), "```"]
+    return "\n".join(out)
+
+
 GENERATED = {
     "<!-- rtnb:magics -->": _magics_reference,
     "<!-- rtnb:errors -->": error_table,
     "<!-- rtnb:api -->": api_reference,
+    "<!-- rtnb:cli -->": cli_reference,
 }
 
 

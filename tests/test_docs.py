@@ -58,6 +58,20 @@ def test_the_magics_reference_lists_every_subcommand_and_flag_the_parsers_accept
         assert flag in text, f"%%rtrain {flag}"
 
 
+def test_the_command_line_reference_lists_every_command_and_option(site):
+    import argparse
+
+    from rtnb.batch.cli import _parser
+
+    text = _text(site / "reference" / "cli.html")
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        assert f"usage: rtnb {name}" in text, name
+        for action in command._actions:
+            for option in action.option_strings:
+                assert option in text, f"rtnb {name} {option}"
+
+
 def test_the_api_reference_renders_every_public_name_from_its_docstring(site):
     import rtnb
 
