@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "Sweep": "rtnb.driver._sweep",
     "SweepTrial": "rtnb.driver._sweep",
     "TrialState": "rtnb.driver._sweep",
-    "sweep": "rtnb.driver._sweep",
+    "sweep": "rtnb.driver._sweep_runner",
     "CellHandle": "rtnb.driver._cell",
     "Failure": "rtnb.driver._policy",
     "FailurePolicy": "rtnb.driver._policy",
@@ -190,7 +190,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.driver._session import Session
     from rtnb.driver._state import GroupState, StateChange
     from rtnb.driver._status import GroupStatus
-    from rtnb.driver._sweep import Sweep, SweepTrial, TrialState, sweep
+    from rtnb.driver._sweep import Sweep, SweepTrial, TrialState
+    from rtnb.driver._sweep_runner import sweep
     from rtnb.driver._warmctl import WarmRayStatus, stop_warm_ray, warm_ray_status
     from rtnb.errors import (
         CellError,

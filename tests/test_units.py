@@ -392,13 +392,13 @@ def test_cells_are_written_in_ray_trains_names_with_their_comments_and_layout():
 def test_a_sweeps_trials_come_from_tunes_variants_num_samples_times_over_the_grid():
     from ray import tune
 
-    from rtnb.driver._sweep import _check_space, _Suggestions
+    from rtnb.driver._sweep_tune import Suggestions, check_space
 
     # As given to a TorchTrainer under a Tuner: the train_loop_config is the space.
-    space = _check_space(
+    space = check_space(
         {"train_loop_config": {"lr": tune.grid_search([0.1, 0.01]), "bs": tune.choice([8, 16])}}
     )
-    suggestions = _Suggestions(space, num_samples=3, searcher=None)
+    suggestions = Suggestions(space, num_samples=3, searcher=None)
     assert suggestions.total == 6
     configs = []
     while (made := suggestions.next("t")) is not None:
@@ -409,13 +409,13 @@ def test_a_sweeps_trials_come_from_tunes_variants_num_samples_times_over_the_gri
 
 
 def test_a_sweeps_metric_check_reads_the_training_codes_reports():
-    from rtnb.driver._sweep import _check_reports
+    from rtnb.driver._sweep_tune import check_reports
 
-    _check_reports("rtnb.report({'loss': l, 'acc': a})", "acc")
-    _check_reports("metrics = {'acc': a}\nrtnb.report(metrics)", "acc")  # built at run time
-    _check_reports("trainer.train()", "eval_loss")  # reports some other way: the trials tell
+    check_reports("rtnb.report({'loss': l, 'acc': a})", "acc")
+    check_reports("metrics = {'acc': a}\nrtnb.report(metrics)", "acc")  # built at run time
+    check_reports("trainer.train()", "eval_loss")  # reports some other way: the trials tell
     with pytest.raises(ConfigError, match="never reports 'acc'.*name loss"):
-        _check_reports("ray.train.report(metrics={'loss': l})", "acc")
+        check_reports("ray.train.report(metrics={'loss': l})", "acc")
 
 
 def test_a_sweeps_table_sorts_by_score_with_the_best_marked():
