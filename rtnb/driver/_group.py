@@ -132,11 +132,33 @@ class RankGroup(Protocol):
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]: ...
 
 
+class GroupLender(Protocol):
+    """Who lends groups to sessions (a sweep's pool, to one trial at a time): a group
+    it lent is handed back at its shutdown instead of being shut down."""
+
+    def adopt(self, group: WorkerGroup) -> bool:
+        """A new group it lent has started; False: the lender closed meanwhile."""
+        ...
+
+    def give_back(self, group: WorkerGroup, clean: bool) -> None: ...
+
+
 class WorkerGroup:
-    def __init__(self, config: SessionConfig, run_name: str, storage_path: str) -> None:
+    def __init__(
+        self,
+        config: SessionConfig,
+        run_name: str,
+        storage_path: str,
+        lender: GroupLender | None = None,
+    ) -> None:
         self.config = config
         self.run_name = run_name
         self.storage_path = storage_path
+        # Lent by a pool: the session's shutdown gives it back (a sound one is lent
+        # again, its ranks renewed); ``retire`` once its trial failed, so a broken
+        # process group or CUDA state never reaches the next trial.
+        self.lender = lender
+        self.retire = False
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
         self._placement_group = None
@@ -155,6 +177,8 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if self.lender is not None and self.actors:
+            return  # lent again: the pool renewed its ranks for this run
         cfg = self.config
         progress = progress or StartProgress()
         check_capacity(cfg)
@@ -273,6 +297,9 @@ class WorkerGroup:
             # Ctrl-C while the ranks start: nothing may keep holding CPUs or GPUs.
             self.shutdown(graceful=False)
             raise
+        if self.lender is not None and not self.lender.adopt(self):
+            self.shutdown(graceful=False, timeout_s=2.0)  # the pool closed meanwhile
+            raise ClusterError("the sweep is over: its groups are shut down")
 
     def _assign_local_ranks(self, described: list[RankPlace]) -> None:
         node_order: list[str] = []
@@ -480,9 +507,15 @@ class WorkerGroup:
     # ---- stop --------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
         """Free every actor and the placement group. ``graceful`` first lets the ranks
-        leave the process group; hung ranks are killed regardless."""
+        leave the process group; hung ranks are killed regardless. A lent group goes
+        back to its lender instead (which shuts down what it does not keep)."""
         import ray
         from ray.util.placement_group import remove_placement_group
+
+        if self.lender is not None:
+            lender, self.lender = self.lender, None
+            lender.give_back(self, clean=graceful and not self.retire)
+            return
 
         actors, self.actors = self.actors, []
         if graceful and actors:

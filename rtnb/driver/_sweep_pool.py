@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from rtnb.core._config import SessionConfig
-from rtnb.driver._group import RankGroup, WorkerGroup
-from rtnb.driver._startup import StartProgress
+from rtnb.driver._group import WorkerGroup
 from rtnb.errors import (
     ClusterError,
 )
 
-__all__ = ["GroupPool", "LentGroup"]
+__all__ = ["GroupPool"]
 
 
 # ---- the groups trials run on ------------------------------------------------------------
@@ -34,11 +32,10 @@ class GroupPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def factory(self, config: SessionConfig, run_name: str, storage_path: str) -> RankGroup:
-        """A trial :class:`Session`'s ``group_factory``."""
-        return LentGroup(self, run_name, storage_path)
-
-    def take(self, run_name: str, storage_path: str, progress: StartProgress | None) -> WorkerGroup:
+    def factory(self, config: SessionConfig, run_name: str, storage_path: str) -> WorkerGroup:
+        """A trial :class:`Session`'s ``group_factory``: an idle group, its ranks renewed
+        for the trial's run, else a new one the session starts. Either is lent: the
+        session's stop gives it back here."""
         while True:
             with self._lock:
                 if self._closed:
@@ -53,18 +50,19 @@ class GroupPool:
                 continue
             with self._lock:
                 self.lent += 1
+            group.lender = self
             return group
-        group = WorkerGroup(self.config, run_name, storage_path)
-        group.start(progress)
+        return WorkerGroup(self.config, run_name, storage_path, lender=self)
+
+    def adopt(self, group: WorkerGroup) -> bool:
+        """A new group has started for its trial: it is the pool's from now on."""
         with self._lock:
+            if self._closed:  # the sweep ended while it started
+                return False
             self._live.append(group)
             self.started += 1
             self.lent += 1
-            closed = self._closed
-        if closed:  # the sweep ended while this group started
-            self._discard(group)
-            raise ClusterError("the sweep is over: its groups are shut down")
-        return group
+            return True
 
     def give_back(self, group: WorkerGroup, clean: bool) -> None:
         with self._lock:
@@ -89,36 +87,3 @@ class GroupPool:
             groups, self._live, self._idle = list(self._live), [], []
         for group in groups:
             group.shutdown(graceful=False, timeout_s=2.0)
-
-
-class LentGroup:
-    """A :class:`RankGroup` lent by a :class:`GroupPool` to one trial's session: its
-    start takes a group from the pool, its shutdown gives it back (a graceful one
-    only: after a failure the group is shut down)."""
-
-    def __init__(self, pool: GroupPool, run_name: str, storage_path: str) -> None:
-        self._pool = pool
-        self._run_name = run_name
-        self._storage_path = storage_path
-        self._group: WorkerGroup | None = None
-        self._sound = True
-
-    def start(self, progress: StartProgress | None = None) -> None:
-        self._group = self._pool.take(self._run_name, self._storage_path, progress)
-
-    def discard_on_return(self) -> None:
-        """Its trial failed: whatever the session's stop says, the group is shut down
-        (a broken process group, a CUDA error, must not reach the next trial)."""
-        self._sound = False
-
-    def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            self._pool.give_back(group, clean=graceful and self._sound)
-
-    def __getattr__(self, name: str) -> Any:
-        # The rank protocol, the ranks and the size are the lent group's.
-        group = self.__dict__.get("_group")
-        if group is None:
-            raise AttributeError(name)
-        return getattr(group, name)

@@ -16,6 +16,7 @@ from typing import Any
 from rtnb.core._config import SessionConfig, check_name
 from rtnb.driver._cluster import ClusterConnection, connect
 from rtnb.driver._embedded import rank_cpus
+from rtnb.driver._group import WorkerGroup
 from rtnb.driver._sweep import (
     Sweep,
     SweepEvent,
@@ -24,7 +25,7 @@ from rtnb.driver._sweep import (
     TrialState,
     show_to_viewers,
 )
-from rtnb.driver._sweep_pool import GroupPool, LentGroup
+from rtnb.driver._sweep_pool import GroupPool
 from rtnb.driver._sweep_tune import (
     Suggestions,
     TuneController,
@@ -370,8 +371,8 @@ class SweepRunner:
         if running.unsubscribe is not None:
             running.unsubscribe()
         session = running.session
-        if state is TrialState.ERROR and isinstance(session.group, LentGroup):
-            session.group.discard_on_return()
+        if state is TrialState.ERROR and isinstance(session.group, WorkerGroup):
+            session.group.retire = True  # never lent to another trial
         with contextlib.suppress(Exception):
             session.stop()
         self._write_record()
