@@ -14,6 +14,7 @@ A page holds a marker comment; the build puts the generated text in its place:
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,6 +218,15 @@ GENERATED = {
     "<!-- rtnb:api -->": api_reference,
     "<!-- rtnb:cli -->": cli_reference,
 }
+
+
+_SPHINX_ROLE = re.compile(r":(?:class|func|meth|attr|mod|exc|data|obj):(?=<code>)")
+
+
+def on_page_content(html: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' signature)
+    """The docstrings' Sphinx roles (``:class:`Result```) as plain code, as IPython's
+    help shows them, rather than the role's name in front of it."""
+    return _SPHINX_ROLE.sub("", html)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (MkDocs' signature)
