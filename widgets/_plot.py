@@ -247,11 +247,15 @@ def build_figure(
             row=row,
             col=1,
         )
+    height = max(260, height_per_metric * max(1, len(metrics)))
+    top, bottom = 30, 70
     fig.update_layout(
         autosize=True,  # no fixed width: the figure takes its output area's width
-        height=max(260, height_per_metric * max(1, len(metrics))),
-        margin={"l": 50, "r": 20, "t": 30, "b": 40},
-        legend={"orientation": "h", "y": -0.12 if len(metrics) < 2 else -0.05},
+        height=height,
+        margin={"l": 50, "r": 20, "t": top, "b": bottom},
+        # Under the x axis's title, however many entries (a resumed run's "earlier
+        # line" made a legend wide enough to run over "step").
+        legend={"orientation": "h", "yanchor": "top", "y": -42 / (height - top - bottom)},
     )
     see_through(fig)
     fig.update_xaxes(gridcolor="rgba(128,128,128,0.25)", zerolinecolor="rgba(128,128,128,0.4)")
