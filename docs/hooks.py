@@ -4,6 +4,7 @@ A page holds a marker comment; the build puts the generated text in its place:
 
 - ``<!-- rtnb:magics -->``: every ``%rtnb`` subcommand and ``%%rtrain`` flag, as the
   magics' parsers print them (``rtnb.magics._magics.reference``);
+- ``<!-- rtnb:states -->``: the worker group's states and allowed transitions;
 - ``<!-- rtnb:cli -->``: the ``rtnb`` command line, as ``rtnb COMMAND --help`` prints it;
 - ``<!-- rtnb:api -->``: every public name of ``rtnb``, from its docstring (mkdocstrings);
 - ``<!-- rtnb:errors -->``: every error rtnb raises on purpose, read from the raise
@@ -212,11 +213,24 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
+def state_table() -> str:
+    """The worker group's states and the transitions its state machine allows (the
+    table ``StateMachine.to`` checks every change against)."""
+    from rtnb.driver._state import _ALLOWED, GroupState
+
+    lines = ["| state | may become |", "| --- | --- |"]
+    for state in GroupState:
+        targets = ", ".join(f"`{t}`" for t in GroupState if t in _ALLOWED[state])
+        lines.append(f"| `{state}` | {targets} |")
+    return "\n".join(lines)
+
+
 GENERATED = {
     "<!-- rtnb:magics -->": _magics_reference,
     "<!-- rtnb:errors -->": error_table,
     "<!-- rtnb:api -->": api_reference,
     "<!-- rtnb:cli -->": cli_reference,
+    "<!-- rtnb:states -->": state_table,
 }
 
 
