@@ -186,7 +186,7 @@ def _print_runs(storage: str, metric: str | None) -> int:
 def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     from rtnb.core._config import check_name
     from rtnb.errors import ConfigError
-    from rtnb.storage._checkpoints import CheckpointStore, checkpoints_table
+    from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore
     from rtnb.storage._layout import RUN_RECORD
     from rtnb.storage._rundir import RunDirectory
 
@@ -200,7 +200,7 @@ def _print_checkpoints(run: str, storage: str, include_incomplete: bool) -> int:
     if not rows:
         print(f"run {run!r} has no checkpoints")
         return 0
-    print(checkpoints_table(rows))
+    print(CheckpointInfo.table(rows))
     return 0
 
 

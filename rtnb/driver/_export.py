@@ -62,22 +62,28 @@ _HELPERS = {
 _checkpoint_directories: list = []
 
 
+def _remove_checkpoint_directories() -> None:
+    import shutil
+
+    while _checkpoint_directories:
+        shutil.rmtree(_checkpoint_directories.pop(), ignore_errors=True)
+
+
 def checkpoint_from_state(state: dict) -> ray.train.Checkpoint:
     """rtnb's Checkpoint.from_state: ``state`` saved with torch.save as this rank's
     file (rtnb's layout: state-rank<R>.pt) in a new directory, as a Checkpoint.
     The directory of the call before is removed: ray.train.report has copied it to
     the run's storage by now, and a long run would otherwise fill the disk."""
     import atexit
-    import shutil
     import tempfile
 
     import torch
 
-    while _checkpoint_directories:
-        shutil.rmtree(_checkpoint_directories.pop(), ignore_errors=True)
+    _remove_checkpoint_directories()
+    atexit.unregister(_remove_checkpoint_directories)  # one exit handler, however many calls
+    atexit.register(_remove_checkpoint_directories)
     directory = tempfile.mkdtemp(prefix="checkpoint-")
     _checkpoint_directories.append(directory)
-    atexit.register(shutil.rmtree, directory, True)
     rank = ray.train.get_context().get_world_rank()
     torch.save(state, os.path.join(directory, f"state-rank{rank}.pt"))
     return ray.train.Checkpoint.from_directory(directory)

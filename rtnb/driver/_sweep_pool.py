@@ -6,9 +6,7 @@ import threading
 
 from rtnb.core._config import SessionConfig
 from rtnb.driver._group import WorkerGroup
-from rtnb.errors import (
-    ClusterError,
-)
+from rtnb.errors import ClusterError
 
 __all__ = ["GroupPool"]
 

@@ -35,7 +35,6 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointStore",
     "checkpoint_id",
-    "checkpoints_table",
     "parse_checkpoint_id",
 ]
 
@@ -94,7 +93,22 @@ class CheckpointInfo:
     def table(rows: list[CheckpointInfo]) -> str:
         """``rows`` as an aligned text table: what ``rtnb checkpoints`` prints, and
         ``%rtnb checkpoints`` where no widget can render (papermill, nbclient)."""
-        return checkpoints_table(rows)
+        metrics = sorted({k for c in rows for k in c.metrics})
+        table = [["id", "step", "time", *metrics, "MB", "ranks", "status"]]
+        for c in rows:
+            table.append(
+                [
+                    c.id,
+                    str(c.step),
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-",
+                ]
+                + [
+                    f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
+                    for m in metrics
+                ]
+                + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
+            )
+        return format_table(table)
 
 
 class CheckpointStore:
@@ -392,24 +406,3 @@ def _newest(committed: list[CheckpointInfo]) -> CheckpointInfo | None:
     """The checkpoint committed last (by its report time): after a resume from an
     earlier checkpoint, the branch's, not the original line's highest step."""
     return max(committed, key=lambda c: (c.time, c.step)) if committed else None
-
-
-def checkpoints_table(rows: list[CheckpointInfo]) -> str:
-    """The checkpoints as an aligned text table (``rtnb checkpoints``, and
-    ``%rtnb checkpoints`` where no widget can render)."""
-    metrics = sorted({k for c in rows for k in c.metrics})
-    table = [["id", "step", "time", *metrics, "MB", "ranks", "status"]]
-    for c in rows:
-        table.append(
-            [
-                c.id,
-                str(c.step),
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-",
-            ]
-            + [
-                f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
-                for m in metrics
-            ]
-            + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
-        )
-    return format_table(table)
