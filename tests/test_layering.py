@@ -290,6 +290,66 @@ def test_only_the_worker_group_modules_call_a_rank():
     assert callers == [], f".remote outside the worker-group modules: {callers}"
 
 
+# The calls of a cell's rank protocol: only a cell's Execution sequences them (the
+# groups define them).
+_CELL_PROTOCOL = {
+    "relay",
+    "relay_answers",
+    "poll",
+    "hold",
+    "release",
+    "request_stop",
+    "set_stop_target",
+    "interrupt",
+}
+_PROTOCOL_OWNERS = {"rtnb/driver/_execution.py", "rtnb/driver/_group.py", "rtnb/driver/_local.py"}
+
+
+def _protocol_calls(tree: ast.AST) -> list[str]:
+    return [
+        f"{node.lineno}: {ast.unparse(node.func)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _CELL_PROTOCOL
+        and node.args  # a rank's call names its rank (a process's poll() does not)
+        and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+    ]
+
+
+def test_only_a_cells_execution_sequences_the_rank_protocol():
+    callers = []
+    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+        relative = str(path.relative_to(REPO))
+        if relative not in _PROTOCOL_OWNERS:
+            callers += [f"{relative}:{hit}" for hit in _protocol_calls(ast.parse(path.read_text()))]
+    assert callers == [], f"rank protocol calls outside the cell's Execution: {callers}"
+    planted = "group.poll(rank)\nproc.poll()\nself.poll(1)\nexecution.group.hold(0, 1)"
+    assert [hit.split(": ")[1] for hit in _protocol_calls(ast.parse(planted))] == [
+        "group.poll",
+        "execution.group.hold",
+    ]
+
+
+def _class_sizes(tree: ast.AST) -> dict[str, int]:
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def test_no_driver_class_over_500_lines_and_the_session_within_300():
+    sizes = {}
+    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+        for name, size in _class_sizes(ast.parse(path.read_text())).items():
+            sizes[f"{path.name}:{name}"] = size
+    over = {name: size for name, size in sizes.items() if size > 500}
+    assert over == {}, f"driver classes over 500 lines: {over}"
+    assert sizes["_session.py:Session"] <= 300, sizes["_session.py:Session"]
+    assert _class_sizes(ast.parse("class A:\n    x = 1\n    y = 2\n")) == {"A": 3}
+
+
 def _private_reaches(tree: ast.AST) -> list[str]:
     """``other._name`` where ``other`` is neither ``self``/``cls`` nor a module this
     file imported: one object touching another's private attribute."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from rtnb.core._redact import redact_uri
@@ -26,12 +26,17 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SessionConfig:
     """Options of a worker group; names follow Ray Train's ScalingConfig/RunConfig.
 
     ``address`` is None for an embedded local Ray (or the cluster that
     ``RAY_ADDRESS`` names), ``"auto"``, ``HOST:PORT`` or ``ray://HOST:PORT``.
+
+    Frozen: a group's size changes only as an argument of the controller's
+    transitions (``scale``, a policy's ``Shrink``), which swap in a
+    :meth:`resized` copy once the new group runs; nothing holds a config that
+    changes under it.
     """
 
     workers: int = 2
@@ -68,11 +73,22 @@ class SessionConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.validate()
+        self._validate()
 
-    def validate(self) -> None:
+    def resized(self, workers: int | tuple[int, int]) -> SessionConfig:
+        """These options at another size: N ranks, ``(MIN, MAX)`` for an elastic
+        group, 0 for local mode (validated)."""
+        return replace(self, workers=workers, min_workers=None)
+
+    def _normalize(self, name: str, value: object) -> None:
+        # The one write a frozen config makes: its own normal form, while it is built.
+        object.__setattr__(self, name, value)
+
+    def _validate(self) -> None:
         if isinstance(self.workers, (tuple, list)):
-            self.workers, self.min_workers = _elastic(self.workers)
+            high, low = _elastic(self.workers)
+            self._normalize("workers", high)
+            self._normalize("min_workers", low)
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
             raise ConfigError(
                 f"--workers must be a whole number ≥ 1 (or 0: local mode, in this kernel), "
@@ -81,20 +97,20 @@ class SessionConfig:
         if self.min_workers is not None:
             _elastic((self.min_workers, self.workers))
             if self.min_workers == self.workers:
-                self.min_workers = None  # N-N is N
+                self._normalize("min_workers", None)  # N-N is N
         if not self.cpus_per_worker >= 0:
             raise ConfigError(f"--cpus-per-worker must be ≥ 0, got {self.cpus_per_worker!r}")
-        self.strategy = str(self.strategy).upper()
+        self._normalize("strategy", str(self.strategy).upper())
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.backend is None:
-            self.backend = "nccl" if self.gpu else "gloo"
+            self._normalize("backend", "nccl" if self.gpu else "gloo")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.backend == "nccl" and not self.gpu:
             raise ConfigError("--backend nccl needs GPUs: add --gpu, or use --backend gloo")
         if self.address is not None:
-            self.address = _check_address(self.address)
+            self._normalize("address", _check_address(self.address))
         if self.name is not None:
             check_name(self.name, "--name")
         if self.listen is not None:

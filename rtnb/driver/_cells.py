@@ -8,7 +8,9 @@ the ranks and fetches them (``push``/``pull``), which a recovery may interrupt.
 
 It is the :class:`~rtnb.driver._cell.CellContext` every handle gets: the few calls a
 cell makes — the running group, the checkpoint for its ``get_checkpoint()``, commits,
-the recovery flow's decision after a failure, the end — and never the session.
+the controller's decision after a failure, the end — and never the session. The
+controller that owns this flow (``_controller.py``) is seen through the narrow
+:class:`GroupOwner`: the group, its state, a cell's start and end, a failure.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import itertools
 import keyword
 import pickle
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from rtnb.core._changes import SavedChanges
 from rtnb.core._config import SessionConfig, parse_ranks
@@ -40,13 +41,12 @@ from rtnb.driver._datasets import (
     check_datasets,
     split_failed,
 )
-from rtnb.driver._debug import attach
+from rtnb.driver._debug import attach, post_mortem
 from rtnb.driver._doctor import StackReader
+from rtnb.driver._execution import release_everywhere
 from rtnb.driver._group import RankGroup, RankLost
-from rtnb.driver._lifecycle import GroupLifecycle
 from rtnb.driver._policy import Failure, FailurePolicy, RecoveryOutcome
 from rtnb.driver._profiling import merge_profile
-from rtnb.driver._recovery import RecoveryFlow
 from rtnb.driver._state import GroupState
 from rtnb.errors import (
     CellError,
@@ -61,12 +61,63 @@ from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import CellOutcome, EntryKind, Journal, JournalEntry
 from rtnb.storage._logs import RankLogs
+from rtnb.storage._rundir import RunDirectory
 
-__all__ = ["CellFlow", "check_syntax"]
+__all__ = ["CellFlow", "GroupOwner", "check_syntax"]
 
 # pull/push during a recovery wait this long for the rebuilt group before saying so.
 _WAIT_FOR_GROUP_S = 60.0
 _FUNCTION_NAMES = ("__rtnb_fn__", CONFIG_NAME)
+
+
+class GroupOwner(Protocol):
+    """What the cell flow asks of the controller that owns the group."""
+
+    run_name: str
+    lock: threading.RLock
+
+    @property
+    def config(self) -> SessionConfig: ...
+
+    @property
+    def run_dir(self) -> RunDirectory: ...
+
+    @property
+    def logs(self) -> RankLogs | None: ...
+
+    @property
+    def state(self) -> GroupState: ...
+
+    @property
+    def group(self) -> RankGroup | None: ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def ray_lost(self) -> str | None: ...
+
+    def check_ray_lost(self, settle_s: float = 0.0) -> str | None: ...
+
+    def require_group(
+        self, wait_s: float = 0.0, state_text: Callable[[], str] | None = None
+    ) -> RankGroup: ...
+
+    def replay_group(self) -> RankGroup: ...
+
+    def replacement(
+        self, lost: RankGroup, coming: Callable[[], bool], timeout_s: float
+    ) -> RankGroup | None: ...
+
+    def grow(self) -> str | None: ...
+
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome: ...
+
+    def cell_started(self, name: str) -> None: ...
+
+    def cell_ended(self, name: str) -> None: ...
+
+    def write_run_record(self) -> None: ...
 
 
 class CellFlow:
@@ -74,26 +125,21 @@ class CellFlow:
 
     def __init__(
         self,
-        config: SessionConfig,
-        lifecycle: GroupLifecycle,
+        owner: GroupOwner,
         journal: Journal,
         commits: CheckpointCoordinator,
         checkpoints: CheckpointStore,
         metrics: MetricsStore,
         policy: FailurePolicy,
-        lock: threading.RLock,
     ) -> None:
-        self.config = config
-        self.run_name = lifecycle.run_name
+        self.run_name = owner.run_name
         self.metrics = metrics
         self.checkpoints = checkpoints
-        self._lifecycle = lifecycle
+        self._owner = owner
         self._journal = journal
         self._commits = commits
         self._policy = policy
-        self._lock = lock
-        # Set once the recovery flow exists (it replays cells through this flow).
-        self._recovery: RecoveryFlow | None = None
+        self._lock = owner.lock
         self._cell_ids = itertools.count(1)
         self._active: CellHandle | None = None
         self._last_background: CellHandle | None = None
@@ -108,6 +154,10 @@ class CellFlow:
         self._armed_profile: int | None = None
         self.last_profile: ProfileReport | None = None
 
+    @property
+    def config(self) -> SessionConfig:
+        return self._owner.config
+
     # ---- the CellContext a handle gets ---------------------------------------------------
     @property
     def stop_grace_s(self) -> float:
@@ -115,21 +165,26 @@ class CellFlow:
 
     @property
     def logs(self) -> RankLogs | None:
-        return self._lifecycle.logs
+        return self._owner.logs
 
     @property
     def state(self) -> GroupState:
-        return self._lifecycle.state
+        return self._owner.state
 
     @property
     def ray_lost(self) -> str | None:
-        return self._lifecycle.ray_lost
+        return self._owner.ray_lost
 
     def check_ray_lost(self, settle_s: float = 0.0) -> str | None:
-        return self._lifecycle.check_ray_lost(settle_s)
+        return self._owner.check_ray_lost(settle_s)
 
     def require_group(self, wait_s: float = 0.0) -> RankGroup:
-        return self._lifecycle.require_group(wait_s, self.state_text)
+        return self._owner.require_group(wait_s, self.state_text)
+
+    def group_for(self, handle: CellHandle) -> RankGroup:
+        """The group a cell runs on: a replayed one runs while the controller makes
+        a new group ready, which others wait for."""
+        return self._owner.replay_group() if handle.replay else self.require_group()
 
     def checkpoint_for(self, replay: bool) -> Checkpoint | None:
         """What ``get_checkpoint()`` returns in a cell: replayed cells get the
@@ -183,28 +238,7 @@ class CellFlow:
                 f"{active.name} is running and no rank is at a breakpoint: put breakpoint() "
                 "(or rtnb.breakpoint(rank=N)) in the cell, or debug after it fails"
             )
-        candidates = [rank] if rank is not None else list(range(group.world_size))
-        for candidate in candidates:
-            if not 0 <= candidate < group.world_size:
-                raise ConfigError(f"rank {candidate} is not in this group of {group.world_size}")
-            try:
-                (where,) = group.gather([group.post_mortem(candidate)], 30.0)
-            except (RankLost, TimeoutError) as exc:
-                raise SessionError(f"rank {candidate}: {one_line(exc)}") from None
-            if where is None:
-                if rank is not None:
-                    raise SessionError(
-                        f"rank {candidate} has no failed cell to debug (its last cell ended "
-                        "well, or none has run)"
-                    )
-                continue
-            show(f"[rtnb] post-mortem of rank {candidate}{' at ' + where if where else ''}\n")
-            attach(group, candidate, ask, show, show)
-            return
-        raise SessionError(
-            "no rank has a failed cell to debug: %rtnb debug opens the last failed cell's "
-            "traceback on a rank (or a breakpoint a background cell stopped at)"
-        )
+        post_mortem(group, rank, ask, show)
 
     def profile(self, steps: int) -> int | None:
         """Profile ``steps`` steps on every rank: of the running cell from a common
@@ -213,7 +247,7 @@ class CellFlow:
             raise ConfigError(f"--steps must be a whole number ≥ 1, got {steps!r}")
         active = self.active
         if active is not None and not active.done():
-            step = active.change_controls({}, (profile_trigger(steps),))
+            step = active.controls.ask({}, (profile_trigger(steps),))
             if step is not None:
                 return step + 1
         self._armed_profile = steps
@@ -221,7 +255,7 @@ class CellFlow:
 
     def profile_taken(self, handle: CellHandle, profiles: dict[int, Any]) -> None:
         try:
-            report = merge_profile(self._lifecycle.run_dir, profiles)
+            report = merge_profile(self._owner.run_dir, profiles)
         except Exception as exc:  # noqa: BLE001 - the cell goes on; the line says why
             handle.note(f"[rtnb] the profile could not be merged: {one_line(exc)}\n")
             return
@@ -231,13 +265,7 @@ class CellFlow:
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
     ) -> None:
-        self._journal.append(
-            EntryKind.CONTROL,
-            controls=dict(values) or None,
-            of=handle.journal_seq,
-            step=step,
-            triggers=list(triggers),
-        )
+        self._journal.append_control(handle.journal_seq, values, step, triggers)
 
     def fire(self, name: str) -> int:
         """Fire trigger ``name`` (``SAVE_TRIGGER``: save now) on every rank of the
@@ -251,9 +279,9 @@ class CellFlow:
                 f"{what} acts inside a running cell and none is running: run the training "
                 "cell with --background, then fire it from another cell"
             )
-        step = active.claim_saved({}, (name,))
+        step = active.controls.claim_saved({}, (name,))
         if step is None:
-            step = active.change_controls({}, (name,))
+            step = active.controls.ask({}, (name,))
         if step is None:
             raise SessionError(f"{what}: the cell ended (or is stopping) before it could fire")
         return step
@@ -264,9 +292,9 @@ class CellFlow:
         checked = _check_controls(values)
         active = self.active
         if active is not None and not active.done():
-            step = active.claim_saved(checked, ())
+            step = active.controls.claim_saved(checked, ())
             if step is None:
-                step = active.change_controls(checked)
+                step = active.controls.ask(checked)
             if step is not None:
                 return step
             if not active.done():
@@ -282,7 +310,7 @@ class CellFlow:
     def send_controls(self, values: dict[str, Any]) -> None:
         """``values`` in force on every rank from now on (between cells; a replay)."""
         self._call_ranks(
-            lambda group: [group.release(r, values, -1) for r in range(group.world_size)],
+            lambda group: release_everywhere(group, values),
             "setting controls",
             timeout_s=30,
         )
@@ -298,13 +326,9 @@ class CellFlow:
             group, chosen, stalled_s=stalled_s, in_kernel=self.config.workers == 0
         )
 
-    def attach_recovery(self, recovery: RecoveryFlow) -> None:
-        self._recovery = recovery
-
     def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
-        """The recovery flow's decision on a failed cell, carried out."""
-        assert self._recovery is not None, "the session attaches its recovery flow"
-        return self._recovery.recover(failure, before)
+        """The controller's decision on a failed cell, carried out."""
+        return self._owner.recover(failure, before)
 
     def cell_ended(self, handle: CellHandle) -> None:
         with self._lock:
@@ -320,7 +344,7 @@ class CellFlow:
                 self.last_training = (handle.code, handle.label)
                 # `%rtnb runs` shows steps and duration: keep them current.
                 with contextlib.suppress(Exception):
-                    self._lifecycle.write_run_record()
+                    self._owner.write_run_record()
             error = handle.error
             outcome = (
                 CellOutcome.OK
@@ -340,18 +364,17 @@ class CellFlow:
                 )
             except Exception:  # noqa: BLE001 - storage gone: the cell's own outcome stands
                 pass
-            machine = self._lifecycle.state_machine
-            if machine.state is GroupState.RUNNING and self._active is handle:
-                machine.to(GroupState.READY, f"{handle.name} ended")
+            if self._active is handle:
+                self._owner.cell_ended(handle.name)
 
     # ---- state ---------------------------------------------------------------------------
     def state_text(self) -> str:
         """The group's state as the user reads it (a recovery names its attempt)."""
-        state = self._lifecycle.state
+        state = self._owner.state
         active = self._active
         recovering = active is not None and active.recovering
-        if (state is GroupState.RESTARTING or recovering) and self._policy.failures:
-            return f"restarting ({self._policy.describe()})"
+        if (state is GroupState.RECOVERING or recovering) and self._policy.failures:
+            return f"recovering ({self._policy.describe()})"
         return str(state)
 
     @property
@@ -361,14 +384,8 @@ class CellFlow:
     def continue_numbers(self) -> None:
         """A run carried on by a new kernel keeps numbering its cells, so the journal
         and every message name each cell once."""
-        entries = self._journal.entries()
-        last = max((e.cell_id or 0 for e in entries), default=0)
-        self._cell_ids = itertools.count(last + 1)
-        if self.last_training is None:
-            ends = {e.of for e in entries if e.kind is EntryKind.CELL_END and e.reported}
-            trained = [e for e in entries if e.seq in ends]
-            if trained:
-                self.last_training = (trained[-1].code or "", trained[-1].label)
+        self._cell_ids = itertools.count(self._journal.last_cell_id() + 1)
+        self.last_training = self.last_training or self._journal.last_training()
 
     # ---- cells -------------------------------------------------------------------------
     def begin(
@@ -390,8 +407,7 @@ class CellFlow:
             if self._active is None or self._active.done():
                 # An elastic group below MAX takes back what the cluster has room
                 # for at a cell's start, never in a cell.
-                assert self._recovery is not None, "the session attaches its recovery flow"
-                grown = self._recovery.grow()
+                grown = self._owner.grow()
             group = self.require_group()
             if self._active is not None and not self._active.done():
                 raise SessionError(
@@ -400,19 +416,8 @@ class CellFlow:
                     + ": wait for it (`%rtnb wait`) or stop it (`handle.stop()`) first"
                 )
             rank_list = _ranks(ranks, group.world_size)
-            values = None
-            if callable(code):
-                values, code = _function_call(code, config)
-            elif not isinstance(code, str):
-                raise ConfigError(
-                    f"Session.run takes code (str) or a function, got {type(code).__name__}"
-                )
             cell_id = next(self._cell_ids)
-            check_syntax(code, CellRequest(cell_id, code, label=label).filename)
-            if timeout is not None and timeout <= 0:
-                raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
-            if total_steps is not None and total_steps < 1:
-                raise ConfigError(f"--steps must be ≥ 1, got {total_steps}")
+            code, values = _checked_cell(code, config, cell_id, label, timeout, total_steps)
             # Written before anything reaches the ranks: the journal is a write-ahead log.
             entry = self._journal.append(
                 EntryKind.CELL,
@@ -429,13 +434,7 @@ class CellFlow:
             saved = self._saved_changes.take(code) if self._saved_changes else None
             if saved is not None:
                 for step, values_at, fired in saved.by_step():
-                    self._journal.append(
-                        EntryKind.CONTROL,
-                        controls=values_at or None,
-                        of=entry.seq,
-                        step=step,
-                        triggers=fired,
-                    )
+                    self._journal.append_control(entry.seq, values_at, step, fired)
             armed, self._armed_profile = self._armed_profile, None
             handle = CellHandle(
                 self,
@@ -461,7 +460,7 @@ class CellFlow:
                 handle.before_end(watch.end)
                 watch.start()
             self._active = handle
-            self._lifecycle.state_machine.to(GroupState.RUNNING, handle.name)
+            self._owner.cell_started(handle.name)
             if background:
                 self._last_background = handle
             return handle
@@ -609,15 +608,9 @@ class CellFlow:
         active = self._active
         if active is None or active.done() or not (active.recovering or self._policy.can_recover()):
             return None
-        deadline = time.monotonic() + _WAIT_FOR_GROUP_S
-        while time.monotonic() < deadline:
-            group = self._lifecycle.group
-            if group is not None and group is not lost and self._lifecycle.is_ready:
-                return group
-            if active.done() and not active.recovering and self._lifecycle.group is lost:
-                return None
-            time.sleep(0.05)
-        return None
+        return self._owner.replacement(
+            lost, lambda: not active.done() or active.recovering, _WAIT_FOR_GROUP_S
+        )
 
 
 def _serialize(values: dict[str, Any]) -> bytes:
@@ -630,6 +623,29 @@ def _serialize(values: dict[str, Any]) -> bytes:
             f"cannot send {', '.join(sorted(values))} to the ranks: not picklable "
             f"({one_line(exc)}); create it in a %%rtrain cell instead"
         ) from None
+
+
+def _checked_cell(
+    code: str | Callable,
+    config: Any,
+    cell_id: int,
+    label: str | None,
+    timeout: float | None,
+    total_steps: int | None,
+) -> tuple[str, bytes | None]:
+    """The cell's code, and a function's pickled call (None for code); one line for
+    what is wrong with it."""
+    values = None
+    if callable(code):
+        values, code = _function_call(code, config)
+    elif not isinstance(code, str):
+        raise ConfigError(f"Session.run takes code (str) or a function, got {type(code).__name__}")
+    check_syntax(code, CellRequest(cell_id, code, label=label).filename)
+    if timeout is not None and timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {timeout:g}")
+    if total_steps is not None and total_steps < 1:
+        raise ConfigError(f"--steps must be ≥ 1, got {total_steps}")
+    return code, values
 
 
 def _function_call(fn: Callable, config: Any) -> tuple[bytes, str]:

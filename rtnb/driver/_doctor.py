@@ -22,12 +22,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rtnb.core._stacks import GroupStacks, RankStack, StackMethod, parse_py_spy
 from rtnb.driver._group import RankGroup
+from rtnb.errors import one_line
 
-__all__ = ["StackReader", "py_spy_path"]
+__all__ = ["HangWatch", "StackReader", "py_spy_path"]
 
 # How long a rank's own answer is awaited before py-spy reads it instead.
 ANSWER_WAIT_S = 1.0
@@ -146,3 +148,62 @@ def py_spy_stack(rank: int, pid: int, why: str = "") -> RankStack:
     if stack.method is StackMethod.PY_SPY:
         stack.note = f"{why}: read with py-spy dump"
     return stack
+
+
+class HangWatch:
+    """A running cell's hang doctor: once its ranks have reported and printed nothing
+    for ``after_s`` (0: off), every rank's stack is read in a thread (a rank that does
+    not answer is read with py-spy, which takes a while) and one line says where each
+    waits; :attr:`stacks` keeps them until the ranks move again."""
+
+    def __init__(
+        self,
+        after_s: float,
+        cell_name: Callable[[], str],
+        read: Callable[[float], GroupStacks],
+        note: Callable[[str], None],
+        ended: Callable[[], bool],
+    ) -> None:
+        self.after_s = after_s
+        self.stacks: GroupStacks | None = None
+        self._cell_name = cell_name
+        self._read = read
+        self._note = note
+        self._ended = ended
+        self._last_activity = time.monotonic()
+        self._reading = False
+
+    def moved(self) -> None:
+        """The ranks reported or printed (or wait at a prompt: not hung)."""
+        self._last_activity = time.monotonic()
+        self.stacks = None
+
+    def check(self) -> None:
+        if not self.after_s or self._reading:
+            return
+        quiet = time.monotonic() - self._last_activity
+        if self.stacks is not None or quiet < self.after_s:
+            return
+        self._reading = True
+        threading.Thread(
+            target=self._diagnose, args=(quiet,), name="rtnb-hang", daemon=True
+        ).start()
+
+    def _diagnose(self, quiet: float) -> None:
+        try:
+            stacks = self._read(quiet)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must never end the cell
+            self._note(
+                f"[rtnb] {self._cell_name()}: no report or output for {quiet:.0f} s "
+                f"({one_line(exc)})\n"
+            )
+            return
+        finally:
+            self._reading = False
+        if time.monotonic() - self._last_activity < quiet or self._ended():
+            return  # it moved on while the stacks were read
+        self.stacks = stacks
+        self._note(
+            f"[rtnb] {self._cell_name()} has reported and printed nothing for {quiet:.0f} s: "
+            f"{stacks.headline()} (`%rtnb stacks` for the full stacks)\n"
+        )

@@ -28,6 +28,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._datasets import wait_for_data_room
 from rtnb.driver._embedded import rank_bundle, rank_cpus
+from rtnb.driver._execution import Execution, RankCalls, RankLost
 from rtnb.driver._ray_output import watch_ranks
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
@@ -47,10 +48,6 @@ __all__ = [
 _TOGETHER_S = 0.004
 
 
-class RankLost(Exception):
-    """A call to a rank failed because the rank (its process, or its node) is gone."""
-
-
 @dataclass
 class RankInfo:
     rank: int
@@ -63,36 +60,17 @@ class RankInfo:
     node_rank: int = 0
 
 
-class RankGroup(Protocol):
-    """What the driver's flows need of a group of ranks (see the module docstring)."""
+class RankGroup(RankCalls, Protocol):
+    """What the driver's flows need of a group of ranks (see the module docstring):
+    the calls a cell's :class:`Execution` sequences, and the rest."""
 
     ranks: list[RankInfo]
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def relays(self) -> bool: ...
 
     def start(self, progress: StartProgress | None = None) -> None: ...
 
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None: ...
 
-    def next_token(self) -> int | None: ...
-
-    def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any: ...
-
-    def relay_answers(self, result: Any) -> dict[int, RankUpdate | None]: ...
-
-    def run(self, rank: int, request: CellRequest) -> Any: ...
-
-    def poll(self, rank: int) -> Any: ...
-
-    def request_stop(self, rank: int) -> Any: ...
-
-    def set_stop_target(self, rank: int, step: int) -> Any: ...
-
-    def interrupt(self, rank: int) -> Any: ...
+    def execute(self, request: CellRequest, ranks: list[int]) -> Execution: ...
 
     def stack(self, rank: int) -> Any: ...
 
@@ -101,17 +79,6 @@ class RankGroup(Protocol):
     def debug_input(self, rank: int, line: str) -> Any: ...
 
     def post_mortem(self, rank: int) -> Any: ...
-
-    def hold(self, rank: int, change: int = 0) -> Any: ...
-
-    def release(
-        self,
-        rank: int,
-        changes: dict[str, Any],
-        from_step: int,
-        triggers: tuple[str, ...] = (),
-        change: int = 0,
-    ) -> Any: ...
 
     def set_step(self, step: int, line: int) -> list[Any]: ...
 
@@ -126,10 +93,6 @@ class RankGroup(Protocol):
     def check_data_room(self, datasets: dict[str, Any]) -> None: ...
 
     def data_progress(self) -> tuple[list[dict], dict[str, float]]: ...
-
-    def gather(self, calls: list[Any], timeout_s: float) -> list[Any]: ...
-
-    def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]: ...
 
 
 class GroupLender(Protocol):
@@ -331,6 +294,10 @@ class WorkerGroup:
         return len({r.node_id for r in self.ranks})
 
     # ---- the rank protocol -------------------------------------------------------------
+    def execute(self, request: CellRequest, ranks: list[int]) -> Execution:
+        """Start a cell on ``ranks``; its :class:`Execution` sequences the calls."""
+        return Execution(self, request, ranks)
+
     @property
     def relays(self) -> bool:
         """Cells go through rank 0's relay (groups of RELAY_FROM_RANKS ranks and more)."""

@@ -26,7 +26,8 @@ from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.core._messages import CellRequest, RankUpdate
-from rtnb.driver._group import RankInfo, RankLost
+from rtnb.driver._execution import Execution, RankLost
+from rtnb.driver._group import RankInfo
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, BATCH_S, POLL_WAIT_S
@@ -130,6 +131,9 @@ class LocalGroup:
         self.ranks = []
 
     # ---- the rank protocol -------------------------------------------------------------
+    def execute(self, request: CellRequest, ranks: list[int]) -> Execution:
+        return Execution(self, request, ranks)
+
     def next_token(self) -> int | None:
         return None
 

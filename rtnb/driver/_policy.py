@@ -11,6 +11,10 @@ controller asks its ``FailurePolicy``:
 - :class:`Raise`: rebuild the group with fresh ranks and end the cell with the error.
 
 The cell follows the decision's :class:`RecoveryOutcome`; it never rebuilds itself.
+
+The controller asks a :class:`ScalingPolicy` what size an elastic group (``--workers
+MIN-MAX``) takes when it is built, after a size did not place, and whether it grows
+back at a cell's start, as Ray Train V2's controller asks its ``ScalingPolicy``.
 These records, with the words a cell shows for its outcome (so the cell never words
 a recovery), are shared by the cell and recovery modules, which never import each
 other.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rtnb.core._config import SessionConfig
 from rtnb.errors import WorkerGroupError
 
 __all__ = [
@@ -31,6 +36,7 @@ __all__ = [
     "RecoveryOutcome",
     "ReplayReport",
     "Retry",
+    "ScalingPolicy",
     "Shrink",
 ]
 
@@ -122,6 +128,59 @@ class FailurePolicy:
 
     def reset(self) -> None:
         self.failures = 0
+
+
+class ScalingPolicy:
+    """An elastic group's sizes: as large as the cluster places now, up to MAX, at
+    least MIN; a size that does not place gives way to one less; it grows back to
+    what the cluster has room for, never in a cell. A fixed-size group has its size.
+
+    ``settle_s``: how long the view of free resources may settle (the last group's
+    coming free) before a group starts with what fits; ``grow_settle_s``: the same
+    when growing back to a size already seen free; ``try_s``: how long a size above
+    MIN may take to be placed before one less is tried."""
+
+    def __init__(
+        self, settle_s: float = 1.5, grow_settle_s: float = 10.0, try_s: float = 3.0
+    ) -> None:
+        self.settle_s = settle_s
+        self.grow_settle_s = grow_settle_s
+        self.try_s = try_s
+
+    def size_now(
+        self, config: SessionConfig, room: int, waited_s: float, expect: int | None
+    ) -> int | None:
+        """The size to place with ``room`` ranks free after ``waited_s``; None: let
+        the view settle (``expect``: the size a growth saw room for)."""
+        low, high = config.min_workers or 1, config.workers
+        settle = self.settle_s if expect is None else self.grow_settle_s
+        if room >= min(high, expect or high) or (room >= low and waited_s >= settle):
+            return min(room, high)
+        return None
+
+    def placement_timeout_s(self, config: SessionConfig, size: int) -> float:
+        """A stale view (a lost node still counted) must not hold a size above MIN."""
+        low = config.min_workers or 1
+        return (
+            config.placement_timeout_s
+            if size <= low
+            else min(config.placement_timeout_s, self.try_s)
+        )
+
+    def next_smaller(self, config: SessionConfig, size: int, without: int | None) -> int | None:
+        """The size to try after ``size`` did not place (``without``: the last group's
+        size less the ranks a failure took); None at MIN."""
+        low = config.min_workers or 1
+        if size <= low:
+            return None
+        return max(low, min(size - 1, without or size))
+
+    def grow_to(self, config: SessionConfig, size: int, room: int) -> int | None:
+        """The size an elastic group of ``size`` ranks grows to with ``room`` for
+        ranks (its own counted); None: it stays."""
+        if not config.elastic or size >= config.workers or room <= size:
+            return None
+        return min(room, config.workers)
 
 
 @dataclass

@@ -13,14 +13,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["GroupState", "StateChange", "StateMachine"]
+__all__ = ["ACTIVE", "BUSY", "GroupState", "StateChange", "StateMachine"]
 
 
 class GroupState(str, enum.Enum):
     NEW = "new"
     STARTING = "starting"
-    READY = "ready"
+    READY = "ready"  # idle: a group, no cell running
     RUNNING = "running"
+    RECOVERING = "recovering"  # a failed cell's group rebuilt, the journal replayed
+    RESIZING = "resizing"  # scale, or an elastic group growing back
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -30,26 +32,61 @@ class GroupState(str, enum.Enum):
         return self.value
 
 
+# The controller's transitions (``_controller.py``): these are all it may make.
 _ALLOWED: dict[GroupState, set[GroupState]] = {
     GroupState.NEW: {GroupState.STARTING},
     GroupState.STARTING: {GroupState.READY, GroupState.FAILED},
     GroupState.READY: {
         GroupState.RUNNING,
         GroupState.RESTARTING,
+        GroupState.RESIZING,
         GroupState.STOPPING,
         GroupState.FAILED,  # the Ray under the group is gone
     },
     GroupState.RUNNING: {
         GroupState.READY,
+        GroupState.RECOVERING,
         GroupState.RESTARTING,
+        GroupState.RESIZING,  # scale with a cell that would not stop
         GroupState.STOPPING,
         GroupState.FAILED,
     },
+    # RUNNING again: the failed cell runs on the rebuilt group; READY: the policy
+    # gave up and the group was rebuilt with fresh ranks.
+    GroupState.RECOVERING: {
+        GroupState.RUNNING,
+        GroupState.READY,
+        GroupState.FAILED,
+        GroupState.STOPPING,
+    },
+    GroupState.RESIZING: {GroupState.READY, GroupState.FAILED, GroupState.STOPPING},
     GroupState.RESTARTING: {GroupState.READY, GroupState.FAILED, GroupState.STOPPING},
     GroupState.STOPPING: {GroupState.STOPPED},
     GroupState.STOPPED: {GroupState.STARTING},
-    GroupState.FAILED: {GroupState.STARTING, GroupState.RESTARTING, GroupState.STOPPING},
+    GroupState.FAILED: {
+        GroupState.STARTING,
+        GroupState.RESTARTING,
+        GroupState.RECOVERING,  # a recovery's rebuild failed: the policy may retry
+        GroupState.RESIZING,
+        GroupState.STOPPING,
+    },
 }
+
+# A group exists or is being made: a second start is refused.
+ACTIVE = frozenset(
+    {
+        GroupState.STARTING,
+        GroupState.READY,
+        GroupState.RUNNING,
+        GroupState.RECOVERING,
+        GroupState.RESIZING,
+        GroupState.RESTARTING,
+    }
+)
+# The group is being made or replaced: its callers wait for it.
+BUSY = frozenset(
+    {GroupState.STARTING, GroupState.RECOVERING, GroupState.RESIZING, GroupState.RESTARTING}
+)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from rtnb.core._text import format_table
 if TYPE_CHECKING:
     from rtnb.core._config import SessionConfig
     from rtnb.driver._cell import CellHandle
-    from rtnb.driver._lifecycle import GroupLifecycle
+    from rtnb.driver._controller import Controller
     from rtnb.metrics._store import MetricsStore
 
 __all__ = ["GroupStatus", "RankStatus", "group_status"]
@@ -20,14 +20,14 @@ __all__ = ["GroupStatus", "RankStatus", "group_status"]
 def group_status(
     run_name: str,
     config: SessionConfig,
-    lifecycle: GroupLifecycle,
+    controller: Controller,
     active: CellHandle | None,
     metrics: MetricsStore,
     state_text: str,
     mlflow_run: str = "",
 ) -> GroupStatus:
     """The snapshot: each rank's place, pid, device, step and state, the cell."""
-    group = lifecycle.group
+    group = controller.group
     ranks = []
     for info in group.ranks if group is not None else []:
         last = metrics.last.get(info.rank)
@@ -40,18 +40,18 @@ def group_status(
                 step = max(active.steps.get(info.rank, -1), 0)
         where = f"{info.hostname} ({info.node_ip})"
         ranks.append(RankStatus(info.rank, where, info.pid, info.device, step, state))
-    cell = lifecycle.ray_lost or ""
+    cell = controller.ray_lost or ""
     if not cell and active is not None:
         background = " (background)" if active.background else ""
         cell = f"{active.name}{background} running for {active.elapsed_s:.1f} s"
     return GroupStatus(
         state=state_text,
         run_name=run_name,
-        address=lifecycle.connection.address if lifecycle.connection else "-",
+        address=controller.connection.address if controller.connection else "-",
         local=config.local,
         backend=config.backend or "",
-        world_size=lifecycle.world_size,
-        size_reason=lifecycle.size_reason or "",
+        world_size=controller.world_size,
+        size_reason=controller.size_reason or "",
         ranks=ranks,
         cell=cell,
         mlflow_run=mlflow_run,

@@ -12,8 +12,10 @@ design's stop contract:
 
 A *final* stop (the group itself is going away: stop, restart, scale) skips phase 2
 and 3: after the cooperative grace the cell ends and the caller removes the group,
-exactly once. :class:`StopProtocol` keeps the phase and sends the ranks' calls; the
-cell asks it to :meth:`~StopProtocol.advance` on every tick.
+exactly once. :class:`StopProtocol` keeps the phase and decides; on every tick the
+cell's :class:`~rtnb.driver._execution.Execution` asks it to
+:meth:`~StopProtocol.advance` and sends the ranks what the :class:`StopAction` says
+(this module calls no rank).
 """
 
 from __future__ import annotations
@@ -21,15 +23,25 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from rtnb.core._messages import RankUpdate, StopPhase
-from rtnb.driver._group import RankGroup
 
-__all__ = ["StopProtocol"]
+__all__ = ["StopAction", "StopProtocol"]
 
 # When some ranks have paused for a stop while others still run, give the others
 # this long to reach a report() before choosing a later common stop step.
 PAUSE_SKEW_S = 0.5
+
+
+@dataclass(frozen=True)
+class StopAction:
+    """What a tick of a stop sends the unfinished ranks."""
+
+    pause: bool = False  # pause at the next report() (the cooperative phase begins)
+    target: int | None = None  # leave together at this step (chosen once)
+    interrupt: bool = False  # raise CellStopped inside the cell
+    rebuild: bool = False  # the grace is over: rebuild the group (or, final, leave it)
 
 
 class StopProtocol:
@@ -69,43 +81,39 @@ class StopProtocol:
 
     def advance(
         self,
-        group: RankGroup,
         unfinished: list[int],
         last: Mapping[int, RankUpdate],
         steps: Mapping[int, int],
-    ) -> bool:
-        """Send what the phase calls for to the ``unfinished`` ranks and move on when
-        its grace is over; True once the group must be rebuilt (or, final, left)."""
+    ) -> StopAction:
+        """What the phase calls for now, for the ``unfinished`` ranks; the phase moves
+        on when its grace is over."""
         phase = self.phase
         if phase is StopPhase.NONE:
-            return False
+            return StopAction()
         waited = time.monotonic() - self._phase_started
+        pause, target, interrupt = False, None, False
         if phase is StopPhase.REQUESTED:
-            for rank in unfinished:
-                group.request_stop(rank)
+            pause = True
             self._enter(StopPhase.COOPERATIVE)
         elif phase is StopPhase.COOPERATIVE:
-            self._choose_target(group, unfinished, last, steps)
+            target = self._choose_target(unfinished, last, steps)
             if waited > self.grace_s:
                 self._enter(StopPhase.RESTART if self.final else StopPhase.RAISE)
         elif phase is StopPhase.RAISE:
             if not self._interrupt_sent:
-                self._interrupt_sent = True
-                for rank in unfinished:
-                    group.interrupt(rank)
+                self._interrupt_sent = interrupt = True
             if waited > self.grace_s:
                 self._enter(StopPhase.RESTART)
-        return self.phase is StopPhase.RESTART
+        return StopAction(pause, target, interrupt, self.phase is StopPhase.RESTART)
 
     def _choose_target(
         self,
-        group: RankGroup,
         unfinished: list[int],
         last: Mapping[int, RankUpdate],
         steps: Mapping[int, int],
-    ) -> None:
+    ) -> int | None:
         """Once every rank paused, the latest pause step; if some still run after
-        PAUSE_SKEW_S, one step past the furthest. Sent to every rank once."""
+        PAUSE_SKEW_S, one step past the furthest. Returned once, to send every rank."""
         paused = {
             r: last[r].paused_at for r in unfinished if r in last and last[r].paused_at is not None
         }
@@ -116,7 +124,7 @@ class StopProtocol:
             target = max(paused.values())
         elif paused and time.monotonic() - self._first_pause_at > PAUSE_SKEW_S:
             target = max(steps[r] for r in unfinished) + 1
-        if target is not None and self.target is None:
-            self.target = target
-            for rank in unfinished:
-                group.set_stop_target(rank, target)
+        if target is None or self.target is not None:
+            return None
+        self.target = target
+        return target

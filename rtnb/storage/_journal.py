@@ -39,6 +39,7 @@ import posixpath
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -414,6 +415,29 @@ class Journal:
             if e.kind is EntryKind.CONTROL and e.of == cell_seq
             for name in e.triggers
         )
+
+    def append_control(
+        self, cell_seq: int | None, values: dict[str, Any], step: int, triggers: Iterable[str]
+    ) -> JournalEntry:
+        """A live change to cell ``cell_seq`` from ``step`` on, written ahead."""
+        return self.append(
+            EntryKind.CONTROL,
+            controls=dict(values) or None,
+            of=cell_seq,
+            step=step,
+            triggers=list(triggers),
+        )
+
+    def last_cell_id(self) -> int:
+        """The highest cell number the run's journal has (0: none)."""
+        return max((e.cell_id or 0 for e in self.entries()), default=0)
+
+    def last_training(self) -> tuple[str, str | None] | None:
+        """(code, label) of the last cell that reported: what Resume runs again."""
+        entries = self.entries()
+        ends = {e.of for e in entries if e.kind is EntryKind.CELL_END and e.reported}
+        trained = [e for e in entries if e.seq in ends]
+        return (trained[-1].code or "", trained[-1].label) if trained else None
 
     def cell_entry(self, seq: int) -> JournalEntry | None:
         return next((e for e in self.entries() if e.seq == seq), None)
