@@ -5,6 +5,8 @@ A page holds a marker comment; the build puts the generated text in its place:
 - ``<!-- rtnb:magics -->``: every ``%rtnb`` subcommand and ``%%rtrain`` flag, as the
   magics' parsers print them (``rtnb.magics._magics.reference``);
 - ``<!-- rtnb:states -->``: the worker group's states and allowed transitions;
+- ``<!-- rtnb:state-diagram -->``: the same transitions drawn (an inline SVG, no
+  script and nothing fetched);
 - ``<!-- rtnb:cli -->``: the ``rtnb`` command line, as ``rtnb COMMAND --help`` prints it;
 - ``<!-- rtnb:api -->``: every public name of ``rtnb``, from its docstring (mkdocstrings);
 - ``<!-- rtnb:errors -->``: every error rtnb raises on purpose, read from the raise
@@ -225,12 +227,88 @@ def state_table() -> str:
     return "\n".join(lines)
 
 
+# Where each state sits in the drawing (x, y of its box's centre): the ways of a cell
+# across the middle, the rebuilds on the right, the end at the bottom.
+_STATE_PLACES = {
+    "new": (70, 50),
+    "starting": (240, 50),
+    "ready": (430, 50),
+    "resizing": (650, 50),
+    "stopped": (70, 200),
+    "recovering": (270, 200),
+    "running": (430, 200),
+    "restarting": (650, 200),
+    "failed": (140, 350),
+    "stopping": (540, 350),
+}
+_BOX_W, _BOX_H = 110, 34
+
+
+def _edge(a: tuple[int, int], b: tuple[int, int]) -> str:
+    """A curved arrow from box ``a`` to box ``b``, bent to its left so that the way
+    back is a separate curve."""
+    (x1, y1), (x2, y2) = a, b
+    dx, dy = x2 - x1, y2 - y1
+    length = (dx * dx + dy * dy) ** 0.5
+    nx, ny = -dy / length, dx / length
+    cx, cy = (x1 + x2) / 2 + 22 * nx, (y1 + y2) / 2 + 22 * ny
+
+    def border(x: float, y: float, tx: float, ty: float) -> tuple[float, float]:
+        # Where the line from a box's centre towards (tx, ty) leaves the box.
+        ux, uy = tx - x, ty - y
+        scale = min(
+            (_BOX_W / 2 + 4) / abs(ux) if ux else float("inf"),
+            (_BOX_H / 2 + 4) / abs(uy) if uy else float("inf"),
+        )
+        return x + ux * scale, y + uy * scale
+
+    sx, sy = border(x1, y1, cx, cy)
+    ex, ey = border(x2, y2, cx, cy)
+    return (
+        f'<path d="M{sx:.0f},{sy:.0f} Q{cx:.0f},{cy:.0f} {ex:.0f},{ey:.0f}" '
+        'fill="none" stroke="currentColor" stroke-opacity="0.55" marker-end="url(#rtnb-arrow)"/>'
+    )
+
+
+def state_diagram() -> str:
+    """The controller's states and every transition its table allows, as an inline
+    SVG drawn from the same table ``StateMachine.to`` checks (``_state.py``)."""
+    from rtnb.driver._state import _ALLOWED, GroupState
+
+    missing = {str(state) for state in GroupState} - set(_STATE_PLACES)
+    if missing:
+        raise ValueError(f"docs/hooks.py: place the new states {sorted(missing)} in the drawing")
+    parts = [
+        '<svg class="rtnb-states" viewBox="0 0 720 390" width="720" role="img" '
+        'aria-label="The worker group\'s states and transitions" '
+        'xmlns="http://www.w3.org/2000/svg" font-family="sans-serif" font-size="13">',
+        '<defs><marker id="rtnb-arrow" viewBox="0 0 10 10" refX="9" refY="5" '
+        'markerWidth="7" markerHeight="7" orient="auto-start-reverse">'
+        '<path d="M0,0 L10,5 L0,10 z" fill="currentColor"/></marker></defs>',
+    ]
+    for state in GroupState:
+        for target in GroupState:
+            if target in _ALLOWED[state]:
+                parts.append(_edge(_STATE_PLACES[str(state)], _STATE_PLACES[str(target)]))
+    for state in GroupState:
+        x, y = _STATE_PLACES[str(state)]
+        parts.append(
+            f'<rect x="{x - _BOX_W // 2}" y="{y - _BOX_H // 2}" width="{_BOX_W}" '
+            f'height="{_BOX_H}" rx="8" fill="var(--md-default-bg-color, white)" '
+            'stroke="currentColor"/>'
+            f'<text x="{x}" y="{y + 4}" text-anchor="middle" fill="currentColor">{state}</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 GENERATED = {
     "<!-- rtnb:magics -->": _magics_reference,
     "<!-- rtnb:errors -->": error_table,
     "<!-- rtnb:api -->": api_reference,
     "<!-- rtnb:cli -->": cli_reference,
     "<!-- rtnb:states -->": state_table,
+    "<!-- rtnb:state-diagram -->": state_diagram,
 }
 
 

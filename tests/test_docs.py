@@ -98,6 +98,20 @@ def test_troubleshooting_lists_every_message_rtnb_raises(site):
     assert "%rtnb has no subcommand {sub}" in text
 
 
+def test_the_architecture_page_draws_every_state_and_transition_of_the_controller(site):
+    from rtnb.driver._state import _ALLOWED, GroupState
+
+    page = (site / "architecture.html").read_text()
+    start = page.index('<svg class="rtnb-states"')
+    drawn = page[start : page.index("</svg>", start)]
+    for state in GroupState:
+        assert f">{state}</text>" in drawn, state
+    # One arrow per transition the state machine allows, and no other.
+    assert drawn.count("marker-end=") == sum(len(targets) for targets in _ALLOWED.values())
+    text = " ".join(_text(site / "architecture.html").split())
+    assert "recovering" in text and "resizing" in text and "Controller.recover" in text
+
+
 def test_the_site_needs_nothing_from_the_network(site):
     """No stylesheet, script, font or image from another host: the site opens offline
     (Material's offline plugin; fonts off)."""

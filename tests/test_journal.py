@@ -235,7 +235,7 @@ def test_restart_during_a_background_cell_rebuilds_once_and_wait_does_not_hang(
         assert session.run("1") == {0: 1, 1: 1}
 
 
-def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_restarting(ray_cluster, tmp_path):
+def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_recovering(ray_cluster, tmp_path):
     with rtnb.Session(
         workers=2, storage=str(tmp_path), name="pull", max_failures=1, stop_grace_s=1.0
     ) as session:
@@ -328,3 +328,31 @@ def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(ray_
             )
         assert "\n" not in str(info.value)
         assert session.run("1") == {0: 1, 1: 1}, "the group stays usable"
+
+
+def test_a_function_cell_whose_rank_dies_runs_again_with_its_function_and_config(
+    ray_cluster, tmp_path
+):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def train(config):
+        import os
+
+        import rtnb
+
+        rank = rtnb.get_context().get_world_rank()
+        mark = os.path.join(config["marks"], str(rank))
+        if rank == 1 and not os.path.exists(mark):
+            open(mark, "w").close()
+            os._exit(1)  # the first attempt loses rank 1
+        return config["x"] * 2
+
+    with rtnb.Session(
+        workers=2, storage=str(tmp_path / "runs"), name="fn", max_failures=1, stop_grace_s=1.0
+    ) as session:
+        # The rebuilt ranks get the cell's function and config again, not only the
+        # journal before it.
+        assert session.run(train, config={"x": 21, "marks": str(marks)}) == {0: 42, 1: 42}
+        assert session.failures == 1
+        assert session.state.value == "ready"

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 import rtnb
-from rtnb.driver._cell import CellHandle
+from rtnb.driver._execution import Execution
 from rtnb.worker._actor import RELAY_FROM_RANKS
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
@@ -48,13 +48,13 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
         # later cells are answered through the relay again (without this, every later
         # cell waited out rank 0's gather and asked each rank directly).
         asked_directly: list[int] = []
-        direct = CellHandle._run_on
+        direct = Execution._run_on
 
-        def spied(handle, actors, rank):
+        def spied(execution, rank):
             asked_directly.append(rank)
-            return direct(handle, actors, rank)
+            return direct(execution, rank)
 
-        monkeypatch.setattr(CellHandle, "_run_on", spied)
+        monkeypatch.setattr(Execution, "_run_on", spied)
         assert session.run("runs += 1\n6", ranks=[2]) == {2: 6}
         assert session.run("runs", ranks=[1, 2]) == {1: 10, 2: 11}, "only rank 2 ran it"
         next(session.group.relay_tokens)

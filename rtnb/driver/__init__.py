@@ -1,6 +1,7 @@
-"""The notebook's side: Session (a facade over the lifecycle state machine), the
-worker group, cell streaming and the stop protocol, recovery and replay, checkpoint
-commits, status, and the connection to Ray.
+"""The notebook's side: Session, the public face of one Controller (the state
+machine that owns the group, its size and its cells), the worker group and a cell's
+Execution on it, the stop protocol, failure and scaling policies, replay, checkpoint
+commits, status, sweeps, and the connection to Ray.
 """
 
 from rtnb.core._startup import defer_unused_imports as _defer_unused_imports

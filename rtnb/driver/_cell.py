@@ -83,7 +83,10 @@ class CellContext(Protocol):
 
     def check_ray_lost(self, settle_s: float = 0.0) -> str | None: ...
 
-    def group_for(self, handle: CellHandle) -> RankGroup: ...
+    def require_group(self, wait_s: float = 0.0) -> RankGroup: ...
+
+    @property
+    def retries_errors(self) -> bool: ...
 
     def checkpoint_for(self, replay: bool) -> Checkpoint | None: ...
 
@@ -142,8 +145,7 @@ class CellHandle:
         triggers: tuple[tuple[int, str], ...] = (),
         saved: CellChanges | None = None,
     ) -> None:
-        """``saved``: the changes this cell received when the notebook last ran
-        (``rtnb run`` of the saved notebook), made again at their steps."""
+        """``saved``: the changes the saved notebook's cell received (``rtnb run``)."""
         self._context = context
         self.cell_id = cell_id
         # The notebook's name for the cell (Jupyter's "[4]"): what the header, the
@@ -157,16 +159,14 @@ class CellHandle:
         self.journal_seq = journal_seq
         self.started_at = time.time()
         self.ended_at: float | None = None
-        self._output = CellOutput(self._kept_where)
+        self._output = CellOutput(lambda rank: _kept_where(context.logs, rank))
         self.reported = False
         self.recoveries = 0
         self.recovering = False  # the group is being rebuilt for this cell right now
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
-        self._last_words: list[Callable[[], None]] = []
         self._stopped_for_failure = False  # the stop asked because a rank's cell raised
         self._end = Completion()
         self._checkpoint: Any = None  # the checkpoint this cell's dispatch carries
-        self._request: CellRequest | None = None  # what the last dispatch sent
         self._begin_attempt()
         self._stopping = StopProtocol(context.stop_grace_s)
         self._commit_error: CheckpointError | None = None
@@ -174,19 +174,17 @@ class CellHandle:
         # files, the metrics record, the logs, a commit): the cell stops at one step.
         self._storage_failure: str | None = None
         self._restart_noted = True
-        # The hang doctor: when the ranks last reported or printed, and every rank's
-        # stack once they have been quiet for the context's hang_after_s.
         self._hang = HangWatch(
             context.hang_after_s,
             lambda: self.name,
             lambda quiet: context.stacks(self._unfinished(), stalled_s=quiet),
-            self._note,
+            self.note,
             self.done,
         )
         self.controls = CellControls(lambda: self.name, code, replay, controls, triggers, saved)
         for step, text in self.controls.saved_markers():
             context.metrics.add_marker(step, text)
-        self._breakpoints = Breakpoints(not (background or replay), self._note)
+        self._breakpoints = Breakpoints(not (background or replay), self.note)
         # %rtnb profile: each rank's profile of the armed steps, as they arrive.
         self.profiles: dict[int, Any] = {}
 
@@ -205,10 +203,6 @@ class CellHandle:
     def _finished(self) -> dict[int, RankUpdate]:
         return self._execution.finished if self._execution is not None else {}
 
-    @property
-    def _dead(self) -> dict[int, str]:
-        return self._execution.dead if self._execution is not None else {}
-
     # ---- public ------------------------------------------------------------------------
     def add_sink(self, sink: OutputSink, replay: bool = True) -> None:
         """Send this cell's output to ``sink(rank, stream, text)`` (past output first)."""
@@ -224,14 +218,10 @@ class CellHandle:
         """Every rank's stack, once the hang doctor read them (until they move)."""
         return self._hang.stacks
 
-    def _kept_where(self, rank: int) -> str:
-        logs = self._context.logs
-        return logs.where(rank) if logs is not None else "the run"
-
     def before_end(self, last_words: Callable[[], None]) -> None:
         """Call ``last_words()`` as the cell ends, before its output is flushed, so
         what it notes (a pipeline's summary) is still the cell's."""
-        self._last_words.append(last_words)
+        self._end.before_end(last_words)
 
     def add_done_callback(self, callback: Callable[[CellHandle], None]) -> None:
         self._end.add_callback(callback, self)
@@ -307,26 +297,30 @@ class CellHandle:
         return {r: u.error for r, u in self._finished.items() if u.error is not None}
 
     def _dispatch(self) -> None:
-        group = self._context.group_for(self)
+        group = self._context.require_group()
         self._checkpoint = self._context.checkpoint_for(self.replay)
-        # In a relaying group every cell goes through rank 0, one on a single rank
-        # too: each listening rank runs all its cells in its listening thread.
-        self._request = CellRequest(
+        request = CellRequest(
             self.cell_id,
             self.code,
             self._checkpoint,
             self.replay,
-            group.next_token(),
-            self.label,
-            tuple(self.controls.schedule),
-            tuple(self.controls.triggers),
+            label=self.label,
+            controls=tuple(self.controls.schedule),
+            triggers=tuple(self.controls.triggers),
         )
-        self._execution = group.execute(self._request, self.ranks)
+        self._execution = group.execute(request, self.ranks)
 
     def _loop(self) -> None:
         while True:
             try:
                 self._drive()
+                failed = self._failed_cell()
+                if failed is None:
+                    self._finish_normally()
+                    return
+                if self._follow(self._hand_to_recovery(failed)):
+                    continue
+                return
             except _RayLost:
                 self._finish_ray_lost()
                 return
@@ -337,14 +331,14 @@ class CellHandle:
                 if self._stopping.final:
                     self._finish_abandoned()
                     return
-                outcome = self._hand_to_recovery()
-                if outcome.ray_lost:
-                    self._finish_ray_lost()
-                    return
-                if outcome.error is not None:
-                    self._finish(error=outcome.error)
-                    return
-                if self._restart_on_new_group(outcome):
+                lost = Failure.of_ranks(
+                    self.name,
+                    self._execution.dead if self._execution is not None else {},
+                    self._unfinished(),
+                    self._stopping.reason,
+                    self._stopped_for_failure,
+                )
+                if self._follow(self._hand_to_recovery(lost)):
                     continue
                 return
             except KeyboardInterrupt:
@@ -360,8 +354,18 @@ class CellHandle:
                     else WorkerGroupError(f"lost contact with the ranks: {one_line(exc)}")
                 )
                 return
-            self._finish_normally()
-            return
+
+    def _follow(self, outcome: RecoveryOutcome) -> bool:
+        """Do what the controller decided; True when the cell runs again."""
+        if outcome.ray_lost:
+            self._finish_ray_lost()
+        elif outcome.keep_error:
+            self._finish_normally()  # the cell ends with its own error
+        elif outcome.error is not None:
+            self._finish(error=outcome.error)
+        else:
+            return self._restart_on_new_group(outcome)
+        return False
 
     def _drive(self) -> None:
         execution = self._execution
@@ -379,7 +383,8 @@ class CellHandle:
                     self._stopping.requested, lambda rank: self._answer(execution.group, rank)
                 )
             self._commit()
-            self._check_timeout()
+            if self._stopping.timed_out(self.elapsed_s, self.timeout_s):
+                self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
             self._watch_for_hang()
             self._make_asked_changes(execution)
             if execution.advance_stop(self._stopping, self.steps):
@@ -418,11 +423,50 @@ class CellHandle:
             self._storage_failure = what
             self.stop("stopped because storage failed")
 
+    def _failed_cell(self) -> Failure | None:
+        """A cell whose code raised, when the session's policy retries such cells (a
+        sweep's trial, as Tune's FailureConfig); else None: it ends with its error."""
+        cause = first_cause(self._finished)
+        own_stop = self._stopping.requested and not self._stopped_for_failure
+        kept_back = self._commit_error is not None or self._storage_failure is not None
+        if cause is None or self.replay or own_stop or kept_back:
+            return None
+        if not self._context.retries_errors:
+            return None
+        return Failure(self.name, error=f"rank {cause[0]}: {cause[1]}")
+
+    def _hand_to_recovery(self, failure: Failure) -> RecoveryOutcome:
+        """The failure, to the controller, which decides and rebuilds."""
+        self.recovering = True
+        try:
+            return self._context.recover(failure, self.journal_seq)
+        finally:
+            self.recovering = False
+
+    def _restart_on_new_group(self, outcome: RecoveryOutcome) -> bool:
+        """Run this cell again on the rebuilt group (the journal was replayed up to
+        it); ``rtnb.get_checkpoint()`` returns the checkpoint in force (the latest
+        committed one, unless one chosen for this cell has not been superseded).
+        False (the cell ended with an error) when none of its ranks is in it."""
+        # A policy that shrank the group: the cell goes on on the ranks that remain.
+        remaining = outcome.ranks_kept(self.ranks)
+        if not remaining:
+            self._finish(error=outcome.ranks_left_out(self.name, self.ranks))
+            return False
+        self.ranks = remaining
+        self.recoveries += 1
+        self.restarted_from = None
+        self._restart_noted = False
+        self.note(outcome.restart_note(self.name))
+        # The new ranks start again from the checkpoint's step, below what the dead
+        # ones had reached: a stale step left over would let a checkpoint commit
+        # before every new rank offered its shard.
+        self._begin_attempt()
+        self._dispatch()
+        return True
+
     def note(self, text: str) -> None:
         """A line from rtnb itself to this cell's viewers (rank -1 for the sinks)."""
-        self._note(text)
-
-    def _note(self, text: str) -> None:
         self._output.note(text)
 
     def _note_restart_origin(self, ended: bool = False) -> None:
@@ -431,18 +475,8 @@ class CellHandle:
         if self._restart_noted or (not ended and len(self.loaded) < len(self.ranks)):
             return
         self._restart_noted = True
-        loaded = {r: self.loaded.get(r) for r in self.ranks}
-        ids = sorted({c for c in loaded.values() if c})
-        if not ids:
-            self._note(f"[rtnb] {self.name} restarted without loading a checkpoint\n")
-            return
-        self.restarted_from = ids[-1] if len(ids) == 1 else ", ".join(ids)
-        which = (
-            "every rank"
-            if all(loaded.values())
-            else "ranks " + ", ".join(str(r) for r, c in loaded.items() if c)
-        )
-        self._note(f"[rtnb] {self.name} restarted from {self.restarted_from} ({which} loaded it)\n")
+        self.restarted_from, text = _restart_origin(self.name, self.loaded, self.ranks)
+        self.note(text)
 
     @property
     def resumed_from(self) -> str | None:
@@ -465,35 +499,16 @@ class CellHandle:
         if update.loaded_checkpoint is not None and rank not in self.loaded:
             self.loaded[rank] = update.loaded_checkpoint
             self._note_restart_origin()
-        context = self._context
-        if update.storage_error is not None:
-            self._storage_failed(update.storage_error)
-        if update.reports:
-            self.reported = True
-            context.metrics.add(rank, update.reports)
-            if context.metrics.log is not None and context.metrics.log.failure:
-                self._storage_failed(
-                    f"the metrics record could not be written: {context.metrics.log.failure}"
-                )
-        if update.resources and not self.replay:
-            context.metrics.add_system(rank, update.resources)
+        self.reported = self.reported or bool(update.reports)
+        for failure in _keep(self._context, update, self.controls.took(update), self.replay):
+            self._storage_failed(failure)
         self._breakpoints.took(rank, update.debugging, update.state is CellState.RUNNING)
         if update.profile is not None and not self.replay:
             self.profiles[rank] = update.profile
             if set(self.profiles) >= set(self.ranks):
                 taken, self.profiles = self.profiles, {}
                 self._context.profile_taken(self, taken)
-        applied = self.controls.took(update)
-        if applied:
-            context.metrics.add_controls_applied(rank, applied)
-        for offer in update.checkpoints:
-            context.checkpoints.offer(rank, offer)
-        logs = context.logs
         for stream, text in update.output:
-            if logs is not None and not self.replay:
-                logs.add(rank, text)
-                if logs.failure:
-                    self._storage_failed(f"the ranks' output could not be kept: {logs.failure}")
             self._output.write(rank, stream, text)
 
     # ---- the debugger ------------------------------------------------------------------
@@ -503,7 +518,7 @@ class CellHandle:
         def show(text: str) -> None:
             self._output.send(rank, "stdout", text)
 
-        self._context.attach_debugger(group, rank, show, self._note)
+        self._context.attach_debugger(group, rank, show, self.note)
         self._hang.moved()
 
     @property
@@ -523,14 +538,17 @@ class CellHandle:
 
     def _make_asked_changes(self, execution: Execution) -> None:
         made = self.controls.make_asked(
-            execution, self._stopping.requested, self.steps, self._write_ahead, self.done
+            execution,
+            self._stopping.requested,
+            self.steps,
+            lambda values, step, triggers: self._context.record_controls(
+                self, values, step, triggers
+            ),
+            self.done,
         )
         for step, shown in made:
             self._context.metrics.add_marker(step, shown)
-            self._note(f"[rtnb] {shown} at step {step} on every rank\n")
-
-    def _write_ahead(self, values: dict[str, Any], step: int, triggers: tuple[str, ...]) -> None:
-        self._context.record_controls(self, values, step, triggers)
+            self.note(f"[rtnb] {shown} at step {step} on every rank\n")
 
     # ---- the hang doctor ---------------------------------------------------------------
     def _watch_for_hang(self) -> None:
@@ -542,18 +560,9 @@ class CellHandle:
             self._hang.check()
 
     # ---- stopping ----------------------------------------------------------------------
-    def _check_timeout(self) -> None:
-        if (
-            self.timeout_s is not None
-            and not self._stopping.requested
-            and self.elapsed_s > self.timeout_s
-        ):
-            self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
-
     def _unfinished(self) -> list[int]:
-        if self._execution is None:
-            return list(self.ranks)
-        return self._execution.unfinished()
+        execution = self._execution
+        return execution.unfinished() if execution is not None else list(self.ranks)
 
     # ---- outcomes ----------------------------------------------------------------------
     def _finish_normally(self) -> None:
@@ -572,7 +581,7 @@ class CellHandle:
             return
         outcome = judge(self.name, finished, self._stopping, self._stopped_for_failure)
         if outcome.note:
-            self._note(outcome.note)
+            self.note(outcome.note)
         self._finish(outcome.value, outcome.error)
 
     def _finish_abandoned(self) -> None:
@@ -599,11 +608,7 @@ class CellHandle:
                     value, error = None, exc
         if self.recoveries:
             self._note_restart_origin(ended=True)
-        for last_words in self._last_words:
-            try:
-                last_words()
-            except Exception:  # noqa: BLE001 - a summary must never change the outcome
-                pass
+        self._end.last_words()
         self._output.flush()
         self._end.ending(value, error)
         self.ended_at = time.time()
@@ -614,3 +619,55 @@ class CellHandle:
             self._context.cell_ended(self)
         self.controls.close()  # changes asked too late: their callers get None
         self._end.ended(self)
+
+
+def _keep(
+    context: CellContext,
+    update: RankUpdate,
+    controls_applied: list[tuple[str, Any, int]],
+    replay: bool,
+) -> list[str]:
+    """What the session keeps of a rank's update: its reports, resources, applied
+    controls, checkpoint offers and output (a replayed cell's are not published);
+    the storage writes that failed, in one line each."""
+    rank, metrics, failed = update.rank, context.metrics, []
+    if update.storage_error is not None:
+        failed.append(update.storage_error)
+    if update.reports:
+        metrics.add(rank, update.reports)
+        if metrics.log is not None and metrics.log.failure:
+            failed.append(f"the metrics record could not be written: {metrics.log.failure}")
+    if update.resources and not replay:
+        metrics.add_system(rank, update.resources)
+    if controls_applied:
+        metrics.add_controls_applied(rank, controls_applied)
+    for offer in update.checkpoints:
+        context.checkpoints.offer(rank, offer)
+    logs = context.logs
+    if logs is not None and not replay:
+        for _stream, text in update.output:
+            logs.add(rank, text)
+        if update.output and logs.failure:
+            failed.append(f"the ranks' output could not be kept: {logs.failure}")
+    return failed
+
+
+def _restart_origin(
+    name: str, loaded: dict[int, str | None], ranks: list[int]
+) -> tuple[str | None, str]:
+    """(what the ranks of a cell run again loaded, the line saying so)."""
+    by_rank = {r: loaded.get(r) for r in ranks}
+    ids = sorted({c for c in by_rank.values() if c})
+    if not ids:
+        return None, f"[rtnb] {name} restarted without loading a checkpoint\n"
+    origin = ids[-1] if len(ids) == 1 else ", ".join(ids)
+    which = (
+        "every rank"
+        if all(by_rank.values())
+        else "ranks " + ", ".join(str(r) for r, c in by_rank.items() if c)
+    )
+    return origin, f"[rtnb] {name} restarted from {origin} ({which} loaded it)\n"
+
+
+def _kept_where(logs: RankLogs | None, rank: int) -> str:
+    return logs.where(rank) if logs is not None else "the run"

@@ -103,8 +103,6 @@ class GroupOwner(Protocol):
         self, wait_s: float = 0.0, state_text: Callable[[], str] | None = None
     ) -> RankGroup: ...
 
-    def replay_group(self) -> RankGroup: ...
-
     def replacement(
         self, lost: RankGroup, coming: Callable[[], bool], timeout_s: float
     ) -> RankGroup | None: ...
@@ -181,10 +179,9 @@ class CellFlow:
     def require_group(self, wait_s: float = 0.0) -> RankGroup:
         return self._owner.require_group(wait_s, self.state_text)
 
-    def group_for(self, handle: CellHandle) -> RankGroup:
-        """The group a cell runs on: a replayed one runs while the controller makes
-        a new group ready, which others wait for."""
-        return self._owner.replay_group() if handle.replay else self.require_group()
+    @property
+    def retries_errors(self) -> bool:
+        return self._policy.retry_errors
 
     def checkpoint_for(self, replay: bool) -> Checkpoint | None:
         """What ``get_checkpoint()`` returns in a cell: replayed cells get the

@@ -124,6 +124,7 @@ class Controller:
         self._ready = threading.Event()
         self.state_machine.subscribe(self._track_ready)
         self._lost: str | None = None  # set once the Ray under the group is gone
+        self._replaying: int | None = None  # the thread replaying onto a new group
         self._record = RunRecorder(run_dir, run_name, commits, tracking_record)
         self._builder = GroupBuilder(
             run_name,
@@ -182,6 +183,9 @@ class Controller:
         ``state_text()``'s words, only then asked); never "no worker group"."""
         if self._lost is not None:
             raise ClusterError(self._lost)
+        group = self.group
+        if group is not None and self._replaying == threading.get_ident():
+            return group  # the replay that makes the new group ready runs on it
         if self.state in BUSY:
             self._ready.wait(wait_s)
         group, state = self.group, self.state
@@ -195,13 +199,6 @@ class Controller:
         raise SessionError(
             "no worker group is running: start one with `%rtnb start` (or Session.start())"
         )
-
-    def replay_group(self) -> RankGroup:
-        """The group a replay runs on, while the controller makes it ready."""
-        group = self.group
-        if group is None:
-            raise WorkerGroupError("the group being rebuilt went away during the replay")
-        return group
 
     def replacement(
         self, lost: RankGroup, coming: Callable[[], bool], timeout_s: float
@@ -429,7 +426,7 @@ class Controller:
         """Rebuild the ranks' state on the new group from the journal (fails the
         group with one line if a replayed cell fails)."""
         try:
-            report = self._replayer.replay()
+            report = self._replay_journal()
         except RankDied:
             self.state_machine.to(GroupState.FAILED, "a rank died during the replay")
             raise WorkerGroupError(
@@ -444,6 +441,14 @@ class Controller:
         self.last_replay = report
         return report
 
+    def _replay_journal(self, before: int | None = None) -> ReplayReport:
+        """Replay in this thread, which alone may use the group until it is ready."""
+        self._replaying = threading.get_ident()
+        try:
+            return self._replayer.replay(before)
+        finally:
+            self._replaying = None
+
     # ---- after a failure -------------------------------------------------------------------
     def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
         """What a failed cell does next: run again on a rebuilt group with the journal
@@ -452,6 +457,8 @@ class Controller:
         while True:
             failure = dataclasses.replace(failure, world_size=self.world_size)
             decision = self.policy.decide(failure)
+            if isinstance(decision, Raise) and not failure.dead and failure.error is not None:
+                return RecoveryOutcome(decision, keep_error=True)  # the group is sound
             self._enter_recovering(failure.summary if failure.dead else failure.cell)
             if isinstance(decision, Raise):
                 return self._give_up(failure, decision)
@@ -482,7 +489,7 @@ class Controller:
             # Files a dead rank left half-written never got a manifest: drop them.
             self.checkpoints.drop_pending()
             self.checkpoints.cleanup_incomplete()
-            report = self._replayer.replay(before)
+            report = self._replay_journal(before)
             self.continue_step_count()
             self.last_recovery = RecoveryOutcome(
                 decision,

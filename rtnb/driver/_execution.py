@@ -15,6 +15,7 @@ calls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Mapping
@@ -90,13 +91,16 @@ class Execution:
 
     def __init__(self, group: RankCalls, request: CellRequest, ranks: list[int]) -> None:
         self.group = group
-        self.request = request
         self.ranks = list(ranks)
         self.finished: dict[int, RankUpdate] = {}
         self.dead: dict[int, str] = {}
         self.last: dict[int, RankUpdate] = {}
         self._pending: dict[Any, int] = {}  # call in flight -> its rank
         self._relay: Any = None  # rank 0's relay call while it is out
+        # One token per dispatch: a rank starts the cell at most once under it. In a
+        # relaying group every cell goes through rank 0, one on a single rank too:
+        # each listening rank runs all its cells in its listening thread.
+        self.request = request = dataclasses.replace(request, token=group.next_token())
         if group.relays:
             # One call to rank 0 starts the cell everywhere and brings back the
             # answers of ranks that finished at once; the others are asked directly.

@@ -138,6 +138,18 @@ class Completion:
         self._callbacks: list[Callable[[Any], None]] = []
         self._lock = threading.Lock()
         self._ending_thread: threading.Thread | None = None
+        self._last_words: list[Callable[[], None]] = []
+
+    def before_end(self, last_words: Callable[[], None]) -> None:
+        self._last_words.append(last_words)
+
+    def last_words(self) -> None:
+        """What was to be said as the cell ends (a pipeline's summary)."""
+        for said in self._last_words:
+            try:
+                said()
+            except Exception:  # noqa: BLE001 - a summary must never change the outcome
+                pass
 
     def done(self) -> bool:
         return self._done.is_set()

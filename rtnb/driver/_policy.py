@@ -50,15 +50,37 @@ class Failure:
 
     ``dead``: the ranks that died, each with one line (``DURING_REBUILD`` for a death
     while the group was rebuilt); ``stuck``: with no death, the ranks that did not
-    stop within the grace of a stop; ``stop_reason``: the cell was being stopped when
-    it happened (a stopped cell is never run again); ``world_size``: the group's
-    size then."""
+    stop within the grace of a stop; ``error``: with neither, the cell's code raised
+    (its first rank's line; a policy that retries errors runs it again, as a sweep's
+    trial); ``stop_reason``: the cell was being stopped when it happened (a stopped
+    cell is never run again); ``world_size``: the group's size then."""
 
     cell: str
     dead: dict[int, str] = field(default_factory=dict)
     stuck: tuple[int, ...] = ()
+    error: str | None = None
     stop_reason: str | None = None  # the cell was being stopped, and why
     world_size: int = 0  # ranks in the group when it happened
+
+    @classmethod
+    def of_ranks(
+        cls,
+        cell: str,
+        dead: dict[int, str],
+        unfinished: list[int],
+        stop_reason: str | None,
+        stopped_for_failure: bool,
+    ) -> Failure:
+        """Ranks that died, else the ``unfinished`` ones that did not stop within the
+        stop's grace. A rank that died while the others were being stopped after a
+        failed rank is a failure to recover from (its peers' errors were the
+        symptom), not a stop the user asked for."""
+        return cls(
+            cell,
+            dead=dict(dead),
+            stuck=tuple(unfinished) if not dead else (),
+            stop_reason=None if dead and stopped_for_failure else stop_reason,
+        )
 
     @property
     def stopping(self) -> bool:
@@ -67,6 +89,8 @@ class Failure:
     @property
     def summary(self) -> str:
         """One line: who died during which cell, and the first cause."""
+        if not self.dead and self.error is not None:
+            return f"{self.cell} failed ({self.error})"
         ranks = sorted(self.dead)
         if ranks == [DURING_REBUILD]:
             return (
@@ -100,17 +124,22 @@ Decision = Retry | Shrink | Raise
 
 
 class FailurePolicy:
-    """Retry while ``--max-failures`` allows, then raise (``Shrink`` is for a
-    subclass: the default keeps the group's size, as Ray Train does)."""
+    """Retry while ``max_failures`` allows (-1: always), then raise (``Shrink`` is for
+    a subclass: the default keeps the group's size, as Ray Train does). A rank's
+    death is retried; a cell whose code raised only with ``retry_errors`` (a sweep's
+    trials, as Tune's ``FailureConfig``: a notebook cell's error is the user's to
+    read, not to run again)."""
 
-    def __init__(self, max_failures: int) -> None:
+    def __init__(self, max_failures: int, retry_errors: bool = False) -> None:
         self.max_failures = max_failures
+        self.retry_errors = retry_errors
         self.failures = 0
 
     def decide(self, failure: Failure) -> Decision:
-        if failure.stopping or not failure.dead:
+        retryable = failure.dead or (failure.error is not None and self.retry_errors)
+        if failure.stopping or not retryable:
             return Raise()  # a stop that went wrong is not retried
-        if self.failures >= self.max_failures:
+        if 0 <= self.max_failures <= self.failures:
             why = (
                 f" after {self.failures} recoveries (--max-failures {self.max_failures})"
                 if self.max_failures
@@ -121,9 +150,11 @@ class FailurePolicy:
         return Retry(self.describe())
 
     def can_recover(self) -> bool:
-        return self.failures < self.max_failures
+        return self.max_failures < 0 or self.failures < self.max_failures
 
     def describe(self) -> str:
+        if self.max_failures < 0:
+            return f"recovery {self.failures}"
         return f"recovery {self.failures} of {self.max_failures}"
 
     def reset(self) -> None:
@@ -209,6 +240,8 @@ class RecoveryOutcome:
     replay: ReplayReport = field(default_factory=ReplayReport)
     error: BaseException | None = None
     ray_lost: bool = False
+    # A failed cell the policy does not run again: it ends with its own error.
+    keep_error: bool = False
     failure_summary: str = ""  # of the failure this outcome recovered from
     world_size: int = 0  # ranks in the rebuilt group
     resized: str | None = None  # an elastic group rebuilt smaller: its size and why

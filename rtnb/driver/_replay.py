@@ -88,8 +88,21 @@ class Replayer:
                     f"replaying {_cell_name(entry)} failed on rank {rank}: {error[0]}"
                 )
             report.cells += 1
+        if before is not None:
+            self._resend_values_of(before)
         report.duration_s = time.monotonic() - started
         return report
+
+    def _resend_values_of(self, seq: int) -> None:
+        """The cell the replay stops before runs again next: what it carried (a
+        function and its config) goes to the new ranks too."""
+        entry = self.journal.cell_entry(seq)
+        if entry is None or entry.values is None:
+            return
+        world = self._world_size()
+        ranks = [r for r in (entry.ranks or range(world)) if r < world]
+        if ranks:
+            self._send_values(self.journal.read_values(entry), ranks)
 
 
 def _cell_name(entry: JournalEntry) -> str:

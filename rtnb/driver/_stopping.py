@@ -62,6 +62,10 @@ class StopProtocol:
     def requested(self) -> bool:
         return self.reason is not None
 
+    def timed_out(self, elapsed_s: float, timeout_s: float | None) -> bool:
+        """The cell ran past its ``--timeout`` and no stop is under way."""
+        return timeout_s is not None and self.reason is None and elapsed_s > timeout_s
+
     def request(self, reason: str, final: bool = False) -> None:
         """Ask for a stop (any thread); a second request escalates one phase."""
         with self._lock:

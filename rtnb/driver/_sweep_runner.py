@@ -17,6 +17,7 @@ from rtnb.core._config import SessionConfig, check_name
 from rtnb.driver._cluster import ClusterConnection, connect
 from rtnb.driver._embedded import rank_cpus
 from rtnb.driver._group import WorkerGroup
+from rtnb.driver._policy import FailurePolicy
 from rtnb.driver._sweep import (
     Sweep,
     SweepEvent,
@@ -76,17 +77,20 @@ class RunningTrial:
     progress: dict[int, int] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)  # every metric name the trial reported
     unsubscribe: Callable[[], None] | None = None
+    attempt: int = 0  # the cell's runs after a failure (its handle's recoveries)
 
 
 # ---- the flow -----------------------------------------------------------------------------
 class SweepRunner:
     """Owns one sweep's flow, in a thread of its own (see the module docstring).
 
-    Failures follow Tune's ``FailureConfig``: a trial whose cell fails (its code
-    raised, a rank died) is retried ``max_failures`` times (-1: always) on a fresh
-    group from its latest checkpoint, then marked ``error``; ``fail_fast`` ends the
-    sweep at the first error. The trial's own session does not recover by itself
-    (``max_failures=0`` there), so each failure counts once."""
+    Failures follow Tune's ``FailureConfig``: each trial is a session whose
+    controller asks a ``FailurePolicy(max_failures, retry_errors=True)`` — the same
+    policy a notebook's session asks, with a failed cell's error retried as Tune
+    does — so a trial whose cell fails (its code raised, a rank died) runs again on
+    a rebuilt group, the journal replayed up to it and ``get_checkpoint()`` its latest
+    checkpoint, ``max_failures`` times (-1: always); then it is marked ``error``.
+    ``fail_fast`` ends the sweep at the first error."""
 
     def __init__(
         self,
@@ -182,6 +186,7 @@ class SweepRunner:
         connection = self.connection
         session = Session(
             config,
+            failure_policy=FailurePolicy(self.max_failures, retry_errors=True),
             group_factory=self.pool.factory,
             connector=lambda *_a, **_k: ClusterConnection(
                 address=connection.address, owned=False, client_mode=connection.client_mode
@@ -222,6 +227,13 @@ class SweepRunner:
         metric only some ranks report is the mean over those that did; a rank that
         reports nothing at all holds the results back until the trial ends."""
         world = running.session.world_size
+        attempt = running.handle.recoveries if running.handle is not None else 0
+        if attempt != running.attempt:
+            # The cell runs again after a failure, from its checkpoint's step: what
+            # the failed attempt left half-reported is not a result.
+            running.attempt = attempt
+            running.pending.clear()
+            running.progress.clear()
         for step, _when, metrics in batch.rows():
             running.reported.update(metrics)
             running.progress[rank] = max(running.progress.get(rank, -1), step)
@@ -286,6 +298,7 @@ class SweepRunner:
     def _ended(self, running: RunningTrial) -> None:
         trial, handle = running.trial, running.handle
         error = handle.error
+        trial.failures = running.session.failures
         for step in sorted(running.pending):  # what no rank will report more of
             self._result(running, step, mean_of_ranks(running.pending.pop(step)))
         if error is None or running.at_end:
@@ -296,9 +309,6 @@ class SweepRunner:
             state, note = TrialState.STOPPED, running.stop_reason
         elif self.sweep.stop_requested:
             state, note = TrialState.STOPPED, self.sweep.stop_reason
-        elif self.max_failures < 0 or trial.failures < self.max_failures:
-            self._retry(running, error)
-            return
         else:
             self._trial_failed(running, one_line(error))
             return
@@ -311,25 +321,6 @@ class SweepRunner:
             )
         self._tell_tune_it_ended(running)
         self._close_trial(running, state, note)
-
-    def _retry(self, running: RunningTrial, error: BaseException) -> None:
-        """Run the trial again on a fresh group (as Tune restarts a trial on a new
-        actor), from its latest checkpoint."""
-        from ray.tune.experiment import Trial
-
-        trial = running.trial
-        trial.failures += 1
-        trial.note = f"retry {trial.failures}: {one_line(error)}"
-        running.pending.clear()
-        running.progress.clear()  # the new attempt's steps start from its checkpoint
-        running.tune_trial.set_status(Trial.RUNNING)
-        try:
-            running.session.restart()
-            if running.session.latest_checkpoint_id():
-                running.session.load("latest")
-            self._run_cell(running)
-        except RtnbError as exc:
-            self._trial_failed(running, f"its retry could not start: {one_line(exc)}")
 
     def _trial_failed(self, running: RunningTrial, note: str) -> None:
         from ray.tune.experiment import Trial
@@ -498,8 +489,7 @@ def sweep(
             gpu=gpu,
             address=address,
             storage=storage,
-            # The runner retries a failed trial (FailureConfig); its session does not
-            # recover by itself, so each failure counts once.
+            # A trial's session asks FailureConfig's policy (SweepRunner), not this.
             max_failures=0,
             score=metric,
             mode=mode,
