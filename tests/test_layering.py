@@ -331,6 +331,29 @@ def test_only_a_cells_execution_sequences_the_rank_protocol():
     ]
 
 
+def _journal_writes(tree: ast.AST) -> list[str]:
+    return [
+        f"{node.lineno}: {ast.unparse(node.func)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("append", "append_control")
+        and "journal" in ast.unparse(node.func.value)
+    ]
+
+
+def test_only_the_controller_and_its_cell_flow_write_the_journal():
+    owners = {"rtnb/driver/_controller.py", "rtnb/driver/_cells.py"}
+    writers = []
+    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+        relative = str(path.relative_to(REPO))
+        if relative not in owners:
+            writers += [f"{relative}:{hit}" for hit in _journal_writes(ast.parse(path.read_text()))]
+    assert writers == [], f"journal entries written outside the controller: {writers}"
+    planted = "self._journal.append(EntryKind.CHECKPOINT)\nsteps.append(1)\njournal.append_control(1)"
+    assert len(_journal_writes(ast.parse(planted))) == 2
+
+
 def _class_sizes(tree: ast.AST) -> dict[str, int]:
     return {
         node.name: node.end_lineno - node.lineno + 1

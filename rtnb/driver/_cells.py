@@ -259,6 +259,10 @@ class CellFlow:
         self.last_profile = report
         handle.note(f"[rtnb] {report.summary()}\n")
 
+    def record_load(self, checkpoint_id: str, run: str | None) -> None:
+        """A checkpoint chosen for the next cell (Load, Resume), journaled first."""
+        self._journal.append(EntryKind.CHECKPOINT, checkpoint=checkpoint_id, run=run)
+
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
     ) -> None:

@@ -16,7 +16,6 @@ from rtnb.core._config import SessionConfig
 from rtnb.driver._commits import CheckpointCoordinator
 from rtnb.storage._checkpoint import Checkpoint
 from rtnb.storage._checkpoints import CheckpointStore
-from rtnb.storage._journal import EntryKind, Journal
 
 __all__ = ["ResumeFlow", "ResumePlan"]
 
@@ -35,6 +34,8 @@ class _TrainingCells(Protocol):
     # (code, its name in the notebook) of the last cell that reported, if any
     last_training: tuple[str, str | None] | None
 
+    def record_load(self, checkpoint_id: str, run: str | None) -> None: ...
+
 
 class ResumeFlow:
     def __init__(
@@ -43,14 +44,12 @@ class ResumeFlow:
         run_name: str,
         checkpoints: CheckpointStore,
         commits: CheckpointCoordinator,
-        journal: Journal,
         cells: _TrainingCells,
     ) -> None:
         self._config = config
         self._run_name = run_name
         self._checkpoints = checkpoints
         self._commits = commits
-        self._journal = journal
         self._cells = cells
 
     def store(self, run: str | None = None) -> CheckpointStore:
@@ -62,7 +61,7 @@ class ResumeFlow:
     def load(self, checkpoint_id: str, run: str | None) -> Checkpoint:
         checkpoint = self.store(run).get(checkpoint_id)
         checkpoint.verify()
-        self._journal.append(EntryKind.CHECKPOINT, checkpoint=checkpoint.id, run=run)
+        self._cells.record_load(checkpoint.id, run)  # journaled before it takes effect
         self._commits.choose(checkpoint)
         return checkpoint
 

@@ -117,7 +117,7 @@ class Session(LiveAPI, RunAPI):
         )
         self._cells = self._controller.cells
         self._resume = ResumeFlow(
-            config, self.run_name, self.checkpoints, self.commits, self.journal, self._cells
+            config, self.run_name, self.checkpoints, self.commits, self._cells
         )
         # The line of the last time an elastic group grew back (None: it did not).
         self.last_growth: str | None = None
