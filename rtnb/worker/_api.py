@@ -275,24 +275,53 @@ def prepare_model(
     parallel_strategy: str | None = "ddp",
     parallel_strategy_kwargs: dict | None = None,
 ):
-    """Move ``model`` to this rank's device and wrap it in DDP when there are peers."""
+    """Move ``model`` to this rank's device and, when there are peers, wrap it for
+    data parallelism as Ray Train's ``prepare_model`` does: ``"ddp"``
+    (``DistributedDataParallel``) or ``"fsdp"`` (FSDP2's ``fully_shard`` on the
+    model: each rank holds its part of every parameter, as a DTensor; shard blocks
+    first with ``fully_shard(block)`` for finer groups). ``parallel_strategy_kwargs``
+    go to the wrapper; one rank (local mode) gets the model unwrapped."""
     import torch.distributed as dist
 
+    if parallel_strategy not in (None, "ddp", "fsdp"):
+        raise RtnbError(
+            f"parallel_strategy {parallel_strategy!r} is not supported; use 'ddp', 'fsdp' or None"
+        )
     device = get_device()
     if move_to_device:
         model = model.to(device)
     if parallel_strategy is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return model
-    if parallel_strategy != "ddp":
-        raise RtnbError(
-            f"parallel_strategy {parallel_strategy!r} is not supported; use 'ddp' or None"
-        )
+    kwargs = dict(parallel_strategy_kwargs or {})
+    if parallel_strategy == "fsdp":
+        return _fully_shard(model, kwargs)
     from torch.nn.parallel import DistributedDataParallel
 
-    kwargs = dict(parallel_strategy_kwargs or {})
     if device.type == "cuda":
         kwargs.setdefault("device_ids", [device.index or 0])
     return DistributedDataParallel(model, **kwargs)
+
+
+def _fully_shard(model, kwargs: dict):
+    """FSDP2 over the group's ranks: a device mesh of this rank's device type (a
+    CPU mesh for gloo ranks, which FSDP2's default would not pick)."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch before FSDP2
+        raise RtnbError(
+            "parallel_strategy 'fsdp' needs torch.distributed.fsdp.fully_shard (torch 2.6 "
+            "or later)"
+        ) from None
+    if "mesh" not in kwargs:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["mesh"] = init_device_mesh(get_device().type, (dist.get_world_size(),))
+    try:
+        return fully_shard(model, **kwargs)
+    except TypeError as exc:
+        raise RtnbError(f"parallel_strategy_kwargs for 'fsdp': {exc}") from None
 
 
 def prepare_data_loader(data_loader, add_dist_sampler: bool = True, move_to_device: bool = True):
