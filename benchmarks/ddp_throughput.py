@@ -1,5 +1,9 @@
-"""DDP throughput: the same training loop under torchrun, in an rtnb cell and in
-TorchTrainer.fit(), measured in one run of this script.
+"""DDP (or FSDP2) throughput: the same training loop under torchrun, in an rtnb cell
+and in TorchTrainer.fit(), measured in one run of this script.
+
+``--strategy fsdp`` wraps the model with FSDP2's ``fully_shard`` over a mesh of every
+rank (what ``rtnb.prepare_model(parallel_strategy="fsdp")`` does) instead of DDP;
+the code is the same text on every side.
 
 The loop is a 3-layer MLP trained with DistributedDataParallel (gloo on CPU, nccl
 with --device cuda), big enough that a step takes tens of milliseconds. Each side
@@ -9,6 +13,7 @@ Every side runs in a fresh process; the machine is noisy, so each side is run
 ``--rounds`` times, interleaved, and the median is compared.
 
     .venv/bin/python benchmarks/ddp_throughput.py [--rounds 2] [--device cuda] [--workers 2]
+        [--strategy ddp|fsdp]
 
 NCCL cannot put two ranks on one GPU, so on a one-GPU machine run ``--workers 1``:
 DDP then does no cross-rank traffic and the figure compares what each framework
@@ -46,7 +51,12 @@ model = torch.nn.Sequential(
     torch.nn.Linear(2 * width, 2 * width), torch.nn.ReLU(),
     torch.nn.Linear(2 * width, 1),
 ).to(device)
-ddp = DDP(model, device_ids=None if DEVICE == "cpu" else [device.index])
+if STRATEGY == "fsdp":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    ddp = fully_shard(model, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+else:
+    ddp = DDP(model, device_ids=None if DEVICE == "cpu" else [device.index])
 opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
 x = torch.randn(BATCH, width, device=device)
 y = x.sum(dim=1, keepdim=True)
@@ -75,12 +85,15 @@ step_s = (time.perf_counter() - started) / STEPS
 """
 
 
+STRATEGY = os.environ.get("RTNB_BENCH_STRATEGY", "ddp")
+
+
 def _loop_source(device: str, report: str) -> str:
     # CPU: ~30 ms a step on one core here; CUDA: fp32 on an H100 takes tens of ms
     # (a step of >= 20 ms, as asked).
     width, batch = (4096, 8192) if device == "cuda" else (384, 128)
     return (
-        f"DEVICE = {device!r}\nWIDTH = {width}\nBATCH = {batch}\n"
+        f"DEVICE = {device!r}\nWIDTH = {width}\nBATCH = {batch}\nSTRATEGY = {STRATEGY!r}\n"
         f"WARMUP = {WARMUP}\nSTEPS = {STEPS}\nREPORT = {report}\n" + LOOP
     )
 
@@ -185,13 +198,18 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default=None)
     args = parser.parse_args()
+    if args.strategy:
+        # The phases are fresh processes: they read it from their environment.
+        global STRATEGY
+        os.environ["RTNB_BENCH_STRATEGY"] = STRATEGY = args.strategy
     if args.phase:
         print("RESULT " + json.dumps(PHASES[args.phase](args.device, args.workers)))
         return
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(
-        f"ddp_throughput: {args.workers} rank(s), {backend}, {args.device}; {STEPS} timed steps after "
+        f"{STRATEGY}_throughput: {args.workers} rank(s), {backend}, {args.device}; {STEPS} timed steps after "
         f"{WARMUP} warm-up; {args.rounds} interleaved rounds, median"
     )
     from _common import emit, in_order
@@ -215,6 +233,8 @@ def main() -> None:
         )
     print(f"goal: rtnb >= 0.98x torchrun's throughput -> {base / step['rtnb']:.3f}x")
     emit(rtnb_vs_torchrun=base / step["rtnb"], trainer_vs_torchrun=base / step["trainer"])
+    if STRATEGY == "fsdp":
+        print("(FSDP2 on every side: the same fully_shard over a mesh of all ranks)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ class Figure:
     unit: str  # "x" (a ratio), "s", "ms", "us", "/s", "MB", "%"
     goal: float | None = None
     lower_is_better: bool = True
+    # Measured only by the full run (--quick leaves out what it measures).
+    full_only: bool = False
 
     def met(self, value: float | None) -> bool | None:
         if self.goal is None or value is None:
@@ -60,6 +62,11 @@ class Benchmark:
     args: tuple[str, ...] = ()
     quick_args: tuple[str, ...] = ()
     timeout_s: float = 600
+    script: str | None = None  # another benchmark's script, run with these args
+
+    @property
+    def path(self) -> str:
+        return f"{self.script or self.name}.py"
 
 
 def _x(key: str, label: str, goal: float | None = None, lower: bool = True) -> Figure:
@@ -107,6 +114,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         timeout_s=600,
     ),
     Benchmark(
+        "fsdp_throughput",
+        (
+            _x("rtnb_vs_torchrun", "rtnb cell's FSDP2 throughput / torchrun's", 0.98, False),
+            _x("trainer_vs_torchrun", "TorchTrainer's FSDP2 throughput / torchrun's"),
+        ),
+        args=("--strategy", "fsdp", "--rounds", "1"),
+        quick_args=("--strategy", "fsdp", "--rounds", "1"),
+        timeout_s=600,
+        script="ddp_throughput",
+    ),
+    Benchmark(
         "checkpoint_io",
         (
             _x("save_ratio", "checkpoint save, durable / torch.save durable", 1.2),
@@ -115,6 +133,35 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         args=("--repeats", "3"),
         quick_args=("--mb", "60", "--repeats", "2"),
         timeout_s=400,
+    ),
+    Benchmark(
+        "checkpoint_async",
+        (
+            _x("async_ratio_s3", "loop saving every 10 steps, ASYNC to S3 / no checkpoint", 1.10),
+            _x("sync_ratio_s3", "the same loop, SYNC to S3 / no checkpoint"),
+            Figure(
+                "trainer_async_ratio_s3",
+                "Ray Train's ASYNC to S3 / its loop without",
+                "x",
+                full_only=True,
+            ),
+            Figure(
+                "async_ratio_local",
+                "ASYNC to local disk / no checkpoint",
+                "x",
+                1.10,
+                full_only=True,
+            ),
+            Figure("sync_ratio_local", "SYNC to local disk / no checkpoint", "x", full_only=True),
+            Figure(
+                "trainer_async_ratio_local",
+                "Ray Train's ASYNC to local disk / without",
+                "x",
+                full_only=True,
+            ),
+        ),
+        quick_args=("--quick",),
+        timeout_s=900,
     ),
     Benchmark(
         "cold_start",
@@ -258,7 +305,7 @@ def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
     began = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, str(HERE / f"{bench.name}.py"), *args],
+            [sys.executable, str(HERE / bench.path), *args],
             capture_output=True,
             text=True,
             env=env,
@@ -302,10 +349,12 @@ class Row:
     peer: str
 
 
-def summarise(bench: Benchmark, rounds: list[Round]) -> list[Row]:
+def summarise(bench: Benchmark, rounds: list[Round], quick: bool = False) -> list[Row]:
     rows = []
     failed = [r.error for r in rounds if r.error]
     for fig in bench.figures:
+        if quick and fig.full_only:
+            continue
         values = [r.values[fig.key] for r in rounds if r.values.get(fig.key) is not None]
         median = statistics.median(values) if values else None
         met = fig.met(median)
@@ -500,8 +549,7 @@ def main() -> int:
             result = run_round(bench, args.quick, peer_first=bool(k % 2))
             done.append(result)
             what = result.error or ", ".join(
-                f"{key} {'—' if v is None else f'{v:.4g}'}"
-                for key, v in result.values.items()
+                f"{key} {'—' if v is None else f'{v:.4g}'}" for key, v in result.values.items()
             )
             print(
                 f"[{time.perf_counter() - began:6.0f} s] {bench.name} round {k + 1}/{rounds} "
@@ -510,7 +558,7 @@ def main() -> int:
             )
             if result.error and k == 0:
                 break  # a benchmark that cannot run here will not run in the next round
-        bench_rows = summarise(bench, done)
+        bench_rows = summarise(bench, done, args.quick)
         rows.extend(bench_rows)
         report.append(
             {

@@ -63,10 +63,14 @@ _EXPORTS: dict[str, str] = {
     "list_runs": "rtnb.storage._result",
     "Checkpoint": "rtnb.storage._checkpoint",
     "CheckpointInfo": "rtnb.storage._checkpoints",
+    "CheckpointUploadMode": "rtnb.worker._uploads",
     # rank side (inside a cell), named as in ray.train
     "CellStopped": "rtnb.worker._runtime",
     "RankContext": "rtnb.worker._runtime",
     "get_checkpoint": "rtnb.worker._api",
+    "get_all_reported_checkpoints": "rtnb.worker._api",
+    "CheckpointConsistencyMode": "rtnb.storage._checkpoints",
+    "ReportedCheckpoint": "rtnb.storage._checkpoints",
     "get_config": "rtnb.worker._api",
     "control": "rtnb.worker._api",
     "breakpoint": "rtnb.worker._api",
@@ -101,7 +105,9 @@ __all__ = [
     "CellStopped",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointConsistencyMode",
     "CheckpointInfo",
+    "CheckpointUploadMode",
     "ClusterError",
     "ConfigError",
     "Failure",
@@ -115,6 +121,7 @@ __all__ = [
     "RankContext",
     "RayTrainReportCallback",
     "Report",
+    "ReportedCheckpoint",
     "Result",
     "Retry",
     "RtnbError",
@@ -131,6 +138,7 @@ __all__ = [
     "WaitTimeout",
     "WarmRayStatus",
     "WorkerGroupError",
+    "get_all_reported_checkpoints",
     "get_checkpoint",
     "breakpoint",
     "control",
@@ -207,11 +215,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from rtnb.metrics._store import MetricsStore, Progress, Report
     from rtnb.storage._checkpoint import Checkpoint
-    from rtnb.storage._checkpoints import CheckpointInfo
+    from rtnb.storage._checkpoints import (
+        CheckpointConsistencyMode,
+        CheckpointInfo,
+        ReportedCheckpoint,
+    )
     from rtnb.storage._result import Result, list_runs
     from rtnb.worker._api import (
         breakpoint,
         control,
+        get_all_reported_checkpoints,
         get_checkpoint,
         get_config,
         get_context,
@@ -226,3 +239,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from rtnb.worker._hf import RayTrainReportCallback, prepare_trainer
     from rtnb.worker._runtime import CellStopped, RankContext
+    from rtnb.worker._uploads import CheckpointUploadMode

@@ -32,6 +32,22 @@ EPOCHS = (
 )
 
 
+def run_exported(script, *args: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS``: Ray Train on the session's cluster (RAY_ADDRESS), ranks
+    as Ray workers; its controller polls them every 0.1 s, not 2 s (the script's
+    result is the same). It must succeed."""
+    run = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=script.parent,
+        env={**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 def _final_losses(output: str) -> list[float]:
     """The final loss each process printed (under torchrun: one per rank)."""
     found = re.findall(r"final metrics: \{[^}]*'loss': ([-0-9.e]+)", output)
@@ -74,17 +90,7 @@ def test_export_runs_as_torchtrainer_and_under_torchrun_to_the_same_model(ray_cl
     assert "lr = loop_config['lr']" in text and "'lr': 0.05" in text
     assert "# cell" in text and "left out: marked --once" in text
 
-    # Ray Train on the session's cluster (RAY_ADDRESS), ranks as Ray workers; its
-    # controller polls them every 0.1 s, not 2 s (the script's result is the same).
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=tmp_path,
-        env={**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_exported(script)
     assert _final_losses(run.stdout) == pytest.approx([ours[0]], rel=1e-5), "rank 0's, as Ray's"
     path = re.findall(r"checkpoint: Checkpoint\(filesystem=\w+, path=([^)]+)\)", run.stdout)
     assert path, run.stdout[-2000:]

@@ -4,10 +4,13 @@ size."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import rtnb
+from tests.test_export import run_exported
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -85,6 +88,24 @@ def test_fsdp_shards_the_model_and_a_dcp_checkpoint_saved_at_2_ranks_loads_at_3(
         # Each of the 3 ranks now holds its part of the 16 rows.
         rows = session.run("next(model.parameters()).to_local().shape[0]")
         assert sum(rows.values()) == 16 and len(rows) == 3
+        session.run(
+            "w_sum = float(sum(v.sum() for v in loaded.values()))\nprint(f'w_sum {w_sum!r}')"
+        )
+        notebook_sum = session.pull("w_sum")[0]
+        checkpoint_path = session.checkpoints.get(checkpoint.id).path
+        script = tmp_path / "fsdp_train.py"
+        session.export(str(script))
+
+    # The exported script keeps FSDP2 (no rtnb in it) and, told where to start from,
+    # loads the notebook's sharded checkpoint: the same weights.
+    text = script.read_text()
+    assert "prepare_model_fsdp(" in text and "fully_shard" in text
+    assert "import rtnb" not in text
+    run = run_exported(script, "--resume-from", checkpoint_path)
+    # The script's workers printed the sum of the weights they loaded.
+    found = re.findall(r"RayTrainWorker pid=\d+\S* w_sum ([-0-9.e]+)", run.stdout + run.stderr)
+    assert found, (run.stdout + run.stderr)[-3000:]
+    assert all(float(x) == pytest.approx(notebook_sum, rel=1e-6) for x in found), found
 
 
 def test_an_unknown_parallel_strategy_is_one_line_and_local_mode_is_unwrapped(tmp_path):

@@ -375,17 +375,26 @@ def test_cells_are_written_in_ray_trains_names_with_their_comments_and_layout():
         "if ckpt:\n"
         "    state = ckpt.load_state()   # résumé\n"
         "model = r.prepare_model(net)\n"
+        "sharded = r.prepare_model(big, parallel_strategy='fsdp')\n"
         "rep({'loss': 1.0}, checkpoint=r.Checkpoint.from_state({'w': 1}))\n",
         known,
     )
+    # get_checkpoint: Ray Train's, else the one named by the script's --resume-from;
+    # FSDP stays FSDP2 (Ray Train's "fsdp" is FSDP1's wrapper).
     assert later == (
-        "ckpt = ray.train.get_checkpoint()\n"
+        "ckpt = get_checkpoint()\n"
         "if ckpt:\n"
         "    state = load_state(ckpt)   # résumé\n"
         "model = ray.train.torch.prepare_model(net)\n"
+        "sharded = prepare_model_fsdp(big, parallel_strategy='fsdp')\n"
         "rep({'loss': 1.0}, checkpoint=checkpoint_from_state({'w': 1}))\n"
     ), later
-    assert helpers == {"load_state", "checkpoint_from_state"}
+    assert helpers == {
+        "load_state",
+        "checkpoint_from_state",
+        "get_checkpoint",
+        "prepare_model_fsdp",
+    }
 
 
 # ---- sweeps ------------------------------------------------------------------------------

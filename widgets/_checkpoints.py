@@ -180,20 +180,20 @@ class CheckpointBrowser(w.VBox):
         if key == "step":
             ordered = sorted(rows, key=lambda c: c.step, reverse=reverse)
         else:
-            present = [c for c in rows if isinstance(c.metrics.get(key), (int, float))]
+            present = [c for c in rows if isinstance(c.all_metrics.get(key), (int, float))]
             missing = [c for c in rows if c not in present]
-            ordered = sorted(present, key=lambda c: c.metrics[key], reverse=reverse) + missing
+            ordered = sorted(present, key=lambda c: c.all_metrics[key], reverse=reverse) + missing
         return sorted(ordered, key=_line_of)  # stable: keeps the order inside a line
 
     def refresh(self) -> None:
         rows = self.rows()
-        metrics = list(dict.fromkeys(k for c in rows for k in c.metrics))
+        metrics = list(dict.fromkeys(k for c in rows for k in c.all_metrics))
         committed = [c for c in rows if c.status == "committed"]
         self._latest = self._latest_of() if self._latest_of is not None else None
         if self._latest is None and committed:
             self._latest = max(committed, key=lambda c: (c.time, c.step)).id
         rule = score_rule(self._score, self._mode, metrics)
-        best = rule.best(committed, lambda c: c.metrics) if rule is not None else None
+        best = rule.best(committed, lambda c: c.all_metrics) if rule is not None else None
         self._best = best.id if best is not None else None
         self.rule_line.value = (
             f'<span style="font-size:12px">{html.escape(rule.describe() if rule else NO_BEST)}'
@@ -222,7 +222,7 @@ class CheckpointBrowser(w.VBox):
         self._draw_timeline()
 
     def _status(self, c) -> str:
-        marks = [c.status]
+        marks = [c.shown_status]
         if c.id == self._latest:
             marks.append("latest")
         if c.id == self._best:
@@ -241,7 +241,7 @@ class CheckpointBrowser(w.VBox):
                     c.id,
                     str(c.step),
                     _age(now - c.time) if c.time else "-",
-                    *[_number(c.metrics.get(m)) for m in metrics],
+                    *[_number(c.all_metrics.get(m)) for m in metrics],
                     _size(c.size) if c.files else "-",
                     _ranks(c.ranks),
                     self._status(c),
@@ -390,7 +390,7 @@ def _line_name(c) -> str:
 
 
 def _y(c, metric: str | None):
-    value = c.metrics.get(metric) if metric else None
+    value = c.all_metrics.get(metric) if metric else None
     return value if isinstance(value, (int, float)) else (c.step if metric is None else None)
 
 

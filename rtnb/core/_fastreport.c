@@ -12,7 +12,7 @@
  * (rtnb/worker/_runtime.py, rtnb/core/_reports.py) then records it. The plain case:
  * a dict with exactly the str keys of the buffer's current run of reports (in any
  * order), no "step" key, every value an exact float, int, str or None, and the rank
- * not replaying, uploading or holding an upload error.
+ * not replaying or holding an upload error (uploads in flight do not stop it).
  *
  * Nothing here runs Python code or releases the GIL (exact str keys, exact values,
  * list appends), so the whole call is atomic with respect to the rank's other
@@ -28,7 +28,7 @@
 /* Wider reports (rare) take the Python path. */
 #define MAX_WIDTH 64
 
-static PyObject *s_upload, *s_upload_error, *s_replay, *s_reports, *s_step,
+static PyObject *s_upload_error, *s_replay, *s_reports, *s_step,
     *s_stop_requested, *s_keys, *s_cols, *s_steps, *s_times, *s_lock, *s_locked,
     *s_current, *s_after, *one;
 
@@ -53,7 +53,7 @@ static int slot_offset(PyTypeObject *type, PyObject *name, Py_ssize_t *offset) {
 static int known_runtime(PyTypeObject *type) {
     if (type == runtime_type) return 1;
     if (!(type->tp_flags & Py_TPFLAGS_MANAGED_DICT) && type->tp_dictoffset == 0) return 0;
-    PyObject *names[] = {s_upload, s_upload_error, s_replay, s_reports,
+    PyObject *names[] = {s_upload_error, s_replay, s_reports,
                          s_step,   s_stop_requested, s_lock};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (_PyType_Lookup(type, names[i]) != NULL) return 0;
@@ -97,13 +97,12 @@ static int record_plain(PyObject *runtime, PyObject *metrics) {
     Py_DECREF(held);
     if (held != Py_False) goto plain_no;
     /* Borrowed from here on: nothing below runs Python code until the appends. */
-    PyObject *upload = PyDict_GetItemWithError(attrs, s_upload);
-    PyObject *upload_error = upload ? PyDict_GetItemWithError(attrs, s_upload_error) : NULL;
+    PyObject *upload_error = PyDict_GetItemWithError(attrs, s_upload_error);
     PyObject *replay = upload_error ? PyDict_GetItemWithError(attrs, s_replay) : NULL;
     PyObject *buffer = replay ? PyDict_GetItemWithError(attrs, s_reports) : NULL;
     PyObject *last = buffer ? PyDict_GetItemWithError(attrs, s_step) : NULL;
     if (last == NULL) goto missing;
-    if (upload != Py_None || upload_error != Py_None || replay != Py_False ||
+    if (upload_error != Py_None || replay != Py_False ||
         !PyLong_CheckExact(last) || !known_columns(Py_TYPE(buffer)))
         goto plain_no;
     /* Work waits at this report (a stop, a hold for a control change, a trigger
@@ -250,7 +249,6 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__fastreport(void) {
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
-    INTERN(s_upload, "_upload");
     INTERN(s_upload_error, "_upload_error");
     INTERN(s_replay, "_replay");
     INTERN(s_reports, "_reports");

@@ -114,6 +114,19 @@ def cell_filename(cell_id: int) -> str:
 
 
 @dataclass(frozen=True)
+class ValidationRequest:
+    """What ``report(..., validation=...)`` asked for: ``fn(checkpoint, **kwargs)``
+    (cloudpickled on the rank) run as its own Ray task once the checkpoint is
+    committed, its metrics kept with the checkpoint; ``timeout_s`` as Ray Train's
+    ``ValidationTaskConfig``; ``remote`` are ``ray.remote`` options for the task."""
+
+    fn: bytes
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
+    remote: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class CheckpointOffer:
     """A rank's files for the checkpoint at ``step`` of ``line`` are in storage."""
 
@@ -122,6 +135,7 @@ class CheckpointOffer:
     metrics: dict[str, Any]
     files: list[dict[str, Any]]
     line: int = 0
+    validation: ValidationRequest | None = None
 
 
 @dataclass
@@ -152,6 +166,10 @@ class RankUpdate:
     # A checkpoint write that failed (full disk, read-only, an object-store error):
     # the rank stopped writing and asks for the cell to stop at a common step.
     storage_error: str | None = None
+    # Steps whose checkpoint files are still uploading beside the loop (oldest
+    # first), and the seconds report() has waited for room among them in all.
+    uploading: tuple[int, ...] = ()
+    upload_waited_s: float = 0.0
     # What the rank's process used since the last poll (ResourceSample, ≤ 1 a second).
     resources: list[Any] = field(default_factory=list)
     # Live controls the cell declared since the last poll (name -> default), and the

@@ -55,6 +55,7 @@ class CellOutput:
         self._limit = limit
         self._kept = 0
         self._sinks: list[OutputSink] = []
+        self._said: set[str] = set()
 
     def add_sink(self, sink: OutputSink, replay: bool = True) -> None:
         """Send the output to ``sink(rank, stream, text)`` (past output first)."""
@@ -70,6 +71,12 @@ class CellOutput:
     def note(self, text: str) -> None:
         """A line from rtnb itself (rank -1 for the sinks); not kept."""
         self.send(-1, "stderr", text)
+
+    def note_once(self, topic: str, text: str) -> None:
+        """A note said once per cell on ``topic`` however often its cause recurs."""
+        if topic not in self._said:
+            self._said.add(topic)
+            self.note(text)
 
     def flush(self) -> None:
         for sink in self._sinks:

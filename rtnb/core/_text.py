@@ -11,7 +11,14 @@ import statistics
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["align_rows", "format_duration", "format_table", "mean_over_ranks", "to_number"]
+__all__ = [
+    "align_rows",
+    "enum_member",
+    "format_duration",
+    "format_table",
+    "mean_over_ranks",
+    "to_number",
+]
 
 
 def to_number(value: Any) -> float | None:
@@ -70,3 +77,13 @@ def format_duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def enum_member(cls: Any, given: Any) -> Any:
+    """``given`` as a member of the enum ``cls``: a member, another enum's member of
+    the same name (Ray Train's own), or the name as a string; None when it is none."""
+    name = str(getattr(given, "value", given)).upper()
+    try:
+        return cls(name)
+    except ValueError:
+        return None

@@ -160,8 +160,7 @@ class CellHandle:
         self.started_at = time.time()
         self.ended_at: float | None = None
         self._output = CellOutput(lambda rank: _kept_where(context.logs, rank))
-        self.reported = False
-        self.recoveries = 0
+        self.reported, self.recoveries = False, 0
         self.recovering = False  # the group is being rebuilt for this cell right now
         self.restarted_from: str | None = None  # what the ranks loaded after a restart
         self._stopped_for_failure = False  # the stop asked because a rank's cell raised
@@ -388,6 +387,7 @@ class CellHandle:
             self._watch_for_hang()
             self._make_asked_changes(execution)
             if execution.advance_stop(self._stopping, self.steps):
+                _note_dropped_uploads(self._output, execution.last)
                 raise _Restart()
 
     def _stop_after_a_failed_rank(self) -> None:
@@ -491,7 +491,7 @@ class CellHandle:
 
     def _apply(self, update: RankUpdate) -> None:
         rank = update.rank
-        if update.output or update.reports or update.step != self.steps.get(rank, -1):
+        if _moved(update, self.steps.get(rank, -1)):
             self._hang.moved()
         self.steps[rank] = update.step
         self.lines[rank] = update.line
@@ -510,6 +510,7 @@ class CellHandle:
                 self._context.profile_taken(self, taken)
         for stream, text in update.output:
             self._output.write(rank, stream, text)
+        _note_uploads_behind(self._output, update, self.replay)
 
     # ---- the debugger ------------------------------------------------------------------
     def _answer(self, group: RankGroup, rank: int) -> None:
@@ -619,6 +620,38 @@ class CellHandle:
             self._context.cell_ended(self)
         self.controls.close()  # changes asked too late: their callers get None
         self._end.ended(self)
+
+
+# Below this much waiting in all, a report's wait for room among the uploads in
+# flight is noise, not a sign that uploads cannot keep up.
+_UPLOADS_BEHIND_S = 1.0
+
+
+def _moved(update: RankUpdate, step_before: int) -> bool:
+    """Whether the rank shows life (a rank whose checkpoints are still uploading at
+    the cell's end is waiting on storage, not hung)."""
+    return bool(update.output or update.reports or update.uploading) or update.step != step_before
+
+
+def _note_dropped_uploads(output: CellOutput, last: dict[int, RankUpdate]) -> None:
+    steps = sorted({step for update in last.values() for step in update.uploading})
+    if steps:
+        output.note(
+            f"[rtnb] checkpoint uploads of step {', '.join(map(str, steps))} were still in "
+            "flight when the stop's grace ran out (--stop-grace): dropped, never listed\n"
+        )
+
+
+def _note_uploads_behind(output: CellOutput, update: RankUpdate, replay: bool) -> None:
+    if update.upload_waited_s < _UPLOADS_BEHIND_S or replay:
+        return
+    at = update.uploading[-1] if update.uploading else update.step
+    output.note_once(
+        "uploads",
+        f"[rtnb] checkpoint uploads fall behind the loop: rank {update.rank}'s report() "
+        f"waited {update.upload_waited_s:.1f} s for room by step {at} (uploads in flight "
+        "are capped by RTNB_UPLOADS_IN_FLIGHT; raise it, or checkpoint less often)\n",
+    )
 
 
 def _keep(

@@ -48,6 +48,7 @@ from rtnb.driver._group import RankGroup, RankLost
 from rtnb.driver._policy import Failure, FailurePolicy, RecoveryOutcome
 from rtnb.driver._profiling import merge_profile
 from rtnb.driver._state import GroupState
+from rtnb.driver._validation import Validations
 from rtnb.errors import (
     CellError,
     CellInterrupted,
@@ -146,6 +147,7 @@ class CellFlow:
         self.last_training: tuple[str, str | None] | None = None
         self._datasets = DatasetHandOver()
         self._stacks = StackReader()
+        self.validations = Validations(checkpoints, lambda: self.config.env)
         # Under `rtnb run`: the live changes the saved notebook's cells received.
         self._saved_changes = SavedChanges.from_env()
         # %rtnb profile: steps armed for the next cell, and the last profile taken.
@@ -193,6 +195,7 @@ class CellFlow:
         if not handle.replay:
             self._commits.track(dict(handle.lines), steps)
         self._commits.commit_ready(steps, set(handle.ranks))
+        self.validations.start_due()
 
     def latest_checkpoint_id(self) -> str | None:
         return self._commits.latest_id()

@@ -56,6 +56,8 @@ _RAY_NAMES = {
 _GET_CONFIG = f"dict(loop_config.get({CONFIG_NAME!r}, loop_config))"
 _FROM_STATE = "checkpoint_from_state"
 _LOAD_STATE = "load_state"
+_PREPARE_FSDP = "prepare_model_fsdp"
+_GET_CHECKPOINT = "get_checkpoint"
 
 _HELPERS = {
     _FROM_STATE: '''
@@ -87,6 +89,36 @@ def checkpoint_from_state(state: dict) -> ray.train.Checkpoint:
     rank = ray.train.get_context().get_world_rank()
     torch.save(state, os.path.join(directory, f"state-rank{rank}.pt"))
     return ray.train.Checkpoint.from_directory(directory)
+''',
+    _GET_CHECKPOINT: '''
+def get_checkpoint():
+    """ray.train.get_checkpoint(), else the checkpoint named by --resume-from (a
+    folder or URI: one of the notebook's, say). Ray Train 2's TorchTrainer takes no
+    resume_from_checkpoint; this is what the loop starts from instead."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and RESUME_FROM:
+        checkpoint = ray.train.Checkpoint(RESUME_FROM)
+    return checkpoint
+''',
+    _PREPARE_FSDP: '''
+def prepare_model_fsdp(model, move_to_device=True, parallel_strategy="fsdp",
+                       parallel_strategy_kwargs=None):
+    """rtnb's prepare_model(parallel_strategy="fsdp"): FSDP2's fully_shard on the model,
+    over a mesh of every rank. Ray Train's "fsdp" is FSDP1's wrapper, whose sharded
+    state is laid out otherwise: this keeps the notebook's sharding, so the script
+    and the notebook load each other's DCP checkpoints."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = ray.train.torch.get_device()
+    if move_to_device:
+        model = model.to(device)
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return model
+    kwargs = dict(parallel_strategy_kwargs or {})
+    kwargs.setdefault("mesh", init_device_mesh(device.type, (dist.get_world_size(),)))
+    return fully_shard(model, **kwargs)
 ''',
     _LOAD_STATE: '''
 def load_state(checkpoint: ray.train.Checkpoint, map_location="cpu"):
@@ -141,7 +173,14 @@ def to_ray_train(
     modules |= seen[0]
     names.update(seen[1])
     aliases = (modules, names)
-    for rewrite in (_rewrite_load_state, _rewrite_from_state, _rewrite_names, _rewrite_imports):
+    rewrites = (
+        _rewrite_load_state,
+        _rewrite_from_state,
+        _rewrite_fsdp,
+        _rewrite_names,
+        _rewrite_imports,
+    )
+    for rewrite in rewrites:
         while True:
             tree = ast.parse(code)
             edits = rewrite(tree, code, aliases, helpers)
@@ -205,6 +244,29 @@ def _rewrite_from_state(tree, code, aliases, helpers) -> list:
     return _outermost(code, edits)
 
 
+def _rewrite_fsdp(tree, code, aliases, helpers) -> list:
+    edits = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and _is_rtnb(node.func, aliases, "prepare_model")
+            and _strategy(node) == "fsdp"
+        ):
+            edits.append((node.func, _PREPARE_FSDP))
+            helpers.add(_PREPARE_FSDP)
+    return _outermost(code, edits)
+
+
+def _strategy(call: ast.Call) -> Any:
+    """The literal ``parallel_strategy`` of a prepare_model call ("ddp" when unsaid)."""
+    given = next((k.value for k in call.keywords if k.arg == "parallel_strategy"), None)
+    if given is None and len(call.args) >= 3:
+        given = call.args[2]
+    if given is None:
+        return "ddp"
+    return given.value if isinstance(given, ast.Constant) else None
+
+
 def _rewrite_names(tree, code, aliases, helpers) -> list:
     edits = []
     for node in ast.walk(tree):
@@ -212,6 +274,9 @@ def _rewrite_names(tree, code, aliases, helpers) -> list:
             # Ray Train hands the config to train_loop_per_worker: the loop's argument
             # (a sweep trial's config was pushed whole, under rtnb's name for it).
             edits.append((node, _GET_CONFIG))
+        elif isinstance(node, ast.Attribute) and _is_rtnb(node, aliases, "get_checkpoint"):
+            edits.append((node, _GET_CHECKPOINT))
+            helpers.add(_GET_CHECKPOINT)
         elif isinstance(node, ast.Attribute) and _is_rtnb(node, aliases):
             if node.attr in _RAY_NAMES:
                 edits.append((node, _RAY_NAMES[node.attr]))
@@ -429,8 +494,11 @@ train_loop_per_worker; the values pushed from the notebook are its loop_config.
 
 As in Ray Train, ray.train.get_checkpoint() is the checkpoint a run was restored
 from (None on a fresh start), not the latest one an earlier cell saved as in rtnb.
+With --resume-from CHECKPOINT (a folder or URI, e.g. one of the notebook's run's
+checkpoints/step-...), the cells' get_checkpoint() starts from that one instead.
 """
 
+import argparse
 import os
 
 import ray.train
@@ -485,8 +553,12 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {inputs_name!
 # Under torchrun the processes are torchrun's: Ray Train then runs in its local mode
 # (num_workers=0) and takes the rank and world size from torchrun's environment.
 UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+RESUME_FROM = None
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--resume-from", help="a checkpoint folder or URI to start from")
+    RESUME_FROM = parser.parse_known_args()[0].resume_from
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={config_text},

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rtnb.core._config import SessionConfig
+from rtnb.core._context import set_notebook_checkpoints
 from rtnb.core._output import OutputSink
 from rtnb.core._redact import redact_uri
 from rtnb.core._values import PerRank
@@ -47,7 +49,7 @@ from rtnb.driver._startup import StartProgress, StartReport
 from rtnb.driver._state import ACTIVE, GroupState, StateChange
 from rtnb.driver._status import GroupStatus, group_status
 from rtnb.driver._tracking import TrackingFlow
-from rtnb.errors import ConfigError
+from rtnb.errors import ConfigError, SessionError
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import Journal
@@ -56,6 +58,7 @@ from rtnb.storage._rundir import BATCH_RUNS_ENV, RunDirectory
 __all__ = ["ResumePlan", "Session"]
 
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+_STARTS = itertools.count(1)
 
 
 class Session(LiveAPI, RunAPI):
@@ -68,6 +71,8 @@ class Session(LiveAPI, RunAPI):
     ``failure_policy`` decides what follows a rank's death (default: retry
     ``--max-failures`` times).
     """
+
+    is_trial = False  # a sweep's trial, not the notebook's own group (see _sweep_values)
 
     def __init__(
         self,
@@ -199,6 +204,7 @@ class Session(LiveAPI, RunAPI):
         return self
 
     def _prepare_start(self) -> None:
+        self.started_seq = next(_STARTS)  # which session the notebook started last
         self.checkpoints.cleanup_incomplete()
         self._cells.continue_numbers()
         self._tracking.open()
@@ -360,6 +366,22 @@ class Session(LiveAPI, RunAPI):
 def started_sessions() -> list[Session]:
     """The sessions of this process that have a group."""
     return [session for session in list(_LIVE) if session.started]
+
+
+def _notebook_reported_checkpoints(consistency_mode: Any, timeout_s: float | None) -> list:
+    """``rtnb.get_all_reported_checkpoints()`` in the notebook: the checkpoints of the
+    session started last (a sweep's trials aside)."""
+    sessions = [s for s in started_sessions() if not s.is_trial]
+    if not sessions:
+        raise SessionError(
+            "get_all_reported_checkpoints() reads a run's checkpoints: start a session "
+            "first (%rtnb start), or call it in a cell"
+        )
+    latest = max(sessions, key=lambda s: getattr(s, "started_seq", 0))
+    return latest.get_all_reported_checkpoints(consistency_mode, timeout_s)
+
+
+set_notebook_checkpoints(_notebook_reported_checkpoints)
 
 
 def _announce_to_batch_runner(storage: str, run_name: str) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rtnb.core._score import score_rule
 from rtnb.core._text import mean_over_ranks
@@ -12,9 +12,13 @@ from rtnb.driver._export import ExportedScript, export_run
 from rtnb.driver._import import TrainScript, read_train_script
 from rtnb.driver._resume import ResumePlan
 from rtnb.driver._state import GroupState
-from rtnb.errors import ClusterError
+from rtnb.errors import CheckpointError, ClusterError
 from rtnb.storage._checkpoint import Checkpoint
-from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._checkpoints import (
+    CheckpointConsistencyMode,
+    CheckpointStore,
+    ReportedCheckpoint,
+)
 from rtnb.storage._result import Result
 
 if TYPE_CHECKING:
@@ -58,6 +62,19 @@ class RunAPI:
     def list_checkpoints(self, include_incomplete: bool = False, run: str | None = None):
         return self._resume.store(run).list(include_incomplete)
 
+    def get_all_reported_checkpoints(
+        self, consistency_mode: Any = "VALIDATED", timeout_s: float | None = None
+    ) -> list[ReportedCheckpoint]:
+        """Every committed checkpoint of this run, oldest first, with its metrics (the
+        validation's too) and status; ``VALIDATED`` first waits for the validations
+        running now (``rtnb.get_all_reported_checkpoints()`` in the notebook)."""
+        mode = CheckpointConsistencyMode.named(consistency_mode)
+        if mode is CheckpointConsistencyMode.VALIDATED and not self._cells.validations.wait(
+            timeout_s
+        ):
+            raise CheckpointError(f"validations still running after {timeout_s} s")
+        return self.checkpoints.reported()
+
     def prepare_resume(
         self, checkpoint_id: str = "latest", *, run: str | None = None
     ) -> ResumePlan:
@@ -96,7 +113,7 @@ class RunAPI:
             metrics_per_rank=per_rank,
             checkpoint=self.commits.latest(),
             best_checkpoints=[
-                (self.checkpoints.get(c.id), c.metrics) for c in self.checkpoints.list()
+                (self.checkpoints.get(c.id), c.all_metrics) for c in self.checkpoints.list()
             ],
             error=self._cells.last_error,
             run_name=self.run_name,

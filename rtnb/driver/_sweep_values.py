@@ -4,7 +4,6 @@ for sweep.json, the mean of the ranks' results, and which sessions are trials.""
 from __future__ import annotations
 
 import keyword
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,16 +83,13 @@ def mean_of_ranks(per_rank: dict[int, dict[str, float]]) -> dict[str, float]:
 
 
 # ---- small helpers --------------------------------------------------------------------------
-_TRIAL_SESSIONS: weakref.WeakSet = weakref.WeakSet()
-
-
 def mark_trial_session(session) -> None:
     """``session`` runs a sweep's trial, not the notebook's own group."""
-    _TRIAL_SESSIONS.add(session)
+    session.is_trial = True
 
 
 def notebook_sessions() -> list:
     """The sessions of this process that have a group, sweeps' trials left out."""
     from rtnb.driver._session import started_sessions
 
-    return [s for s in started_sessions() if s not in _TRIAL_SESSIONS]
+    return [s for s in started_sessions() if not s.is_trial]

@@ -42,7 +42,7 @@ from rtnb.core._context import current_rank
 from rtnb.errors import CheckpointError
 from rtnb.storage._layout import MANIFEST, state_file, state_file_rank
 
-__all__ = ["MANIFEST", "Checkpoint", "upload_directory"]
+__all__ = ["MANIFEST", "Checkpoint", "describe_in_place", "snapshot", "upload_directory"]
 
 _CHUNK = 4 * 1024 * 1024
 
@@ -69,6 +69,9 @@ class Checkpoint:
         self.filesystem = filesystem
         self.manifest = manifest
         self._temporary = False
+        # A snapshot whose files are hard links to a user's folder: copied into the
+        # run, never linked (the user may rewrite the originals later).
+        self._shares_user_files = False
         # (step, line) the ranks' step count moves to when a cell's
         # get_checkpoint() hands this checkpoint out; set by the driver.
         self.resume: tuple[int, int] | None = None
@@ -125,7 +128,7 @@ class Checkpoint:
                 "be checked; pass trusted=True to load it anyway"
             )
         for entry in self.manifest["files"]:
-            path = posixpath.join(self.path, entry["path"])
+            path = self._path_of(entry)
             if not full and self.is_local and _unchanged_since_commit(path, entry):
                 continue
             problem = _hash_problem(self.filesystem, path, entry)
@@ -138,24 +141,35 @@ class Checkpoint:
             self.verify()
         target = path or tempfile.mkdtemp(prefix="rtnb-ckpt-")
         os.makedirs(target, exist_ok=True)
-        for rel in self._files():
+        if self._placed_elsewhere:
+            sources = [(e["path"], self._path_of(e)) for e in self.manifest["files"]]
+        else:
+            sources = [(rel, posixpath.join(self.path, rel)) for rel in self._files()]
+        for rel, source in sources:
             if rel == MANIFEST:
                 continue
             dest = os.path.join(target, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with (
-                self.filesystem.open_input_stream(posixpath.join(self.path, rel)) as src,
-                open(dest, "wb") as out,
-            ):
+            with self.filesystem.open_input_stream(source) as src, open(dest, "wb") as out:
                 shutil.copyfileobj(src, out, _CHUNK)
         return target
+
+    def _path_of(self, entry: dict) -> str:
+        """Where a manifest entry's file is: in this folder, or in the folder of the
+        run's storage where it was committed in place (``at``: NO_UPLOAD, or where a
+        checkpoint_upload_fn put it)."""
+        return posixpath.join(entry.get("at") or self.path, entry["path"])
+
+    @property
+    def _placed_elsewhere(self) -> bool:
+        return bool(self.manifest) and any("at" in e for e in self.manifest.get("files", ()))
 
     @contextlib.contextmanager
     def as_directory(self, trusted: bool = False) -> Iterator[str]:
         """A local directory with the files: the checkpoint itself when local."""
         if not trusted:
             self.verify()
-        if self.is_local:
+        if self.is_local and not self._placed_elsewhere:
             yield self.path
             return
         folder = self.to_directory(trusted=True)
@@ -340,6 +354,56 @@ def _digest(src, algorithm: str = HASH, copy_to=None) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+def snapshot(source: Checkpoint) -> Checkpoint:
+    """What an upload beside the loop reads: a user's local folder as it is now, so
+    the cell may delete it or save the next checkpoint into a new one as soon as
+    ``report`` returns. Hard links where the disk allows (no bytes copied; a file
+    rewritten *in place* afterwards would still change it), else a local copy. rtnb's
+    own temp files and a folder already in object storage are read where they are."""
+    if source._temporary or not source.is_local:
+        return source
+    folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
+    try:
+        for rel in source._files():
+            src, dst = os.path.join(source.path, rel), os.path.join(folder, rel)
+            if not _link(src, dst):
+                shutil.copy2(src, dst)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    taken = Checkpoint(folder)
+    taken._temporary = taken._shares_user_files = True
+    return taken
+
+
+def describe_in_place(source: Checkpoint, run_fs, dest_path: str) -> list[dict]:
+    """Manifest entries for files committed where they are (``NO_UPLOAD``, or where a
+    ``checkpoint_upload_fn`` put them): hashed where they lie, with ``at`` (their
+    folder) unless that is the checkpoint's own. They must be in the run's storage,
+    which is what readers open; nothing is copied, and rtnb never deletes them."""
+    if type(source.filesystem).__name__ != type(run_fs).__name__:
+        raise CheckpointError(
+            f"a checkpoint committed where it is must be in the run's storage, and "
+            f"{source.uri!r} is not: report it with checkpoint_upload_mode SYNC or ASYNC "
+            "to copy it there"
+        )
+    local = type(run_fs).__name__ == "LocalFileSystem"
+    elsewhere = source.path.rstrip("/") != dest_path.rstrip("/")
+    entries = []
+    for rel in source._files():
+        if rel == MANIFEST:
+            continue
+        full = posixpath.join(source.path, rel)
+        digest, size = _hash(source.filesystem, full)
+        entry: dict[str, Any] = {"path": rel, "size": size, HASH: digest}
+        if elsewhere:
+            entry["at"] = source.path
+        if local:
+            entry["stamp"] = _inode_stamp(full)
+        entries.append(entry)
+    return entries
+
+
 def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
     """Copy ``source``'s files into ``dest_path``, hashing on the way; the file list
     (path, size, hash) for the manifest."""
@@ -368,6 +432,7 @@ def _copy_files(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
         if (
             local_to_local
             and source._temporary
+            and not source._shares_user_files
             and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel))
         ):
             digest, size = _hash(dest_fs, posixpath.join(dest_path, rel))

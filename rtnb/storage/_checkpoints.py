@@ -13,12 +13,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from rtnb.core._config import check_name
 from rtnb.core._messages import CheckpointOffer
 from rtnb.core._redact import redact_uri
-from rtnb.core._text import format_table, mean_over_ranks, to_number
+from rtnb.core._text import enum_member, format_table, mean_over_ranks, to_number
 from rtnb.errors import CheckpointError, one_line
 from rtnb.storage._checkpoint import MANIFEST, Checkpoint
 from rtnb.storage._layout import (
@@ -28,12 +29,15 @@ from rtnb.storage._layout import (
     checkpoint_file,
     checkpoint_index,
     read_run_record,
+    validation_file,
 )
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = [
+    "CheckpointConsistencyMode",
     "CheckpointInfo",
     "CheckpointStore",
+    "ReportedCheckpoint",
     "checkpoint_id",
     "parse_checkpoint_id",
 ]
@@ -79,6 +83,35 @@ class CheckpointInfo:
     ranks: list[int]
     files: list[dict] = field(default_factory=list)
     status: str = "committed"
+    # report(validation=...): {"status": PENDING_VALIDATION | VALIDATED |
+    # VALIDATION_FAILED | VALIDATION_TIMEOUT, "metrics": {...}, "error": "..."}.
+    # The manifest records the request (pending); the result is its own file.
+    validation: dict[str, Any] | None = None
+
+    @property
+    def reported_status(self) -> str:
+        """Ray Train's ``ReportedCheckpointStatus`` name for this checkpoint."""
+        if self.validation is None:
+            return "COMMITTED"
+        return str(self.validation.get("status", "PENDING_VALIDATION"))
+
+    @property
+    def shown_status(self) -> str:
+        """``committed``, with how its validation stands when one was asked for."""
+        if self.validation is None or self.status != "committed":
+            return self.status
+        return {
+            "PENDING_VALIDATION": "committed, validating",
+            "VALIDATED": "committed, validated",
+            "VALIDATION_TIMEOUT": "committed, validation timed out",
+        }.get(self.reported_status, "committed, validation failed")
+
+    @property
+    def all_metrics(self) -> dict[str, Any]:
+        """The reported metrics with the validation's (a validation metric of the
+        same name replaces the reported one)."""
+        extra = (self.validation or {}).get("metrics") or {}
+        return {**self.metrics, **extra}
 
     @property
     def size(self) -> int:
@@ -93,7 +126,7 @@ class CheckpointInfo:
     def table(rows: list[CheckpointInfo]) -> str:
         """``rows`` as an aligned text table: what ``rtnb checkpoints`` prints, and
         ``%rtnb checkpoints`` where no widget can render (papermill, nbclient)."""
-        metrics = sorted({k for c in rows for k in c.metrics})
+        metrics = sorted({k for c in rows for k in c.all_metrics})
         table = [["id", "step", "time", *metrics, "MB", "ranks", "status"]]
         for c in rows:
             table.append(
@@ -103,12 +136,48 @@ class CheckpointInfo:
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time)) if c.time else "-",
                 ]
                 + [
-                    f"{c.metrics[m]:.4g}" if isinstance(c.metrics.get(m), (int, float)) else ""
+                    f"{c.all_metrics[m]:.4g}"
+                    if isinstance(c.all_metrics.get(m), (int, float))
+                    else ""
                     for m in metrics
                 ]
-                + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.status]
+                + [f"{c.size / 1e6:.1f}", ",".join(map(str, c.ranks)), c.shown_status]
             )
         return format_table(table)
+
+
+class CheckpointConsistencyMode(str, Enum):
+    """What :func:`rtnb.get_all_reported_checkpoints` waits for (Ray Train's names):
+    the latest reported checkpoint ``COMMITTED``, or also ``VALIDATED``."""
+
+    COMMITTED = "COMMITTED"
+    VALIDATED = "VALIDATED"
+
+    @classmethod
+    def named(cls, mode: Any) -> CheckpointConsistencyMode:
+        member = enum_member(cls, mode)
+        if member is None:
+            raise CheckpointError(f"consistency_mode={mode!r} is not one of COMMITTED, VALIDATED")
+        return member
+
+    def satisfied_by(self, info: CheckpointInfo | None) -> bool:
+        if info is None:
+            return False
+        return self is CheckpointConsistencyMode.COMMITTED or (
+            info.reported_status != "PENDING_VALIDATION"
+        )
+
+
+@dataclass
+class ReportedCheckpoint:
+    """A committed checkpoint with its metrics (the validation's included) and
+    ``status``: Ray Train's ``ReportedCheckpointStatus`` name (``COMMITTED``,
+    ``PENDING_VALIDATION``, ``VALIDATED``, ``VALIDATION_TIMEOUT``,
+    ``VALIDATION_FAILED``)."""
+
+    checkpoint: Checkpoint
+    metrics: dict[str, Any]
+    status: str
 
 
 class CheckpointStore:
@@ -131,6 +200,8 @@ class CheckpointStore:
         # Ids --keep and delete leave alone besides the newest: the checkpoint the
         # ranks would recover from (a new branch's parent, before it commits).
         self.protected: set[str] = set()
+        # Checkpoints committed with a validation request, for the driver to start.
+        self.validations_due: list[tuple[CheckpointInfo, Any]] = []
 
     @classmethod
     def of_run(cls, storage: str, run: str) -> CheckpointStore:
@@ -161,6 +232,8 @@ class CheckpointStore:
             entry["ranks"][rank] = offer.files
             entry["metrics"][rank] = offer.metrics
             entry["time"] = max(entry["time"], offer.time)
+            if offer.validation is not None:
+                entry["validation"] = offer.validation
 
     def commit_ready(self, last_steps: dict[int, int], expected: set[int]) -> list[CheckpointInfo]:
         """Commit every pending checkpoint whose step all expected ranks have passed
@@ -191,6 +264,7 @@ class CheckpointStore:
         files = []
         for rank, rank_files in sorted(entry["ranks"].items()):
             files.extend({**f, "rank": rank} for f in rank_files)
+        request = entry.get("validation")
         info = CheckpointInfo(
             id=cid,
             step=entry["step"],
@@ -198,6 +272,7 @@ class CheckpointStore:
             metrics=mean,
             ranks=sorted(entry["ranks"]),
             files=files,
+            validation={"status": "PENDING_VALIDATION"} if request is not None else None,
         )
         manifest = checkpoint_file(cid, MANIFEST)
         if cid in self._manifests or self.run_dir.exists(manifest):
@@ -209,6 +284,8 @@ class CheckpointStore:
         # The manifest is written last: its presence is what makes the checkpoint real.
         self.run_dir.write_json(manifest, asdict(info))
         self._manifests[cid] = info
+        if request is not None:
+            self.validations_due.append((info, request))
         try:
             self._index_dirty = True
             if not self._apply_retention() and time.monotonic() - self._index_at >= _INDEX_EVERY_S:
@@ -264,7 +341,43 @@ class CheckpointStore:
                 info = self._manifests[cid] = CheckpointInfo(**record)
             except (FileNotFoundError, OSError, ValueError, TypeError):
                 return None
+        if info.reported_status == "PENDING_VALIDATION":
+            # Its result is written once, by whoever ran the validation: read until then.
+            try:
+                info.validation = self.run_dir.read_json(validation_file(cid))
+            except (FileNotFoundError, OSError, ValueError):
+                pass
         return info
+
+    def info(self, cid: str) -> CheckpointInfo | None:
+        """Checkpoint ``cid``'s row once committed (its validation read again until
+        it is done); None before."""
+        return self._manifest(cid)
+
+    def reported(self) -> list[ReportedCheckpoint]:
+        """Every committed checkpoint, oldest first, as ``get_all_reported_checkpoints``
+        returns them."""
+        return [
+            ReportedCheckpoint(
+                Checkpoint(posixpath.join(self.base, c.id), self.run_dir.fs, asdict(c)),
+                c.all_metrics,
+                c.reported_status,
+            )
+            for c in sorted(self.list(), key=lambda c: (c.time, c.step))
+            if c.status == "committed"
+        ]
+
+    def record_validation(self, cid: str, result: dict[str, Any]) -> None:
+        """Keep a validation's result (status, metrics or error) for checkpoint ``cid``."""
+        self.run_dir.write_json(validation_file(cid), result)
+        info = self._manifests.get(cid)
+        if info is not None:
+            info.validation = result
+        for callback in list(self._subscribers):
+            try:
+                callback(info or self._manifest(cid))
+            except Exception:  # noqa: BLE001
+                pass
 
     def latest(self, line: int | None = None) -> CheckpointInfo | None:
         """The newest committed checkpoint of ``line`` (its highest step), or of the
@@ -348,14 +461,19 @@ class CheckpointStore:
             ranked = sorted(
                 committed,
                 key=lambda c: (
-                    to_number(c.metrics.get(self.score)) is None,
-                    sign * (to_number(c.metrics.get(self.score)) or 0.0),
+                    to_number(c.all_metrics.get(self.score)) is None,
+                    sign * (to_number(c.all_metrics.get(self.score)) or 0.0),
                 ),
             )
         else:
             ranked = sorted(committed, key=lambda c: (-c.time, -c.step))
         keep_ids = {c.id for c in ranked[: self.keep]} | {latest.id} | self.protected
-        doomed = [c for c in committed if c.id not in keep_ids]
+        # A checkpoint still being validated is ranked once its metrics are in.
+        doomed = [
+            c
+            for c in committed
+            if c.id not in keep_ids and c.reported_status != "PENDING_VALIDATION"
+        ]
         for info in doomed:
             self.delete(info.id, _index=False)
         self.write_index()

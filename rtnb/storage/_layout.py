@@ -52,6 +52,7 @@ __all__ = [
     "profile_rank_trace",
     "profile_trace",
     "tensorboard_dir",
+    "validation_file",
     "write_run_record",
 ]
 
@@ -68,6 +69,9 @@ MLFLOW_STORE = "mlflow.db"  # --mlflow without a URI: its SQLite store
 MLFLOW_ARTIFACTS = "mlflow-artifacts"
 NOTEBOOKS = "notebooks"
 PROFILES = "profiles"  # %rtnb profile: each rank's trace and the merged one
+# A checkpoint's validation result (report(validation=...)): apart from the
+# checkpoint's own folder, whose files the manifest fixes once committed.
+VALIDATIONS = "validations"
 _INDEX = "index.json"
 # This machine's copy of the lines a run on object storage writes ahead (under
 # RTNB_HOME): object stores cannot append.
@@ -88,6 +92,10 @@ def checkpoint_dir(checkpoint_id: str) -> str:
 
 def checkpoint_file(checkpoint_id: str, name: str) -> str:
     return posixpath.join(CHECKPOINTS, checkpoint_id, name)
+
+
+def validation_file(checkpoint_id: str) -> str:
+    return posixpath.join(VALIDATIONS, checkpoint_id + ".json")
 
 
 def checkpoint_index() -> str:

@@ -82,6 +82,12 @@ class RunDirectory:
         self._write_atomically(target, data)
         return self.shown(name)
 
+    def location_of(self, name: str) -> str:
+        """The URI or path of ``name`` in this run that reopens it (with the storage's
+        query, credentials included): for a user's upload function, never shown."""
+        base, _, query = self._uri.partition("?")
+        return f"{base}/{name}" + (f"?{query}" if query else "")
+
     def shown(self, name: str) -> str:
         """The URI or path of ``name`` in this run, as messages show it (masked)."""
         base, _, query = self.uri.partition("?")

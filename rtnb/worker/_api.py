@@ -12,12 +12,13 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from rtnb.core._context import CONFIG_NAME
-from rtnb.core._messages import SAVE_TRIGGER
+from rtnb.core._context import CONFIG_NAME, notebook_checkpoints
+from rtnb.core._messages import SAVE_TRIGGER, ValidationRequest
 from rtnb.core._reports import portable_metric
 from rtnb.errors import ConfigError, RtnbError, SessionError
 from rtnb.worker import _runtime as _rank
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
+from rtnb.worker._uploads import CheckpointUploadMode, SaveOptions
 
 __all__ = [
     "breakpoint",
@@ -162,18 +163,39 @@ def report(
     pass one (or a ``"step"`` metric). An interrupted cell stops here, at the same
     step on every rank.
 
-    Ray Train 2.60's ``checkpoint_upload_mode`` (``SYNC`` or ``ASYNC``: a folder of
-    yours is copied to the run before ``report`` returns either way) and
-    ``delete_local_checkpoint_after_upload`` (default: with ``ASYNC``) are taken, so
-    code written for it (Lightning's ``RayTrainReportCallback``) runs as it is;
-    ``NO_UPLOAD``, ``checkpoint_upload_fn`` and ``validation`` are refused in one line.
+    ``checkpoint_upload_mode`` as Ray Train 2.60's: ``SYNC`` (the default for a
+    folder of yours) copies it into the run before returning; ``ASYNC`` (the default
+    for ``Checkpoint.from_state``) snapshots it and returns at once, the copy landing
+    beside the loop, at most ``RTNB_UPLOADS_IN_FLIGHT`` (2) at a time before a
+    report waits; the cell's end waits for what is in flight.
+    ``delete_local_checkpoint_after_upload`` (default: with ``ASYNC``) removes your
+    folder. ``NO_UPLOAD`` commits the folder where it is (it must be in the run's
+    storage); ``checkpoint_upload_fn(checkpoint, destination) -> Checkpoint`` writes
+    the files itself (``destination``: the checkpoint's folder in the run, as a URI
+    that reopens it); rtnb hashes what it returns and commits it the same way.
+
+    ``validation``: a function ``fn(checkpoint, **kwargs) -> dict`` (or Ray Train's
+    ``ValidationConfig(fn, task_config, ray_remote_kwargs)``) run as its own Ray task
+    on the checkpoint once it is committed, not on a rank; its metrics join the
+    checkpoint's in the browser, the ``Result`` and
+    :func:`get_all_reported_checkpoints`.
+
+    In [1]: %%rtrain
+       ...: rtnb.report({"loss": 0.1}, checkpoint=rtnb.Checkpoint.from_state(state),
+       ...:             checkpoint_upload_mode="ASYNC")
     """
-    if checkpoint_upload_mode is not None or checkpoint_upload_fn is not None or validation:
-        delete_local_checkpoint_after_upload = _upload_options(
+    options = None
+    if (
+        checkpoint_upload_mode is not None
+        or checkpoint_upload_fn is not None
+        or (validation is not None and validation is not False)
+    ):
+        options, delete_local_checkpoint_after_upload = _save_options(
             checkpoint_upload_mode,
             delete_local_checkpoint_after_upload,
             checkpoint_upload_fn,
             validation,
+            checkpoint,
         )
     runtime = _rank._CURRENT
     if checkpoint is None and step is None and runtime is not None:
@@ -201,33 +223,59 @@ def report(
             name: portable_metric(value) if hasattr(value, "item") else value
             for name, value in metrics.items()
         }
-    runtime.report(metrics, step, checkpoint)
+    runtime.report(metrics, step, checkpoint, options)
     if delete_local_checkpoint_after_upload and checkpoint is not None:
         folder = getattr(checkpoint, "path", None)
         if folder and not getattr(checkpoint, "_temporary", False):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _upload_options(mode: Any, delete: bool | None, upload_fn: Any, validation: Any) -> bool:
-    """Whether to delete the local folder after its upload; one line for what rtnb
-    does not do yet."""
-    name = str(getattr(mode, "value", mode) or "SYNC").upper()
-    if name not in ("SYNC", "ASYNC"):
+def _save_options(
+    mode: Any, delete: bool | None, upload_fn: Any, validation: Any, checkpoint: Any
+) -> tuple[SaveOptions, bool]:
+    """How report() saves ``checkpoint``, and whether it deletes the local folder
+    after its upload; one line for what it cannot take."""
+    try:
+        chosen = CheckpointUploadMode.named(mode) if mode is not None else None
+    except ValueError as exc:
+        raise ConfigError(f"report({exc})") from None
+    if upload_fn is not None and not callable(upload_fn):
         raise ConfigError(
-            f"report(checkpoint_upload_mode={name}) is not supported: rtnb copies a "
-            "checkpoint into the run to commit it; use SYNC or ASYNC"
+            "report(checkpoint_upload_fn=...) takes a function "
+            f"fn(checkpoint, destination) -> Checkpoint, got {type(upload_fn).__name__}"
         )
-    if upload_fn is not None:
+    request = None
+    if validation is not None and validation is not False:
+        request = _validation_request(validation, checkpoint)
+    if delete is None:
+        delete = chosen is not None and chosen.default_delete_local_checkpoint_after_upload()
+    if chosen is CheckpointUploadMode.NO_UPLOAD and upload_fn is None:
+        delete = False  # the folder is the checkpoint
+    return SaveOptions(chosen, upload_fn, request), bool(delete)
+
+
+def _validation_request(validation: Any, checkpoint: Any) -> ValidationRequest:
+    """``validation`` as report() takes it: a function, Ray Train's ValidationConfig
+    (its ``fn``, ``task_config`` and ``ray_remote_kwargs``); one line otherwise."""
+    if checkpoint is None:
         raise ConfigError(
-            "report(checkpoint_upload_fn=...) is not supported: rtnb uploads the "
-            "checkpoint's folder itself; leave it out"
+            "report(validation=...) validates the checkpoint reported with it: pass checkpoint="
         )
-    if validation:
+    fn, kwargs, timeout_s, remote = validation, {}, None, {}
+    if hasattr(validation, "fn") and not callable(validation):
+        task = getattr(validation, "task_config", None)
+        fn = validation.fn
+        kwargs = dict(getattr(task, "fn_kwargs", None) or {})
+        timeout_s = getattr(task, "timeout_s", None)
+        remote = dict(getattr(validation, "ray_remote_kwargs", None) or {})
+    if not callable(fn):
         raise ConfigError(
-            "report(validation=...) is not supported: run the validation in the cell "
-            "and report its metrics"
+            f"report(validation=...) takes a function fn(checkpoint, **kwargs) -> dict or "
+            f"ray.train.ValidationConfig(fn), got {type(validation).__name__}"
         )
-    return name == "ASYNC" if delete is None else bool(delete)
+    from ray import cloudpickle
+
+    return ValidationRequest(cloudpickle.dumps(fn), kwargs, timeout_s, remote)
 
 
 report_in_python = report
@@ -261,6 +309,31 @@ def get_dataset_shard(name: str):
             f"pass it with %rtnb datasets {name}=DATASET or %%rtrain --datasets {name}=DATASET"
         )
     return shard
+
+
+def get_all_reported_checkpoints(
+    consistency_mode: Any = "VALIDATED", timeout_s: float | None = None
+) -> list:
+    """Every committed checkpoint of the run so far, oldest first, each a
+    ``ReportedCheckpoint(checkpoint, metrics, status)`` (as Ray Train's). In a cell
+    it first waits until the last checkpoint this rank reported is ``COMMITTED``, or
+    also ``VALIDATED`` (the default); in the notebook it waits for the validations
+    still running. ``timeout_s``: give up with one line after that long.
+
+    In [1]: %%rtrain
+       ...: for reported in rtnb.get_all_reported_checkpoints():
+       ...:     print(reported.checkpoint.id, reported.status, reported.metrics)
+    """
+    runtime = current_runtime()
+    if runtime is None:
+        reader = notebook_checkpoints()
+        if reader is None:
+            raise SessionError(
+                "get_all_reported_checkpoints() reads a run's checkpoints: start a session "
+                "first (%rtnb start), or call it in a cell"
+            )
+        return reader(consistency_mode, timeout_s)
+    return runtime.reported_checkpoints(consistency_mode, timeout_s)
 
 
 def get_checkpoint():
@@ -311,8 +384,7 @@ def _fully_shard(model, kwargs: dict):
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch before FSDP2
         raise RtnbError(
-            "parallel_strategy 'fsdp' needs torch.distributed.fsdp.fully_shard (torch 2.6 "
-            "or later)"
+            "parallel_strategy 'fsdp' needs torch.distributed.fsdp.fully_shard (torch 2.6 or later)"
         ) from None
     if "mesh" not in kwargs:
         from torch.distributed.device_mesh import init_device_mesh

@@ -48,6 +48,13 @@ from rtnb.worker._debug import (
     stdlib_set_trace,
     where_in_traceback,
 )
+from rtnb.worker._uploads import (
+    CheckpointUploadMode,
+    CheckpointUploads,
+    SaveOptions,
+    Upload,
+    limit_from_env,
+)
 
 __all__ = [
     "CellStopped",
@@ -213,12 +220,14 @@ class RankRuntime:
         self._loaded_checkpoint: str | None = None
         self._replay = False
         self._cached_cells: deque[str] = deque()
-        # A checkpoint of rtnb's own temp files uploads in the background while the
-        # cell goes on; its report is published once the files are in storage.
-        self._upload: threading.Thread | None = None
+        # Checkpoints uploading beside the loop (ASYNC, and rtnb's own temp files);
+        # an upload's error other than storage's is raised at the next report.
+        self._uploads = CheckpointUploads(
+            self._cond, self._upload_landed, self._upload_failed, limit_from_env()
+        )
         self._upload_error: BaseException | None = None
         self._storage_error: str | None = None  # set by a failed checkpoint write
-        self._in_flight_step: int | None = None  # guarded by _cond
+        self._reported_checkpoint: str | None = None  # the id of the last one reported
         # Cell state, guarded by _cond.
         self._cell_id: int | None = None
         # The last dispatch token started: a cell relayed through rank 0 may also
@@ -384,7 +393,7 @@ class RankRuntime:
                 sys.breakpointhook = hook
             # A cell ends only once its last checkpoint is in storage and offered.
             try:
-                self._finish_upload()
+                self._finish_uploads()
             except BaseException as exc:  # noqa: BLE001 - the upload's own error
                 if state is CellState.DONE:
                     state = CellState.ERROR
@@ -514,15 +523,21 @@ class RankRuntime:
             update.controls_applied, self._applied = self._applied, []
         return update, reports
 
+    def _committable_step_locked(self) -> int:
+        oldest = self._uploads.lowest_step()
+        return self.step if oldest is None else min(self.step, oldest - 1)
+
     def _update_locked(self, output: list, checkpoints: list) -> RankUpdate:
         return RankUpdate(
             rank=self.context.world_rank,
             cell=self._cell_id,
             state=self._state,
             # The driver commits a step once every rank has passed it, so a step
-            # whose files are still uploading is not passed yet. ``step`` and
-            # ``_in_flight_step`` only change together, under this lock.
-            step=self.step if self._in_flight_step is None else self._in_flight_step - 1,
+            # whose files are still uploading is not passed yet. ``step`` and the
+            # uploads in flight only change together, under this lock.
+            step=self._committable_step_locked(),
+            uploading=self._uploads.steps(),
+            upload_waited_s=self._uploads.waited_s,
             paused_at=self._paused_at,
             output=output,
             checkpoints=checkpoints,
@@ -552,12 +567,7 @@ class RankRuntime:
         """``rtnb.report(metrics)``: no checkpoint, rtnb counts the step. The hot
         path of a fast loop: one plain lock, no Condition; the poll thread is woken
         only by a batch's first report."""
-        if (
-            self._upload is None
-            and self._upload_error is None
-            and not self._replay
-            and not self._due
-        ):
+        if self._upload_error is None and not self._replay and not self._due:
             self._add_plain(self.step + 1, metrics)
         else:
             self.report(metrics)
@@ -585,14 +595,23 @@ class RankRuntime:
             if self._stop_requested:
                 self._stop_at_boundary_locked()
 
-    def report(self, metrics: dict, step: int | None = None, checkpoint=None) -> int:
+    def report(
+        self,
+        metrics: dict,
+        step: int | None = None,
+        checkpoint=None,
+        options: SaveOptions | None = None,
+    ) -> int:
         """Record one report; it is also where a requested stop takes effect.
 
         A checkpoint's files are uploaded to the run directory (this rank's part
         only); the driver commits the checkpoint once every rank has reported this
-        step. Files only rtnb holds (``Checkpoint.from_state``) upload in the
-        background while the cell goes on: the next report, a stop, or the cell's end
-        waits for them first, and the report is only published once they landed.
+        step. ``SYNC`` copies before returning; ``ASYNC`` (the default for files only
+        rtnb holds, ``Checkpoint.from_state``) queues a snapshot and returns, the
+        copy landing beside the loop (see rtnb.worker._uploads); the cell's end and a
+        stop wait for what is in flight. ``NO_UPLOAD`` and a ``checkpoint_upload_fn``
+        commit the files where they are (see ``describe_in_place``); a validation
+        request goes with the files' offer.
         """
         step = int(step) if step is not None else self.step + 1
         if self._due:
@@ -600,19 +619,14 @@ class RankRuntime:
         profiler = self._profiler
         if profiler is not None:
             with profiler.record("rtnb.report"):
-                return self._report(metrics, step, checkpoint)
-        return self._report(metrics, step, checkpoint)
+                return self._report(metrics, step, checkpoint, options)
+        return self._report(metrics, step, checkpoint, options)
 
-    def _report(self, metrics: dict, step: int, checkpoint) -> int:
-        if (
-            checkpoint is None
-            and self._upload is None
-            and self._upload_error is None
-            and not self._replay
-        ):
+    def _report(self, metrics: dict, step: int, checkpoint, options=None) -> int:
+        if checkpoint is None and self._upload_error is None and not self._replay:
             self._add_plain(step, metrics)
             return step
-        self._finish_upload()
+        self._raise_upload_error()
         when = time.time()
         if checkpoint is not None and self._storage_error is not None:
             # Storage refused this rank's last files: write no more until the stop.
@@ -629,67 +643,78 @@ class RankRuntime:
                 if self._stop_requested:
                     self._stop_at_boundary_locked()
             return self.step
-        if checkpoint is not None and getattr(checkpoint, "_temporary", False):
-            target = self._checkpoint_target(step, checkpoint)
-            with self._cond:
-                # Both at once: a poll must never see the step without knowing
-                # that its files are still on their way.
-                self.step = step
-                self._in_flight_step = step
-            self._upload = threading.Thread(
-                target=self._upload_in_background,
-                args=(step, when, metrics, target),
-                name="rtnb-upload",
-                daemon=True,
-            )
-            self._upload.start()
-            with self._cond:
-                stopping = self._stop_requested
-            if stopping:
-                self._finish_upload()
-                with self._cond:
-                    self._stop_at_boundary_locked()
-            return self.step
+        options = options or SaveOptions()
+        if checkpoint is not None and options.mode_for(checkpoint) is CheckpointUploadMode.ASYNC:
+            return self._queue_upload(metrics, step, when, checkpoint, options)
         files = None
         if checkpoint is not None:
             try:
-                files = self._upload_checkpoint(step, checkpoint)
+                files = self._place(*self._checkpoint_target(step, checkpoint), options)
             except OSError as exc:  # pyarrow's I/O errors are OSErrors too
                 self._storage_failed(step, exc)
         with self._cond:
             # The step and its checkpoint offer are published together: a poll in
             # between would let the driver commit this step without this rank's files.
             self.step = step
-            self._publish_locked(step, when, metrics, files)
+            self._publish_locked(step, when, metrics, files, options.validation)
             if self._stop_requested:
                 self._stop_at_boundary_locked()
         return self.step
 
-    def _publish_locked(self, step: int, when: float, metrics: dict, files) -> None:
+    def _publish_locked(
+        self, step: int, when: float, metrics: dict, files, validation=None
+    ) -> None:
         with self._reports_lock:
             self._reports.add(step, when, metrics)
         if files is not None:
-            self._checkpoints.append(CheckpointOffer(step, when, metrics, files, self.line))
+            self._checkpoints.append(
+                CheckpointOffer(step, when, metrics, files, self.line, validation)
+            )
         if len(self._reports) == 1:
             self._cond.notify_all()
 
-    def _upload_in_background(self, step: int, when: float, metrics: dict, target) -> None:
-        from rtnb.storage._checkpoint import upload_directory
+    def _queue_upload(
+        self, metrics: dict, step: int, when: float, checkpoint, options: SaveOptions
+    ) -> int:
+        """Queue ``checkpoint`` for the upload thread and go on: its metrics are
+        published now, its files offered once they landed."""
+        from rtnb.storage._checkpoint import snapshot
 
-        files = None
-        try:
-            files = upload_directory(*target)
-        except OSError as exc:  # pyarrow's I/O errors are OSErrors too
-            self._storage_failed(step, exc)
-        except BaseException as exc:  # noqa: BLE001 - raised in the cell at its next report
+        source, dest_fs, dest_path, dest_uri = self._checkpoint_target(step, checkpoint)
+        # Taken now: the cell may delete or reuse its folder once report returns.
+        source = snapshot(source)
+        upload = Upload(
+            step,
+            when,
+            metrics,
+            self.line,
+            copy=lambda: self._place(source, dest_fs, dest_path, dest_uri, options),
+            after=source.discard,
+            validation=options.validation,
+        )
+        with self._cond:
+            self._uploads.add(upload, stopping=lambda: self._stop_requested)
+            # With the upload queued: a poll never sees the step without knowing
+            # that its files are still on their way.
+            self.step = step
+            self._publish_locked(step, when, metrics, None)
+            if self._stop_requested:
+                self._stop_at_boundary_locked()
+        return self.step
+
+    def _upload_landed(self, upload: Upload, files: list[dict]) -> None:
+        self._checkpoints.append(
+            CheckpointOffer(
+                upload.step, upload.when, upload.metrics, files, upload.line, upload.validation
+            )
+        )
+
+    def _upload_failed(self, upload: Upload, exc: BaseException) -> None:
+        if isinstance(exc, OSError):  # pyarrow's I/O errors are OSErrors too
+            self._storage_failed(upload.step, exc)
+            self._uploads.drop()
+        else:
             self._upload_error = exc
-        finally:
-            with self._cond:
-                if files is not None or self._storage_error is not None:
-                    # A step whose files storage refused still has its metrics.
-                    self._publish_locked(step, when, metrics, files)
-                self._in_flight_step = None
-                self._cond.notify_all()
 
     def _storage_failed(self, step: int, exc: BaseException) -> None:
         """This rank's checkpoint files for ``step`` could not be written: say so in
@@ -713,20 +738,70 @@ class RankRuntime:
             self._stop_wanted = self._stop_requested = True
             self._cond.notify_all()
 
-    def _finish_upload(self) -> None:
-        """Wait for the background upload, if any; raise its error in the cell."""
-        upload, self._upload = self._upload, None
-        if upload is not None:
-            upload.join()
+    def reported_checkpoints(self, mode: Any, timeout_s: float | None = None) -> list:
+        """Every committed checkpoint of the run, once the last one this rank reported
+        is committed (and validated, with ``VALIDATED``); a stop ends the wait."""
+        from rtnb.errors import CheckpointError
+        from rtnb.storage._checkpoints import CheckpointConsistencyMode, CheckpointStore
+
+        mode = CheckpointConsistencyMode.named(mode)
+        self._finish_uploads()
+        store = CheckpointStore(self._run_directory())
+        waited = self._reported_checkpoint
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while waited is not None and not mode.satisfied_by(store.info(waited)):
+            if deadline is not None and time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"checkpoint {waited} was not {mode.value.lower()} within {timeout_s} s"
+                )
+            with self._cond:
+                if self._stop_requested:
+                    self._stop_at_boundary_locked()
+                self._cond.wait(0.1)
+        return store.reported()
+
+    def _finish_uploads(self) -> None:
+        """Wait for every checkpoint in flight; raise an upload's error in the cell.
+
+        A stop's interrupt does not end the wait: the files in flight land first,
+        unless the stop's grace runs out and the group is removed (the driver then
+        says which were dropped)."""
+        with self._cond:
+            while True:
+                try:
+                    self._uploads.drain()
+                    break
+                except (CellStopped, DebugStopped):
+                    continue
+        self._raise_upload_error()
+
+    def _raise_upload_error(self) -> None:
         error, self._upload_error = self._upload_error, None
         if error is not None:
             raise error
 
-    def _upload_checkpoint(self, step: int, checkpoint) -> list:
-        from rtnb.storage._checkpoint import upload_directory
+    @staticmethod
+    def _place(source, dest_fs, dest_path: str, dest_uri: str, options: SaveOptions) -> list:
+        """Put ``source``'s files in the run as ``options`` say: rtnb's copy, the
+        user's upload function, or where they are (NO_UPLOAD); their manifest entries."""
+        from rtnb.storage._checkpoint import Checkpoint, describe_in_place, upload_directory
 
-        checkpoint, dest_fs, dest_path = self._checkpoint_target(step, checkpoint)
-        return upload_directory(checkpoint, dest_fs, dest_path)
+        if options.upload_fn is None and options.mode is not CheckpointUploadMode.NO_UPLOAD:
+            return upload_directory(source, dest_fs, dest_path)
+        placed = source
+        try:
+            if options.upload_fn is not None:
+                placed = options.upload_fn(source, dest_uri)
+                if not hasattr(placed, "path"):
+                    raise TypeError(
+                        "checkpoint_upload_fn(checkpoint, destination) returns the Checkpoint "
+                        f"it wrote, got {type(placed).__name__}"
+                    )
+                placed = Checkpoint(placed.path, getattr(placed, "filesystem", None))
+            return describe_in_place(placed, dest_fs, dest_path)
+        finally:
+            if placed is not source:
+                source.discard()  # rtnb's own temp copy or snapshot, once placed
 
     def _checkpoint_target(self, step: int, checkpoint):
         """Where ``checkpoint``'s files go for ``step``; refuses a committed id at once."""
@@ -744,7 +819,9 @@ class RankRuntime:
             raise CheckpointError(
                 f"checkpoint {cid} is already committed; report the new checkpoint with a later step"
             )
-        return checkpoint, run_dir.fs, f"{run_dir.path}/{checkpoint_dir(cid)}"
+        self._reported_checkpoint = cid
+        folder = checkpoint_dir(cid)
+        return checkpoint, run_dir.fs, f"{run_dir.path}/{folder}", run_dir.location_of(folder)
 
     def _stop_at_boundary_locked(self) -> None:
         if self._holding:
