@@ -148,3 +148,24 @@ def test_a_rank_killed_mid_upload_leaves_nothing_listed_and_the_cell_goes_on_fro
         ], listed
         for info in listed:
             session.checkpoints.get(info.id).verify(full=True)
+
+
+def test_a_stop_whose_grace_ends_with_uploads_in_flight_says_what_it_dropped(ray_cluster, slow_s3):
+    storage, link = slow_s3
+    with _session(storage, "dropped", stop_grace_s=1.0) as session:
+        session.run("SAVE_AT = (10, 20)")
+        link.hold()
+        lines: list[str] = []
+        reached = _reached(session, 39)
+        handle = session.run_background(LOOP, output=lambda rank, stream, text: lines.append(text))
+        assert reached.wait(120) and link.crawling.is_set()
+        # The ranks wait for their uploads at the cell's end, past a stop's interrupt:
+        # the stop's grace runs out and the group is rebuilt.
+        handle.stop()
+        with pytest.raises(rtnb.RtnbError) as ended:
+            handle.wait(120)
+        assert "rebuilt with fresh ranks" in str(ended.value), ended.value
+        said = [line for line in lines if "dropped" in line]
+        assert said and "step 10, 20" in said[0], lines
+        link.release()
+        assert session.list_checkpoints() == []
