@@ -76,7 +76,9 @@ def train_loop(config: dict) -> None:
             torch.save({"model": model.state_dict(), "blob": blob}, f"{folder}/rank{rank}.pt")
             checkpoint = Checkpoint.from_directory(folder)
             kwargs = {"checkpoint_upload_mode": ray.train.CheckpointUploadMode[mode]}
-        ray.train.report({"loss": loss.item(), "step": step}, checkpoint=checkpoint, **kwargs)
+        # Steps go on across the modes run in one rtnb session (a checkpoint id is a step).
+        metrics = {"loss": loss.item(), "step": config["first_step"] + step}
+        ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
     loop_s = time.perf_counter() - started
     with open(os.path.join(config["out"], f"{mode}-rank{rank}.json"), "w") as out:
         json.dump({"loop_s": loop_s, "end": time.time()}, out)
@@ -85,6 +87,7 @@ def train_loop(config: dict) -> None:
 def _config(args, mode: str, out: str) -> dict:
     return {
         "mode": mode,
+        "first_step": MODES.index(mode) * args.steps,
         "mb": args.mb,
         "steps": args.steps,
         "every": args.every,
