@@ -376,6 +376,32 @@ def test_a_users_directory_is_copied_so_rewriting_it_keeps_the_checkpoint(sessio
     assert saved == [1, 2], "each checkpoint holds what was saved when it was reported"
 
 
+def test_an_async_folder_kept_and_rewritten_in_place_keeps_each_checkpoint(session, tmp_path):
+    # ASYNC with the folder kept (delete_local_checkpoint_after_upload=False): the
+    # (--keep 2 keeps the lowest losses and the latest: all three.)
+    # upload runs after report returned, while the loop already rewrote the file.
+    own = tmp_path / "kept"
+    value = session.run(
+        "import os, rtnb, torch\n"
+        f"own = {str(own)!r} + str(rtnb.get_context().get_world_rank())\n"
+        "os.makedirs(own, exist_ok=True)\n"
+        "for i in range(11, 14):\n"
+        "    torch.save({'i': i}, os.path.join(own, 'model.pt'))\n"
+        "    rtnb.report({'loss': float(i)}, step=i, checkpoint=rtnb.Checkpoint.from_directory(own),\n"
+        "                checkpoint_upload_mode='ASYNC', delete_local_checkpoint_after_upload=False)\n"
+        "os.path.exists(os.path.join(own, 'model.pt'))"
+    )
+    assert dict(value) == {0: True, 1: True}, "the folder was kept"
+    saved = {}
+    for info in session.list_checkpoints():
+        if info.step >= 11:
+            checkpoint = session.checkpoints.get(info.id)
+            checkpoint.verify(full=True)
+            with checkpoint.as_directory() as folder:
+                saved[info.step] = torch.load(os.path.join(folder, "model.pt"))["i"]
+    assert saved == {11: 11, 12: 12, 13: 13}, "each holds what was saved when it was reported"
+
+
 def test_manifests_hashed_with_sha256_still_verify(tmp_path):
     import hashlib
 

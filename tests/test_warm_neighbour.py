@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,38 +63,82 @@ def _fresh_tmp_keeping(paths: list[str]) -> str:
     return " && ".join(steps)
 
 
+class NeighbourScenario:
+    """tests/_neighbour.py in its own PID and mount namespace, started at once and
+    read when a test needs its results. It shares nothing with the test session (its
+    own /tmp, HOME and Ray), so it may run beside other tests: most of its two
+    minutes is waiting on the processes it starts (tests/conftest.py starts it early,
+    beside the Ray-lost runs, which mostly wait too)."""
+
+    def __init__(self) -> None:
+        self.why_not = (
+            ""
+            if _namespace_works()
+            else ("unshare cannot make a PID and mount namespace here (needs root)")
+        )
+        self._proc: subprocess.Popen | None = None
+        self._results: dict | None = None
+        if self.why_not:
+            return
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RTNB_"))
+        }
+        env.update(
+            HOME="/tmp/home",
+            RTNB_HOME="/tmp/rtnb-home",
+            NEIGHBOUR_WORK="/tmp/work",
+            RTNB_WARM_RAY_IDLE_S="120",
+            RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1",
+            PYTHONPATH=str(SCENARIO.parent.parent),
+        )
+        script = (
+            _fresh_tmp_keeping(_needed_under_tmp())
+            + " && mkdir -p /tmp/home /tmp/work && "
+            + f'exec "{sys.executable}" "{SCENARIO}"'
+        )
+        # Files, not pipes: nobody reads a pipe while other tests run.
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+            stdout=self._out,
+            stderr=self._err,
+            text=True,
+            env=env,
+        )
+
+    def results(self) -> dict:
+        if self.why_not:
+            missing(self.why_not)
+        if self._results is None:
+            assert self._proc is not None
+            try:
+                self._proc.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            stdout, stderr = (_read_all(f) for f in (self._out, self._err))
+            line = next((x for x in stdout.splitlines() if x.startswith("RESULTS ")), None)
+            assert line is not None, stdout[-3000:] + stderr[-3000:]
+            self._results = json.loads(line[len("RESULTS ") :])
+        return self._results
+
+    def close(self) -> None:
+        # Killing the namespace's first process ends every process in it.
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _read_all(file) -> str:
+    file.seek(0)
+    return file.read()
+
+
 @pytest.fixture(scope="module")
-def results() -> dict:
-    if not _namespace_works():
-        missing("unshare cannot make a PID and mount namespace here (needs root)")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RTNB_"))
-    }
-    env.update(
-        HOME="/tmp/home",
-        RTNB_HOME="/tmp/rtnb-home",
-        NEIGHBOUR_WORK="/tmp/work",
-        RTNB_WARM_RAY_IDLE_S="120",
-        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1",
-        PYTHONPATH=str(SCENARIO.parent.parent),
-    )
-    script = (
-        _fresh_tmp_keeping(_needed_under_tmp())
-        + " && mkdir -p /tmp/home /tmp/work && "
-        + f'exec "{sys.executable}" "{SCENARIO}"'
-    )
-    out = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULTS ")), None)
-    assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
-    return json.loads(line[len("RESULTS ") :])
+def results(neighbour_scenario) -> dict:
+    return neighbour_scenario.results()
 
 
 def test_without_a_user_cluster_ray_finds_nothing_at_once(results):

@@ -69,9 +69,6 @@ class Checkpoint:
         self.filesystem = filesystem
         self.manifest = manifest
         self._temporary = False
-        # A snapshot whose files are hard links to a user's folder: copied into the
-        # run, never linked (the user may rewrite the originals later).
-        self._shares_user_files = False
         # (step, line) the ranks' step count moves to when a cell's
         # get_checkpoint() hands this checkpoint out; set by the driver.
         self.resume: tuple[int, int] | None = None
@@ -354,25 +351,29 @@ def _digest(src, algorithm: str = HASH, copy_to=None) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def snapshot(source: Checkpoint) -> Checkpoint:
+def snapshot(source: Checkpoint, given_up: bool = False) -> Checkpoint:
     """What an upload beside the loop reads: a user's local folder as it is now, so
-    the cell may delete it or save the next checkpoint into a new one as soon as
-    ``report`` returns. Hard links where the disk allows (no bytes copied; a file
-    rewritten *in place* afterwards would still change it), else a local copy. rtnb's
-    own temp files and a folder already in object storage are read where they are."""
+    the cell may delete it or save the next checkpoint into it as soon as ``report``
+    returns. ``given_up`` (``delete_local_checkpoint_after_upload``, the default with
+    ``ASYNC``): the folder is removed once reported, so hard links keep its files
+    for rtnb alone (no byte copied, and they may be linked into a run on the same
+    disk, as ``from_state``'s are). Otherwise a copy on local disk: ``torch.save`` to
+    the same path rewrites the file in place, which a link would see. rtnb's own
+    temp files and a folder already in object storage are read where they are."""
     if source._temporary or not source.is_local:
         return source
     folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
     try:
         for rel in source._files():
             src, dst = os.path.join(source.path, rel), os.path.join(folder, rel)
-            if not _link(src, dst):
+            if not (given_up and _link(src, dst)):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(src, dst)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     taken = Checkpoint(folder)
-    taken._temporary = taken._shares_user_files = True
+    taken._temporary = True
     return taken
 
 
@@ -432,7 +433,6 @@ def _copy_files(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
         if (
             local_to_local
             and source._temporary
-            and not source._shares_user_files
             and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel))
         ):
             digest, size = _hash(dest_fs, posixpath.join(dest_path, rel))

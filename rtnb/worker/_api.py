@@ -251,7 +251,7 @@ def _save_options(
         delete = chosen is not None and chosen.default_delete_local_checkpoint_after_upload()
     if chosen is CheckpointUploadMode.NO_UPLOAD and upload_fn is None:
         delete = False  # the folder is the checkpoint
-    return SaveOptions(chosen, upload_fn, request), bool(delete)
+    return SaveOptions(chosen, upload_fn, request, bool(delete)), bool(delete)
 
 
 def _validation_request(validation: Any, checkpoint: Any) -> ValidationRequest:

@@ -682,7 +682,7 @@ class RankRuntime:
 
         source, dest_fs, dest_path, dest_uri = self._checkpoint_target(step, checkpoint)
         # Taken now: the cell may delete or reuse its folder once report returns.
-        source = snapshot(source)
+        source = snapshot(source, given_up=options.delete_local)
         upload = Upload(
             step,
             when,

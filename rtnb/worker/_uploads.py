@@ -74,6 +74,8 @@ class SaveOptions:
     mode: CheckpointUploadMode | None = None
     upload_fn: Callable[[Any, str], Any] | None = None
     validation: Any = None
+    # delete_local_checkpoint_after_upload: the user gives the folder up.
+    delete_local: bool = False
 
     def mode_for(self, checkpoint: Any) -> CheckpointUploadMode:
         if self.mode is not None:
