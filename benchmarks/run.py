@@ -449,13 +449,14 @@ def markdown(result: dict) -> str:
         for row in bench["figures"]:
             unit = row["unit"]
             lines.append(
-                f"| {row['benchmark']} | {row['label']} | {row['goal'].replace('<=', '≤').replace('>=', '≥')} "
+                f"| {row['benchmark']}{'*' if 'measured' in bench else ''} | {row['label']} | {row['goal'].replace('<=', '≤').replace('>=', '≥')} "
                 f"| {_fmt(row['min'], unit)} | {_fmt(row['median'], unit)} | {_fmt(row['max'], unit)} "
                 f"| {row['verdict']} |"
             )
         failed = [r["error"] for r in bench["rounds"] if r["error"]]
         if failed:
             lines.append(f"| {bench['benchmark']} | failed: {failed[0][:150]} | | | | | |")
+    lines += _later_runs(result)
     lines += ["", "Peers, as `benchmarks/peers.py` sets them:", ""]
     for bench in result["benchmarks"]:
         lines.append(f"- `{bench['benchmark']}`: {PEERS.get(bench['benchmark'], '')}")
@@ -486,12 +487,34 @@ def readme_markdown(result: dict) -> str:
         first = next((r for r in bench["figures"] if r["verdict"] != ""), None)
         shown += [first] if first else []
     shown += [r for r in judged if r["verdict"] != "MET" and r not in shown]
+    later = {r["benchmark"] for b in result["benchmarks"] if "measured" in b for r in b["figures"]}
     for row in shown:
         goal = row["goal"].replace("<=", "≤").replace(">=", "≥")
+        star = "*" if row["benchmark"] in later else ""
         lines.append(
-            f"| {row['label']} | {_fmt(row['median'], row['unit'])} | {goal} | {row['verdict']} |"
+            f"| {row['label']}{star} | {_fmt(row['median'], row['unit'])} | {goal} | {row['verdict']} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _later_runs(result))
+
+
+def _later_runs(result: dict) -> list[str]:
+    """Where some benchmarks were measured by a later run merged in (``--merge``)."""
+    stamps = {
+        (b["measured"]["date"], b["measured"]["commit"], b["measured"]["rounds"]): b["benchmark"]
+        for b in result["benchmarks"]
+        if "measured" in b
+    }
+    if not stamps:
+        return []
+    lines = [""]
+    for (date, commit, rounds), _ in sorted(stamps.items()):
+        names = ", ".join(
+            f"`{b['benchmark']}`"
+            for b in result["benchmarks"]
+            if b.get("measured", {}).get("commit") == commit and b["measured"]["date"] == date
+        )
+        lines.append(f"\\* {names}: measured later, {date}, commit `{commit}`, {rounds} rounds.")
+    return lines
 
 
 def _replace_between(path: Path, begin: str, end: str, body: str) -> None:
@@ -509,12 +532,30 @@ def write_docs(result: dict) -> None:
     _replace_between(README, README_BEGIN, README_END, readme_markdown(result))
 
 
+def _merged(base: dict, run: dict) -> dict:
+    """``base`` with ``run``'s benchmarks in place of its own (in run.py's order),
+    each stamped with when and at which commit it was measured."""
+    stamp = {"commit": run["commit"], "date": run["date"], "rounds": run["rounds"]}
+    fresh = {b["benchmark"]: {**b, "measured": stamp} for b in run["benchmarks"]}
+    kept = {b["benchmark"]: b for b in base["benchmarks"] if b["benchmark"] not in fresh}
+    every = {**kept, **fresh}
+    base["benchmarks"] = [every[b.name] for b in BENCHMARKS if b.name in every]
+    return base
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of smaller sizes")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     parser.add_argument("--only", default="", help="comma-separated benchmark names")
     parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument(
+        "--merge",
+        default="",
+        metavar="FILE",
+        help="put this run's benchmarks into an earlier --json FILE's result (marked as "
+        "measured later) and write that with --json / --docs",
+    )
     parser.add_argument("--rounds", type=int, default=0, help="override the round count")
     parser.add_argument(
         "--docs",
@@ -585,6 +626,8 @@ def main() -> int:
         "minutes": round(total / 60, 1),
         "benchmarks": report,
     }
+    if args.merge:
+        result = _merged(json.loads(Path(args.merge).read_text()), result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.docs:

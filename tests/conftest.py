@@ -227,17 +227,6 @@ class WorkerNode:
 
 
 @pytest.fixture(scope="session")
-def neighbour_scenario():
-    """tests/test_warm_neighbour.py's scenario, started on first request and read by
-    that module (see NeighbourScenario); ended with the session."""
-    from tests.test_warm_neighbour import NeighbourScenario
-
-    scenario = NeighbourScenario()
-    yield scenario
-    scenario.close()
-
-
-@pytest.fixture(scope="session")
 def ray_head():
     head = HeadNode()
     old = os.environ.get("RAY_ADDRESS")

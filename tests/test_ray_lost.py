@@ -152,15 +152,6 @@ def _env(tmp_path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _neighbour_beside(request):
-    """The warm-neighbour scenario starts beside these runs when it is to run in this
-    session at all: both mostly wait on the processes they start."""
-    names = {item.module.__name__ for item in request.session.items if item.module}
-    if "tests.test_warm_neighbour" in names:
-        request.getfixturevalue("neighbour_scenario")
-
-
-@pytest.fixture(scope="module", autouse=True)
 def host_in_a_kernel(tmp_path_factory):
     """The host's run, in a real kernel, starts with this module and goes on beside
     the other victims' runs: most of it is the wait past Ray's 60 s rule, which

@@ -64,11 +64,9 @@ def _fresh_tmp_keeping(paths: list[str]) -> str:
 
 
 class NeighbourScenario:
-    """tests/_neighbour.py in its own PID and mount namespace, started at once and
-    read when a test needs its results. It shares nothing with the test session (its
-    own /tmp, HOME and Ray), so it may run beside other tests: most of its two
-    minutes is waiting on the processes it starts (tests/conftest.py starts it early,
-    beside the Ray-lost runs, which mostly wait too)."""
+    """tests/_neighbour.py in its own PID and mount namespace. (Started beside the
+    Ray-lost runs, both mostly waiting, a Ray of its own timed out starting on two
+    cores: it runs alone.)"""
 
     def __init__(self) -> None:
         self.why_not = (
@@ -137,8 +135,12 @@ def _read_all(file) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(neighbour_scenario) -> dict:
-    return neighbour_scenario.results()
+def results() -> dict:
+    scenario = NeighbourScenario()
+    try:
+        yield scenario.results()
+    finally:
+        scenario.close()
 
 
 def test_without_a_user_cluster_ray_finds_nothing_at_once(results):

@@ -325,7 +325,7 @@ def get_all_reported_checkpoints(
        ...:     print(reported.checkpoint.id, reported.status, reported.metrics)
     """
     runtime = current_runtime()
-    if runtime is None:
+    if runtime is None or not runtime.in_cell_thread():
         reader = notebook_checkpoints()
         if reader is None:
             raise SessionError(

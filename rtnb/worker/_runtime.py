@@ -1078,6 +1078,11 @@ class RankRuntime:
         said nobody can answer (a batch run)."""
         self.breakpoint_at(sys._getframe(1))
 
+    def in_cell_thread(self) -> bool:
+        """Whether the caller is this rank's running cell (not the kernel's own code
+        beside a local-mode rank)."""
+        return threading.get_ident() == self._cell_thread
+
     def breakpoint_at(self, frame) -> None:
         if (
             threading.get_ident() != self._cell_thread
