@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -145,50 +144,22 @@ def _in_a_jupyter_kernel(tmp_path, victim: str, env: dict[str, str]) -> str:
         kernel.shutdown()
 
 
-def _env(tmp_path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="5")
-    return env
-
-
-@pytest.fixture(scope="module", autouse=True)
-def host_in_a_kernel(tmp_path_factory):
-    """The host's run, in a real kernel, starts with this module and goes on beside
-    the other victims' runs: most of it is the wait past Ray's 60 s rule, which
-    would otherwise be a minute of the suite doing nothing."""
-    tmp_path = tmp_path_factory.mktemp("host-kernel")
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["stdout"] = _in_a_jupyter_kernel(tmp_path, "host", _env(tmp_path))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="host-kernel", daemon=True)
-    thread.start()
-    yield lambda: (thread.join(400), box)
-    thread.join(400)
-
-
 @pytest.mark.parametrize(
-    ("victim", "where"), [("gcs", "process"), ("address", "process"), ("host", "kernel")]
+    ("victim", "where"), [("host", "kernel"), ("gcs", "process"), ("address", "process")]
 )
-def test_the_kernel_outlives_its_ray(tmp_path, victim, where, host_in_a_kernel):
+def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
     """Each victim killed during a foreground cell, then (after an immediate new
     start with --replay) during a background cell, in one kernel or process."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="5")
     if where == "kernel":
-        _, box = host_in_a_kernel()
-        if "error" in box:
-            raise box["error"]
-        assert "stdout" in box, "the kernel's run did not end within 400 s"
-        stdout = box["stdout"]
+        stdout = _in_a_jupyter_kernel(tmp_path, victim, env)
     else:
         proc = subprocess.run(
             [sys.executable, "-c", KERNEL, victim, str(tmp_path)],
             capture_output=True,
             text=True,
-            env=_env(tmp_path),
+            env=env,
             cwd=tmp_path,
             timeout=280,
         )
