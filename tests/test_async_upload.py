@@ -77,7 +77,9 @@ def test_the_loop_runs_on_while_uploads_are_in_flight_and_they_land_in_order(ray
         reached = _reached(session, 39)
         handle = session.run_background(LOOP)
         assert reached.wait(120), "the loop stalled behind its checkpoint uploads"
-        assert link.crawling.is_set(), "no upload was held mid-flight"
+        # The loop can run past step 39 before an upload thread, starved on 2 cores,
+        # sent its first free bytes: wait for the crawl itself.
+        assert link.crawling.wait(60), "no upload was held mid-flight"
         # Both checkpoints are still on their way: not listed, and the cell, whose
         # loop is over, has not ended.
         assert session.list_checkpoints() == []
@@ -132,7 +134,7 @@ def test_a_rank_killed_mid_upload_leaves_nothing_listed_and_the_cell_goes_on_fro
         link.hold()
         reached = _reached(session, 39)
         handle = session.run_background(LOOP)
-        assert reached.wait(120) and link.crawling.is_set()
+        assert reached.wait(120) and link.crawling.wait(60)
         os.kill(session.group.ranks[1].pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
         while session.failures < 1 and time.monotonic() < deadline:
@@ -158,7 +160,7 @@ def test_a_stop_whose_grace_ends_with_uploads_in_flight_says_what_it_dropped(ray
         lines: list[str] = []
         reached = _reached(session, 39)
         handle = session.run_background(LOOP, output=lambda rank, stream, text: lines.append(text))
-        assert reached.wait(120) and link.crawling.is_set()
+        assert reached.wait(120) and link.crawling.wait(60)
         # The ranks wait for their uploads at the cell's end, past a stop's interrupt:
         # the stop's grace runs out and the group is rebuilt.
         handle.stop()
