@@ -48,6 +48,7 @@ from rtnb import (
     RunAccess,
     Session,
     Sweep,
+    attach,
     list_runs,
     open_run,
     stop_warm_ray,
@@ -198,6 +199,19 @@ def _workers(text: str) -> int | tuple[int, int]:
     "--listen",
     default=_DECLARED.listen,
     help="address an embedded Ray listens on (default 127.0.0.1, loopback only)",
+)
+@argument(
+    "--detached",
+    action="store_true",
+    help="the group and its running cell outlive this kernel (%%rtnb attach RUN picks it up)",
+)
+@argument(
+    "--idle-timeout",
+    dest="idle_timeout_s",
+    type=float,
+    default=None,
+    metavar="S",
+    help="a detached group with no cell and no kernel for S s is freed (default 1800)",
 )
 def _start_args(line):
     """%rtnb start options."""
@@ -397,6 +411,16 @@ def _warm_args(line):
     """the warm Ray: who uses it, its spare ranks, when it ends; stop to end it now"""
 
 
+@magic_arguments()
+@argument("run", help="the run whose detached group this kernel takes")
+@argument("--take", action="store_true", help="even when another kernel holds it")
+@argument(
+    "--address", default=None, help="the cluster it runs on (default: this machine's warm Ray)"
+)
+def _attach_args(line):
+    """this kernel takes a detached group: its running cell, its history, new cells"""
+
+
 SUBCOMMANDS = [
     Subcommand(
         "start",
@@ -523,6 +547,12 @@ SUBCOMMANDS = [
         "%rtnb warm stop",
         _warm_args,
     ),
+    Subcommand(
+        "attach",
+        "take a detached group (%rtnb start --detached) into this kernel",
+        "%rtnb attach mnist",
+        _attach_args,
+    ),
 ]
 _SUBCOMMANDS = tuple(sub.name for sub in SUBCOMMANDS)
 _BY_NAME = {s.name: s for s in SUBCOMMANDS}
@@ -543,7 +573,11 @@ class RtnbMagics(Magics):
     def shutdown(self) -> None:
         self._unwatch_sweeps()
         if self.session is not None:
-            self.session.stop()
+            # A detached group outlives this kernel on purpose: let go, leave it running.
+            if self.session.detached:
+                self.session.release()
+            else:
+                self.session.stop()
             self.session = None
 
     # ---- %rtnb -------------------------------------------------------------------------
@@ -635,16 +669,49 @@ class RtnbMagics(Magics):
                 shown.update({"text/plain": line}, raw=True)
 
         try:
-            session.start(progress=progress)
+            session = session.start(progress=progress)
         except BaseException:
             progress("rtnb: the start failed (the reason follows)")
             raise
         progress(f"rtnb: run {session.run_name!r} {session.last_start}")
+        if session.detached:
+            print(
+                f"rtnb: run {session.run_name!r} is detached: it goes on if this kernel "
+                f"dies; `%rtnb attach {session.run_name}` from any kernel, "
+                "`%rtnb stop` frees it"
+            )
         if session.last_replay is not None:
             print(f"rtnb: run {session.run_name!r} rebuilt from its journal: {session.last_replay}")
         self.session = session
         display(session.status())
         self.output.prepare()
+
+    def _rtnb_attach(self, rest: str):
+        args = parse_argstring(_attach_args, rest)
+        if self.session is not None and self.session.started:
+            raise UsageError(
+                f"this kernel already has run {self.session.run_name!r}: `%rtnb stop` it "
+                "(or restart the kernel) before attaching another"
+            )
+        try:
+            session = attach(args.run, take=args.take, address=args.address)
+        except (ConfigError, SessionError) as exc:
+            raise UsageError(str(exc)) from None
+        self.session = session
+        self.output.prepare()
+        print(f"rtnb: run {session.run_name!r} attached to this kernel")
+        display(session.status())
+        cell = session.active_cell
+        if cell is not None:
+            self.last_view = LiveMetrics(
+                session.metrics, cell, stacks=session.stacks, set_controls=session.set_controls
+            ).show()
+            return None
+        ended = session.cells[-1] if session.cells else None
+        if ended is not None:
+            print(f"rtnb: {ended.name} ended while detached")
+            return _shown(ended.wait(0))
+        return None
 
     def _rtnb_status(self, rest: str):
         self._no_args("status", rest)

@@ -55,6 +55,11 @@ _EXPORTS: dict[str, str] = {
     "WarmRayStatus": "rtnb.driver._warmctl",
     "stop_warm_ray": "rtnb.driver._warmctl",
     "warm_ray_status": "rtnb.driver._warmctl",
+    "attach": "rtnb.driver._attached",
+    "detached_groups": "rtnb.driver._attached",
+    "stop_detached": "rtnb.driver._attached",
+    "DetachedSession": "rtnb.driver._attached",
+    "DetachedGroup": "rtnb.driver._detached",
     "PerRank": "rtnb.core._values",
     "MetricsStore": "rtnb.metrics._store",
     "Progress": "rtnb.metrics._store",
@@ -110,6 +115,8 @@ __all__ = [
     "CheckpointUploadMode",
     "ClusterError",
     "ConfigError",
+    "DetachedGroup",
+    "DetachedSession",
     "Failure",
     "FailurePolicy",
     "GroupState",
@@ -138,6 +145,8 @@ __all__ = [
     "WaitTimeout",
     "WarmRayStatus",
     "WorkerGroupError",
+    "attach",
+    "detached_groups",
     "get_all_reported_checkpoints",
     "get_checkpoint",
     "breakpoint",
@@ -156,6 +165,7 @@ __all__ = [
     "prepare_model",
     "prepare_trainer",
     "report",
+    "stop_detached",
     "stop_warm_ray",
     "sweep",
     "unload_ipython_extension",
@@ -192,7 +202,9 @@ def unload_ipython_extension(ipython) -> None:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.core._config import SessionConfig
     from rtnb.core._values import PerRank
+    from rtnb.driver._attached import DetachedSession, attach, detached_groups, stop_detached
     from rtnb.driver._cell import CellHandle
+    from rtnb.driver._detached import DetachedGroup
     from rtnb.driver._policy import Failure, FailurePolicy, Raise, Retry, Shrink
     from rtnb.driver._run_access import RunAccess, open_run
     from rtnb.driver._session import Session

@@ -45,6 +45,8 @@ class BatchResult:
     message: str = ""
     exit_code: int = 0
     kept_in: list[str] = field(default_factory=list)  # copies under the run directories
+    # Runs whose group the notebook started --detached: left running on purpose.
+    detached: list[str] = field(default_factory=list)
 
 
 _INTERRUPTED = ("CellInterrupted", "KeyboardInterrupt", "CellStopped")
@@ -113,18 +115,25 @@ def _kernel_pids() -> list[int]:
     return pids
 
 
-def _keep_in_run_dirs(output: Path, runs_file: str) -> list[str]:
-    """Copy the output notebook into every run directory the notebook started."""
+def _keep_in_run_dirs(output: Path, runs_file: str) -> tuple[list[str], list[str]]:
+    """Copy the output notebook into every run directory the notebook started; the
+    copies, and the runs whose groups were started detached."""
     kept: list[str] = []
     try:
         lines = Path(runs_file).read_text().splitlines()
     except OSError:
-        return kept
+        return kept, []
     finally:
         with contextlib.suppress(OSError):
             os.remove(runs_file)
+    detached = []
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            record = json.loads(line)
+            if record.get("detached") and record["run"] not in detached:
+                detached.append(record["run"])
     if not output.exists():
-        return kept
+        return kept, detached
     data = output.read_bytes()
     # Sessions announce their storage masked; the real one is the runner's own.
     ours = os.environ.get("RTNB_STORAGE", "")
@@ -132,10 +141,10 @@ def _keep_in_run_dirs(output: Path, runs_file: str) -> list[str]:
         with contextlib.suppress(ValueError, KeyError, OSError, ConfigError):
             where = json.loads(line)
             storage = ours if ours and redact_uri(ours) == where["storage"] else where["storage"]
-            kept.append(
-                RunDirectory(storage, where["run"]).write_bytes(notebook(output.name), data)
-            )
-    return kept
+            run_dir = RunDirectory(storage, where["run"])
+            if run_dir.shown(notebook(output.name)) not in kept:
+                kept.append(run_dir.write_bytes(notebook(output.name), data))
+    return kept, detached
 
 
 def _check_parameter_name(name: str) -> None:
@@ -393,5 +402,5 @@ def run_notebook(
         ok, code = False, terminator.exit_code
         name = signal.Signals(terminator.signal).name
         message = f"stopped by {name}" + (f" ({message})" if message else "")
-    kept = _keep_in_run_dirs(dst, runs_file)
-    return BatchResult(src, dst, ok, message, code, kept)
+    kept, detached = _keep_in_run_dirs(dst, runs_file)
+    return BatchResult(src, dst, ok, message, code, kept, detached)

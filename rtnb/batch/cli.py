@@ -132,6 +132,17 @@ def _parser() -> argparse.ArgumentParser:
         "warm", help="the warm Ray notebooks share: status (default), or stop to end it now"
     )
     warm.add_argument("action", nargs="?", default="status", choices=("status", "stop"))
+    for name, text in (
+        ("ps", "the detached groups (run, ranks, state, step, since, resources held)"),
+        ("attach", "follow a detached group's running cell in text (Ctrl-C leaves it running)"),
+        ("stop", "free a detached group: its cell, its ranks, its CPUs/GPUs"),
+    ):
+        detached = sub.add_parser(name, help=text)
+        if name != "ps":
+            detached.add_argument("run")
+        detached.add_argument(
+            "--address", default=None, help="the cluster (default: this machine's warm Ray)"
+        )
     warm.add_argument(
         "--force",
         action="store_true",
@@ -279,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             return _jobs_command(args)
         if args.command == "warm":
             return _warm_command(args.action, args.force)
+        if args.command in ("ps", "attach", "stop"):
+            from rtnb.batch._detached_cli import detached_command
+
+            return detached_command(args.command, getattr(args, "run", None), args.address)
         if args.command == "runs":
             return _print_runs(_storage(args.storage), args.metric)
         if args.command == "checkpoints":
@@ -312,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(result.kept_in) > len(shown):
         # A sweep's trials are runs too: each keeps the notebook that made it.
         kept += f"\nrtnb: ... and in {len(result.kept_in) - len(shown)} more run directories"
+    for run in result.detached:
+        print(
+            f"rtnb: run {run!r} was started --detached and is left running on purpose: "
+            f"`rtnb attach {run}` follows it, `rtnb stop {run}` frees it"
+        )
     if result.ok:
         print(
             f"rtnb: {result.input_path.name} ran to completion; output notebook: "

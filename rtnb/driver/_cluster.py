@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rtnb.core._net import probe_tcp
 from rtnb.core._redact import redact_uri
 from rtnb.driver._auth import as_the_environment_says, joining_with, users_token
-from rtnb.driver._embedded import start_embedded_ray
+from rtnb.driver._embedded import LOOPBACK, start_embedded_ray
 from rtnb.driver._ray_output import quiet_rank_machinery
 from rtnb.errors import ClusterError, one_line
 
@@ -267,6 +267,7 @@ def connect(
     need_cpus: float = 0.0,
     ranks: int = 2,
     progress: Callable[[str], None] | None = None,
+    outlive_kernel: bool = False,
 ) -> ClusterConnection:
     """Join (or start) the Ray cluster for ``address`` and return the connection.
 
@@ -275,7 +276,8 @@ def connect(
     on ``listen`` (default 127.0.0.1: nothing it opens is reachable from the network),
     or, in a notebook kernel, the per-user warm Ray is joined (:mod:`rtnb.driver._warm`)
     when it has ``need_cpus`` free (a new one keeps ``ranks`` spare ranks);
-    ``progress`` hears which of these happens.
+    ``progress`` hears which of these happens. ``outlive_kernel`` (a detached
+    group): the warm Ray wherever one would embed, scripts and ``rtnb run`` too.
     """
     target = address or os.environ.get("RAY_ADDRESS") or None
     _after_letting_go()
@@ -295,7 +297,7 @@ def connect(
         )
     if target is None:
         with _driver_outlives_its_ray():
-            connection = _embed(ray, num_cpus, listen, need_cpus, ranks, progress)
+            connection = _embed(ray, num_cpus, listen, need_cpus, ranks, progress, outlive_kernel)
         what = "the warm Ray" if connection.warm is not None else "the embedded Ray"
         return _watch(connection, what)
     kwargs: dict = {"log_to_driver": False, "logging_level": logging.ERROR}
@@ -337,12 +339,15 @@ def _embed(
     need_cpus: float,
     ranks: int,
     progress: Callable[[str], None] | None,
+    outlive_kernel: bool = False,
 ) -> ClusterConnection:
     """The kernel's warm Ray when it is wanted and has room (about a second), else a
     Ray embedded in this process."""
     from rtnb.driver import _warm
 
-    if _warm.wanted(listen):
+    if _warm.wanted(listen) or (
+        outlive_kernel and listen in (None, LOOPBACK) and not _warm.switched_off()
+    ):
         attached = _warm.attach(need_cpus, ranks, progress)
         if attached is not None:
             _quiet_ray_logging()

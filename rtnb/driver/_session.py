@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -73,6 +74,15 @@ class Session(LiveAPI, RunAPI):
     """
 
     is_trial = False  # a sweep's trial, not the notebook's own group (see _sweep_values)
+    detached = False
+
+    def __new__(cls, *args: Any, detached: bool = False, **kwargs: Any) -> Any:
+        """``detached=True``: the group and its cells outlive this process (see
+        :func:`rtnb.attach`); the object is a :class:`DetachedSession`, whose
+        ``start()`` starts the group's host."""
+        if not detached or cls is not Session:
+            return super().__new__(cls)
+        return _DetachedStart(cls, *args, **kwargs)
 
     def __init__(
         self,
@@ -82,14 +92,13 @@ class Session(LiveAPI, RunAPI):
         group_factory: Callable[[SessionConfig, str, str], RankGroup] | None = None,
         connector: Callable[..., ClusterConnection] | None = None,
         failure_policy: FailurePolicy | None = None,
+        detached: bool = False,
+        idle_timeout_s: float | None = None,
         **options: Any,
     ) -> None:
-        if config is not None and options:
-            raise ConfigError("pass either a SessionConfig or keyword options, not both")
-        try:
-            config = config or SessionConfig(**options)
-        except TypeError as exc:
-            raise ConfigError(f"unknown Session option: {exc}") from None
+        if idle_timeout_s is not None:
+            raise ConfigError("--idle-timeout is a detached group's: add --detached")
+        config = _config_of(config, options)
         if replay and not config.name:
             raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
         self.run_name = config.name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -363,6 +372,66 @@ class Session(LiveAPI, RunAPI):
         )
 
 
+def _config_of(config: SessionConfig | None, options: dict[str, Any]) -> SessionConfig:
+    if config is not None and options:
+        raise ConfigError("pass either a SessionConfig or keyword options, not both")
+    try:
+        return config or SessionConfig(**options)
+    except TypeError as exc:
+        raise ConfigError(f"unknown Session option: {exc}") from None
+
+
+class _DetachedStart:
+    """``Session(detached=True)`` before its ``start()``: the options, checked; the
+    start makes the group's host and hands back the :class:`DetachedSession`'s calls."""
+
+    detached = True
+    is_trial = False
+
+    def __init__(
+        self,
+        session_class: type,
+        config: SessionConfig | None = None,
+        *,
+        replay: bool = False,
+        idle_timeout_s: float | None = None,
+        **options: Any,
+    ) -> None:
+        self._session_class = session_class
+        self._config = _config_of(config, options)
+        if replay and not self._config.name:
+            raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ConfigError(f"--idle-timeout must be positive, got {idle_timeout_s:g}")
+        self._replay, self._idle_s = replay, idle_timeout_s
+        self._started: Any = None
+        self.run_name = self._config.name or time.strftime("run-%Y%m%d-%H%M%S")
+        self._config = dataclasses.replace(self._config, name=self.run_name)
+
+    @property
+    def started(self) -> bool:
+        return self._started is not None and self._started.started
+
+    @property
+    def config(self) -> SessionConfig:
+        return self._config
+
+    def start(self, progress: Callable[[str], None] | None = None) -> Any:
+        from rtnb.driver._attached import start_detached
+
+        self._started = start_detached(
+            self._session_class, self._config, self._replay, self._idle_s, progress
+        )
+        _announce_to_batch_runner(self._config.storage_path, self.run_name, detached=True)
+        return self._started
+
+    def __getattr__(self, name: str) -> Any:
+        started = self.__dict__.get("_started")
+        if started is None:
+            raise SessionError("the detached group is not started yet: call start() first")
+        return getattr(started, name)
+
+
 def started_sessions() -> list[Session]:
     """The sessions of this process that have a group."""
     return [session for session in list(_LIVE) if session.started]
@@ -384,15 +453,17 @@ def _notebook_reported_checkpoints(consistency_mode: Any, timeout_s: float | Non
 set_notebook_checkpoints(_notebook_reported_checkpoints)
 
 
-def _announce_to_batch_runner(storage: str, run_name: str) -> None:
+def _announce_to_batch_runner(storage: str, run_name: str, detached: bool = False) -> None:
     """Under ``rtnb run``, tell the runner which run directory this notebook uses, so
-    it can keep the output notebook there."""
+    it can keep the output notebook there (and, for a detached group, say at the end
+    that it was left running)."""
     path = os.environ.get(BATCH_RUNS_ENV)
     if not path:
         return
     # Masked: this file is on disk; the runner knows the real URI it passed us.
     with contextlib.suppress(OSError), open(path, "a") as out:
-        out.write(json.dumps({"storage": redact_uri(storage), "run": run_name}) + "\n")
+        record = {"storage": redact_uri(storage), "run": run_name}
+        out.write(json.dumps({**record, "detached": True} if detached else record) + "\n")
 
 
 def _stop_sessions_at_exit() -> None:

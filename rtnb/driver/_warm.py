@@ -48,6 +48,8 @@ __all__ = [
     "active",
     "attach",
     "ensure_running",
+    "join_running",
+    "lease_in_host",
     "live_state",
     "state_dir",
     "switched_off",
@@ -129,6 +131,25 @@ class WarmRay:
             ray.get(self.pool.detach.remote(os.getpid()), timeout=5)
         if _active is self:
             _active = None
+
+
+def lease_in_host(pid: int) -> WarmRay | None:
+    """In a detached group's host (a process of this Ray): when this Ray is the warm
+    Ray, lease it for ``pid`` (the warm Ray does not end while the host lives, and a
+    kernel's death takes none of the host's ranks) and claim its spare ranks for the
+    host's session as a kernel would. None on any other Ray."""
+    global _active
+    import ray
+
+    from rtnb.driver._warmhost import POOL_NAME, POOL_NAMESPACE
+
+    try:
+        pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)
+        ray.get(pool.attach.remote(pid), timeout=30)
+    except Exception:  # noqa: BLE001 - no warm pool in this Ray
+        return None
+    _active = WarmRay(ray.get_runtime_context().gcs_address, 0, pool, launched=False)
+    return _active
 
 
 def active() -> WarmRay | None:
@@ -256,6 +277,36 @@ def ensure_running(
         return _launch(state_file, key, spares), True
 
 
+def _join(state: dict[str, Any]) -> None:
+    import ray
+
+    with (
+        joining_with(_private_token_env(_token_file(state_dir()))),
+        node_ip_as_given(True),
+        joining_private_ray(),
+    ):
+        ray.init(
+            address=state["address"],
+            _node_ip_address=LOOPBACK,
+            _temp_dir=state.get("temp_dir"),
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
+
+
+def join_running() -> str | None:
+    """Join this environment's warm Ray if one runs (starting none): its address, or
+    None. For looking at detached groups from a terminal or another kernel."""
+    state = live_state(state_dir() / f"{_fingerprint()}.json")
+    if state is None:
+        return None
+    try:
+        _join(state)
+    except Exception as exc:  # noqa: BLE001 - Ray raises many types here
+        raise ClusterError(f"could not join the warm Ray: {one_line(exc)}") from None
+    return str(state["address"])
+
+
 def attach(
     need_cpus: float, spares: int, progress: Callable[[str], None] | None = None
 ) -> WarmRay | None:
@@ -268,18 +319,7 @@ def attach(
     import ray
 
     try:
-        with (
-            joining_with(_private_token_env(_token_file(state_dir()))),
-            node_ip_as_given(True),
-            joining_private_ray(),
-        ):
-            ray.init(
-                address=state["address"],
-                _node_ip_address=LOOPBACK,
-                _temp_dir=state.get("temp_dir"),
-                log_to_driver=False,
-                logging_level=logging.ERROR,
-            )
+        _join(state)
         from rtnb.driver._warmhost import POOL_NAME, POOL_NAMESPACE
 
         pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)

@@ -193,6 +193,9 @@ class MetricsStore:
         self.earlier: list[dict[str, BoundedSeries]] = []
         self._line_last: dict[int, int] = {}  # each rank's last step on the current line
         self._subscribers: list[Callable[[int, ReportBatch], None]] = []
+        # Told each cell's ranks and step total as it begins (a detached group's
+        # followers redo the begins in order with the batches).
+        self._begin_listeners: list[Callable[[list[int], int | None], None]] = []
         # The ranks' resource samples: not training metrics (no subplot, no step
         # count); their own record (system_log) and the exporters get them.
         self.system: dict[int, deque[ResourceSample]] = {}
@@ -243,8 +246,13 @@ class MetricsStore:
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
+    def on_begin(self, callback: Callable[[list[int], int | None], None]) -> None:
+        self._begin_listeners.append(callback)
+
     def begin(self, ranks: list[int], total_steps: int | None = None) -> None:
         """A cell starts: which ranks count for the mean, and its step total if known."""
+        for callback in list(self._begin_listeners):
+            callback(sorted(ranks), total_steps)
         with self._lock:
             self.expected_ranks = set(ranks)
             for mean in self._means.values():

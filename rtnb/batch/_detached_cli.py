@@ -1,0 +1,107 @@
+"""``rtnb ps``, ``rtnb attach RUN`` and ``rtnb stop RUN``: detached groups from a
+terminal, through the public face (batch code never reaches into the driver)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rtnb.core._output import print_sink
+from rtnb.core._text import format_table
+
+__all__ = ["detached_command"]
+
+# How often the followed cell's progress line is printed.
+PROGRESS_EVERY_S = 5.0
+
+
+def detached_command(command: str, run: str | None, address: str | None) -> int:
+    import rtnb
+
+    if command == "ps":
+        _print_groups(rtnb.detached_groups(address))
+        return 0
+    if command == "stop":
+        rtnb.stop_detached(run, address=address)
+        print(f"rtnb: the detached group of run {run!r} is stopped; its CPUs/GPUs are free")
+        return 0
+    return _follow(rtnb.attach(run, address=address, observe=True))
+
+
+def _since(when: float) -> str:
+    seconds = max(0.0, time.time() - when)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _print_groups(groups: list[Any]) -> None:
+    if not groups:
+        print("rtnb: no detached groups")
+        return
+    rows = [
+        [
+            g.run,
+            str(g.ranks),
+            g.state + (f" ({g.cell})" if g.cell else ""),
+            "-" if g.step is None else str(g.step),
+            _since(g.since),
+            f"{g.cpus:g} CPU" + (f", {g.gpus:g} GPU" if g.gpus else ""),
+            g.held_by or "no kernel",
+        ]
+        for g in groups
+    ]
+    print(format_table([["run", "ranks", "state", "step", "since", "holds", "attached"], *rows]))
+
+
+def _progress(session: Any) -> str:
+    last = session.metrics.last
+    if not last:
+        return "no reports yet"
+    step = max(r.step for r in last.values())
+    means: dict[str, list[float]] = {}
+    for report in last.values():
+        for name, value in report.metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                means.setdefault(name, []).append(float(value))
+    shown = "  ".join(f"{k}={sum(v) / len(v):.4g}" for k, v in sorted(means.items())[:6])
+    return f"step {step}  {shown}".rstrip()
+
+
+def _follow(session: Any) -> int:
+    """Print the running cell's output and a progress line until it ends; Ctrl-C
+    leaves it running."""
+    run = session.run_name
+    try:
+        cell = session.active_cell
+        if cell is None:
+            ended = session.cells[-1] if session.cells else None
+            print(
+                f"rtnb: run {run!r} has no cell running"
+                + (f" ({ended.name} ended)" if ended else "")
+            )
+            return 0
+        print(f"rtnb: following {cell.name} of run {run!r} (Ctrl-C leaves it running)")
+        print(f"rtnb: {_progress(session)}")
+        cell.add_sink(print_sink(), replay=False)
+        while not cell.wait_done(PROGRESS_EVERY_S):
+            print(f"rtnb: {_progress(session)}", flush=True)
+        print(f"rtnb: {_progress(session)}")
+        try:
+            value = cell.wait(0)
+        except Exception as exc:  # noqa: BLE001 - the cell's own error, in one line
+            print(f"rtnb: {cell.name} failed: {exc}", file=sys.stderr)
+            return 1
+        print(f"rtnb: {cell.name} ended:\n{value!r}")
+        return 0
+    except KeyboardInterrupt:
+        print(
+            f"\nrtnb: run {run!r} is left running: `rtnb attach {run}` follows it again, "
+            f"`rtnb stop {run}` frees it"
+        )
+        return 130
+    finally:
+        session.release()
