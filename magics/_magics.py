@@ -660,8 +660,14 @@ class RtnbMagics(Magics):
                 f"a worker group is already running (run {self.session.run_name!r}); "
                 "use `%rtnb restart` for a fresh one, or `%rtnb stop` first"
             )
-        options = vars(args)  # every option but --replay is a SessionConfig field
-        session = Session(replay=options.pop("replay"), **options)
+        options = vars(args)  # every option but these is a SessionConfig field
+        replay, detached = options.pop("replay"), options.pop("detached")
+        idle_timeout_s = options.pop("idle_timeout_s")
+        if idle_timeout_s is not None and not detached:
+            raise UsageError("--idle-timeout is a detached group's: add --detached")
+        if detached:
+            options["idle_timeout_s"] = idle_timeout_s
+        session = Session(replay=replay, detached=detached, **options)
         shown = display({"text/plain": "rtnb: starting…"}, raw=True, display_id=True)
 
         def progress(line: str) -> None:

@@ -150,8 +150,15 @@ def test_a_detached_cell_outlives_its_kernel_recovers_and_another_kernel_attache
         gate.touch()
 
         second = Kernel(cwd=str(tmp_path), env=warm_env)
-        attached = _cell(second, "%load_ext rtnb\n%rtnb attach det")
+        attached = _cell(
+            second,
+            "%load_ext rtnb\n%rtnb attach det\n"
+            "m = get_ipython().magics_manager.registry['RtnbMagics']\n"
+            "print('history', m.session.metrics.count())",
+        )
         assert "attached to this kernel" in attached, attached
+        # The history so far came with the attach: both ranks' steps up to 29 at least.
+        assert int(attached.split("history ")[1].split()[0]) >= 60, attached
         value = _cell(second, "%rtnb wait --timeout 180")
         assert "rank 0 at 59" in value and "rank 1 at 59" in value, value
         restarted = _cell(
@@ -189,10 +196,15 @@ def test_a_batch_run_leaves_its_detached_group_which_is_held_taken_and_freed_whe
 ):
     notebook = tmp_path / "detached.ipynb"
     notebook.write_text(json.dumps(new_notebook(NOTEBOOK_CELLS)))
-    env = {**warm_env, "RTNB_STORAGE": str(tmp_path / "runs")}
+    # The warm Ray ends 2 s after its last kernel leaves, unless a detached group holds it.
+    env = {**warm_env, "RTNB_STORAGE": str(tmp_path / "runs"), "RTNB_WARM_RAY_IDLE_S": "2"}
     ran = _cli(env, "run", str(notebook))
     assert "run 'batchdet' was started --detached and is left running on purpose" in ran, ran
+    time.sleep(3)  # past the warm Ray's idle time: it must still be there for the group
     assert "batchdet" in _cli(env, "ps")
+    warm = _cli(env, "warm")
+    assert "detached groups: batchdet" in warm, warm
+    assert "in use by the detached group(s) of batchdet" in _cli(env, "warm", "stop", ok=False)
 
     holder = Kernel(cwd=str(tmp_path), env=env)
     other = Kernel(cwd=str(tmp_path), env=env)

@@ -273,9 +273,15 @@ def test_a_rank_using_the_public_face_loads_no_driver_or_batch_code():
     assert out.stdout.strip() == "[]", f"a rank process loaded {out.stdout.strip()}"
 
 
-# The modules that hold Ray actors: the worker group (the rank protocol) and the warm
-# Ray's own pool. Everything else in the driver calls ranks through WorkerGroup.
-_ACTOR_HOLDERS = {"rtnb/driver/_group.py", "rtnb/driver/_warm.py", "rtnb/driver/_warmhost.py"}
+# The modules that hold Ray actors: the worker group (the rank protocol), the warm
+# Ray's own pool, and a detached group's host and its followers (which call the host,
+# never a rank). Everything else in the driver calls ranks through WorkerGroup.
+_ACTOR_HOLDERS = {
+    "rtnb/driver/_group.py",
+    "rtnb/driver/_warm.py",
+    "rtnb/driver/_warmhost.py",
+    "rtnb/driver/_attached.py",
+}
 # The one module that starts a Ray task of its own, on no rank: a checkpoint's validation.
 _TASK_STARTERS = {"rtnb/driver/_validation.py"}
 
@@ -352,7 +358,9 @@ def test_only_the_controller_and_its_cell_flow_write_the_journal():
         if relative not in owners:
             writers += [f"{relative}:{hit}" for hit in _journal_writes(ast.parse(path.read_text()))]
     assert writers == [], f"journal entries written outside the controller: {writers}"
-    planted = "self._journal.append(EntryKind.CHECKPOINT)\nsteps.append(1)\njournal.append_control(1)"
+    planted = (
+        "self._journal.append(EntryKind.CHECKPOINT)\nsteps.append(1)\njournal.append_control(1)"
+    )
     assert len(_journal_writes(ast.parse(planted))) == 2
 
 

@@ -197,7 +197,7 @@ class SessionHost:
         metrics = self._session.metrics
         metrics.subscribe(self._on_batch)
         metrics.on_begin(self._on_begin)
-        self._pool = _lease_warm_pool()
+        self._pool = _lease_warm_pool(self._session.run_name)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, holder: Holder | None) -> tuple[Any, str, str | None]:
@@ -448,13 +448,13 @@ def _sendable(value: Any) -> Any:
         return RemoteRepr(repr(value))
 
 
-def _lease_warm_pool() -> Any:
+def _lease_warm_pool(run: str) -> Any:
     """On the warm Ray: take its spare ranks as a kernel would (this process holds the
     lease, so a kernel's death takes nothing), and keep the warm Ray from ending
     while this group runs. None on another Ray."""
     from rtnb.driver import _warm
 
-    return _warm.lease_in_host(os.getpid())
+    return _warm.lease_in_host(os.getpid(), run)
 
 
 def _end_this_actor() -> None:

@@ -73,16 +73,11 @@ class Session(LiveAPI, RunAPI):
     ``--max-failures`` times).
     """
 
-    is_trial = False  # a sweep's trial, not the notebook's own group (see _sweep_values)
-    detached = False
+    is_trial = detached = False  # a sweep's trial (see _sweep_values); detached: __new__
 
     def __new__(cls, *args: Any, detached: bool = False, **kwargs: Any) -> Any:
-        """``detached=True``: the group and its cells outlive this process (see
-        :func:`rtnb.attach`); the object is a :class:`DetachedSession`, whose
-        ``start()`` starts the group's host."""
-        if not detached or cls is not Session:
-            return super().__new__(cls)
-        return _DetachedStart(cls, *args, **kwargs)
+        # detached=True: a DetachedSession's start (the group outlives this process).
+        return _DetachedStart(cls, *args, **kwargs) if detached else super().__new__(cls)
 
     def __init__(
         self,
@@ -93,11 +88,8 @@ class Session(LiveAPI, RunAPI):
         connector: Callable[..., ClusterConnection] | None = None,
         failure_policy: FailurePolicy | None = None,
         detached: bool = False,
-        idle_timeout_s: float | None = None,
         **options: Any,
     ) -> None:
-        if idle_timeout_s is not None:
-            raise ConfigError("--idle-timeout is a detached group's: add --detached")
         config = _config_of(config, options)
         if replay and not config.name:
             raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")

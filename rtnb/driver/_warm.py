@@ -133,7 +133,7 @@ class WarmRay:
             _active = None
 
 
-def lease_in_host(pid: int) -> WarmRay | None:
+def lease_in_host(pid: int, run: str) -> WarmRay | None:
     """In a detached group's host (a process of this Ray): when this Ray is the warm
     Ray, lease it for ``pid`` (the warm Ray does not end while the host lives, and a
     kernel's death takes none of the host's ranks) and claim its spare ranks for the
@@ -145,7 +145,7 @@ def lease_in_host(pid: int) -> WarmRay | None:
 
     try:
         pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)
-        ray.get(pool.attach.remote(pid), timeout=30)
+        ray.get(pool.attach.remote(pid, run), timeout=30)
     except Exception:  # noqa: BLE001 - no warm pool in this Ray
         return None
     _active = WarmRay(ray.get_runtime_context().gcs_address, 0, pool, launched=False)

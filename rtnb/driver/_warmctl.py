@@ -35,6 +35,7 @@ class WarmRayStatus:
     ranks_in_use: int
     idle_s: float  # it ends this long after the last kernel leaves
     idle_since: float | None  # wall-clock time; None while a kernel is attached
+    detached: tuple[str, ...] = ()  # runs of the detached groups it holds
 
     def summary(self, this_pid: int | None = None) -> str:
         now = time.time()
@@ -47,10 +48,15 @@ class WarmRayStatus:
                 f"{pid} (this kernel)" if pid == this_pid else str(pid) for pid in self.kernels
             )
             lines.append(f"  kernels attached: {len(self.kernels)}: pid {pids}")
-        else:
+        elif not self.detached:
             idle_for = max(0.0, now - (self.idle_since or now))
             left = max(0.0, self.idle_s - idle_for)
             lines.append(f"  no kernel attached for {_span(idle_for)}: it ends in {_span(left)}")
+        if self.detached:
+            lines.append(
+                f"  detached groups: {', '.join(self.detached)} (`rtnb ps`; it ends only "
+                "after they are freed)"
+            )
         lines.append(f"  ranks: {self.ranks_in_use} in use, {self.spares} spare (torch imported)")
         lines.append(
             f"  ends {_span(self.idle_s)} after the last kernel leaves ({IDLE_ENV}); "
@@ -83,6 +89,7 @@ def warm_ray_status() -> list[WarmRayStatus]:
                     ranks_in_use=int(state.get("claimed", 0)),
                     idle_s=float(state.get("idle_s", 0.0)),
                     idle_since=state.get("idle_since"),
+                    detached=tuple(str(run) for run in state.get("detached", ())),
                 )
             )
         except (KeyError, TypeError, ValueError):
@@ -100,12 +107,21 @@ def stop_warm_ray(force: bool = False) -> list[WarmRayStatus]:
     In [1]: rtnb.stop_warm_ray()
     """
     running = warm_ray_status()
-    in_use = [status for status in running if status.kernels]
+    in_use = [status for status in running if status.kernels or status.detached]
     if in_use and not force:
         pids = ", ".join(str(pid) for status in in_use for pid in status.kernels)
+        runs = ", ".join(run for status in in_use for run in status.detached)
+        users = " and ".join(
+            part
+            for part in (
+                f"the kernel(s) with pid {pids}" if pids else "",
+                f"the detached group(s) of {runs}" if runs else "",
+            )
+            if part
+        )
         raise ConfigError(
-            f"the warm Ray is in use by the kernel(s) with pid {pids}: stop their sessions "
-            "(`%rtnb stop`) first, or stop it anyway with --force (their sessions end)"
+            f"the warm Ray is in use by {users}: stop them (`%rtnb stop`, `rtnb stop RUN`) "
+            "first, or stop it anyway with --force (they end)"
         )
     for status in running:
         try:

@@ -96,6 +96,7 @@ class WarmPool:
         self._spares: list[Any] = []
         self._claimed: dict[int, list[Any]] = {}
         self._leases: dict[int, float | None] = {}
+        self._detached: dict[int, str] = {}  # a detached group's host pid -> its run
         self._idle_since = time.monotonic()
         self._idle_since_wall = time.time()
         self._idle = threading.Event()
@@ -103,14 +104,18 @@ class WarmPool:
         threading.Thread(target=self._watch, name="rtnb-warm-watchdog", daemon=True).start()
 
     # ---- kernels ---------------------------------------------------------------------
-    def attach(self, pid: int) -> None:
+    def attach(self, pid: int, detached_run: str | None = None) -> None:
+        """A kernel (or a detached group's host, named by its run) uses this Ray."""
         with self._lock:
             self._leases.setdefault(pid, _started(pid))
+            if detached_run is not None:
+                self._detached[pid] = detached_run
             self._bump()
 
     def detach(self, pid: int) -> None:
         with self._lock:
             self._leases.pop(pid, None)
+            self._detached.pop(pid, None)
             actors = self._claimed.pop(pid, [])
             if not self._leases:
                 self._went_idle()
@@ -149,7 +154,8 @@ class WarmPool:
 
     def _usage(self) -> dict[str, Any]:
         return {
-            "kernels": sorted(self._leases),
+            "kernels": sorted(pid for pid in self._leases if pid not in self._detached),
+            "detached": sorted(self._detached.values()),
             "spares": len(self._spares),
             "claimed": sum(len(a) for a in self._claimed.values()),
             "idle_since": None if self._leases else round(self._idle_since_wall, 1),
@@ -204,6 +210,7 @@ class WarmPool:
                 dead = [pid for pid, started in self._leases.items() if not _alive(pid, started)]
                 for pid in dead:
                     del self._leases[pid]
+                    self._detached.pop(pid, None)
                     gone += self._claimed.pop(pid, [])
                     if not self._leases:
                         self._went_idle()
