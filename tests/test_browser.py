@@ -361,9 +361,7 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             lags.append(_lag_sample(page, 1))
             time.sleep(0.5)
         page.screenshot(path=str(tmp_path / "live_plot_dark.png"), full_page=True)
-        _doc_picture(
-            page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-dark.png"
-        )
+        _doc_picture(page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-dark.png")
         look = page.evaluate(
             "() => { const el = document.querySelector('.js-plotly-plot');"
             " const area = el.closest('.jp-OutputArea-output');"
@@ -495,9 +493,7 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         _wait_idle(page)
         page.wait_for_selector(".updatemenu-button", state="attached", timeout=30_000)
         light_colours = _colours(page)
-        _doc_picture(
-            page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-light.png"
-        )
+        _doc_picture(page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-light.png")
         train_prompt = page.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text()
         page.keyboard.press("Shift+Enter")  # a syntax error
         _wait_idle(page)
@@ -554,7 +550,9 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         read_at = "() => document.querySelector('.rtnb-runs-read')?.textContent ?? ''"
         for _ in range(2):
             shown = page.evaluate(read_at)
-            page.wait_for_function(f"(shown) => ({read_at})() !== shown", arg=shown, timeout=30_000)
+            page.wait_for_function(
+                f"(shown) => ({read_at})() !== shown", arg=shown, timeout=30_000
+            )
         during_refreshes = [c for c in noise if c not in before_refreshes]
         overlaid = page.evaluate(dashboard_plot)
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)

@@ -172,7 +172,7 @@ def test_a_live_run_says_when_its_curves_were_last_read(tmp_path):
     _run(tmp_path, "now", {0: [9.0, 8.0]}, "running", 300.0)
     view = RunsDashboard(lambda: list_runs(storage), load, refresh_s=30, title="runs")
     try:
-        assert view.title.value.startswith('<b>runs</b> <span class="rtnb-runs-read">')
+        assert view.title.value.startswith("<b>runs</b> <span class=\"rtnb-runs-read\">")
         assert "live: now, re-read every 30 s, last at " in view.title.value
         _run(tmp_path, "now", {0: [9.0, 8.0, 7.0]}, "stopped", 400.0)
         view.refresh()
