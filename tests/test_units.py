@@ -560,3 +560,19 @@ def test_a_cell_run_again_from_a_checkpoint_fires_only_the_triggers_after_it(run
     while runtime.wait(0.2, 0.0).state is CellState.RUNNING:
         assert time.monotonic() < deadline
     assert runtime.namespace["fired"] == [("late", 70)]
+
+
+def test_a_detached_session_refuses_what_it_cannot_be_in_one_line():
+    """Checked before anything starts: no Ray is joined for a refused option."""
+    import rtnb
+
+    with pytest.raises(rtnb.ConfigError, match="local mode"):
+        rtnb.Session(detached=True, workers=0)
+    with pytest.raises(rtnb.ConfigError, match="--idle-timeout must be positive"):
+        rtnb.Session(detached=True, idle_timeout_s=0)
+    with pytest.raises(rtnb.ConfigError, match="name it with --name"):
+        rtnb.Session(detached=True, replay=True)
+    pending = rtnb.Session(detached=True, name="later")
+    assert pending.detached and not pending.started and pending.run_name == "later"
+    with pytest.raises(rtnb.SessionError, match="not started yet"):
+        pending.status()

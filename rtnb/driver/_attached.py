@@ -41,6 +41,7 @@ from rtnb.driver._detached import (
 )
 from rtnb.errors import ClusterError, ConfigError, RtnbError, SessionError, one_line
 from rtnb.metrics._store import MetricsStore
+from rtnb.storage._checkpoints import CheckpointStore
 
 __all__ = [
     "DetachedSession",
@@ -69,8 +70,12 @@ _FORWARDED = frozenset(
         "restart",
         "result",
         "dataset_names",
+        "load",
+        "latest_checkpoint_id",
     }
 )
+# Forwarded calls that answer the session itself: here, this object.
+_ANSWER_SELF = frozenset({"scale", "restart"})
 
 
 def _ray():
@@ -364,7 +369,8 @@ class DetachedSession:
 
             def forwarded(*args: Any, **kwargs: Any) -> Any:
                 self._require_held()
-                return _get(self._host.call.remote(name, args, kwargs))
+                answer = _get(self._host.call.remote(name, args, kwargs))
+                return self if name in _ANSWER_SELF else answer
 
             return forwarded
         if name.startswith("_"):
@@ -373,6 +379,22 @@ class DetachedSession:
             f"{name} is not available on a detached group from a kernel; "
             "`%rtnb stop` it and start one without --detached to use it"
         )
+
+    def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
+        """This run's checkpoints (or another run's of the same storage), read here."""
+        return CheckpointStore.of_run(self._config.storage_path, run or self.run_name)
+
+    def resume(
+        self, checkpoint_id: str = "latest", *, run: str | None = None, background: bool = True
+    ) -> Any:
+        """The last training cell again from ``checkpoint_id``, in the group's host."""
+        self._require_held()
+        view = _get(self._host.resume.remote(checkpoint_id, run))
+        if view is None:
+            return None
+        cell = self._cell(view)
+        cell.add_sink(print_sink(), replay=True)
+        return cell if background else cell.run_here()
 
     # ---- cells -----------------------------------------------------------------------
     def _start_cell(

@@ -325,7 +325,17 @@ class SessionHost:
     def run(self, code: str, background: bool, options: dict[str, Any]) -> CellView:
         """Start ``code`` on the ranks in the host (every cell runs there, so that it
         goes on without a kernel)."""
-        handle = self._session.run_background(code, output=_silent, **options)
+        return self._track(
+            self._session.run_background(code, output=_silent, **options), background
+        )
+
+    def resume(self, checkpoint_id: str, run: str | None) -> CellView | None:
+        """The last training cell again from a checkpoint, in the background (None: no
+        training cell ran yet; the next one starts from it)."""
+        handle = self._session.resume(checkpoint_id, run=run, background=True)
+        return None if handle is None else self._track(handle, True)
+
+    def _track(self, handle: Any, background: bool) -> CellView:
         view = CellView(
             handle.cell_id, handle.name, background, list(handle.ranks), handle.started_at
         )

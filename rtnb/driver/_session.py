@@ -393,6 +393,11 @@ class _DetachedStart:
         self._config = _config_of(config, options)
         if replay and not self._config.name:
             raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
+        if self._config.local:
+            raise ConfigError(
+                "--detached runs the group outside this kernel and local mode (--workers 0) "
+                "inside it: drop one of them"
+            )
         if idle_timeout_s is not None and idle_timeout_s <= 0:
             raise ConfigError(f"--idle-timeout must be positive, got {idle_timeout_s:g}")
         self._replay, self._idle_s = replay, idle_timeout_s
