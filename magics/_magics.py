@@ -655,6 +655,7 @@ class RtnbMagics(Magics):
 
     def _rtnb_start(self, rest: str):
         args = parse_argstring(_start_args, rest)
+        self._let_go_of_a_lost_detached()
         if self.session is not None and self.session.started:
             raise UsageError(
                 f"a worker group is already running (run {self.session.run_name!r}); "
@@ -692,8 +693,17 @@ class RtnbMagics(Magics):
         display(session.status())
         self.output.prepare()
 
+    def _let_go_of_a_lost_detached(self) -> None:
+        """A detached group taken over by another kernel (or freed) leaves this
+        kernel's slot free for a start or an attach."""
+        session = self.session
+        if session is not None and session.detached and not session.started:
+            session.release()
+            self.session = None
+
     def _rtnb_attach(self, rest: str):
         args = parse_argstring(_attach_args, rest)
+        self._let_go_of_a_lost_detached()
         if self.session is not None and self.session.started:
             raise UsageError(
                 f"this kernel already has run {self.session.run_name!r}: `%rtnb stop` it "
@@ -727,6 +737,12 @@ class RtnbMagics(Magics):
         self._no_args("stop", rest)
         stop_asking()  # the theme question, if the page never answered it
         session = self._require()
+        if session.detached and not session.started:
+            # Taken over by another kernel, or already freed: only this kernel lets go.
+            session.release()
+            self.session = None
+            print(f"rtnb: this kernel let go of run {session.run_name!r}; it is not held here")
+            return
         session.stop()
         self.session = None
         print(f"rtnb: worker group of run {session.run_name!r} stopped; its CPUs/GPUs are free")

@@ -133,12 +133,30 @@ def test_a_detached_cell_outlives_its_kernel_recovers_and_another_kernel_attache
                 or psutil.Process(kernel_pid).status() == psutil.STATUS_ZOMBIE
             ),
         )
+        runs = _cli(warm_env, "runs", str(storage))
+        assert "(detached)" in runs.splitlines()[1] and runs.splitlines()[1].startswith("det"), runs
         listed = _until(
             "rtnb ps shows it unattached",
             lambda: out if "no kernel" in (out := _cli(warm_env, "ps")) else None,
             30,
         )
         assert "det" in listed and "running" in listed and "1 CPU" in listed, listed
+
+        # From a terminal: follow the cell in text, then Ctrl-C leaves it running.
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "rtnb.batch.cli", "attach", "det"],
+            env=warm_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        first_line = follower.stdout.readline()
+        assert "following cell [" in first_line and "Ctrl-C leaves it running" in first_line
+        assert "step 29" in follower.stdout.readline()
+        follower.send_signal(signal.SIGINT)
+        rest = follower.communicate(timeout=60)[0]
+        assert follower.returncode == 130 and "is left running" in rest, rest
+        assert "running" in _cli(warm_env, "ps")
 
         # A rank dies while no kernel is attached: recovered from step 29's checkpoint.
         os.kill(pids[1], signal.SIGKILL)
@@ -175,6 +193,7 @@ def test_a_detached_cell_outlives_its_kernel_recovers_and_another_kernel_attache
         stopped = _cell(second, "%rtnb stop")
         assert "stopped" in stopped
         assert "no detached groups" in _cli(warm_env, "ps")
+        assert "(detached)" not in _cli(warm_env, "runs", str(storage))
     finally:
         for kernel in (first, second):
             if kernel is not None:
@@ -209,7 +228,8 @@ def test_a_batch_run_leaves_its_detached_group_which_is_held_taken_and_freed_whe
     holder = Kernel(cwd=str(tmp_path), env=env)
     other = Kernel(cwd=str(tmp_path), env=env)
     try:
-        _cell(holder, "%load_ext rtnb\n%rtnb attach batchdet")
+        ended = _cell(holder, "%load_ext rtnb\n%rtnb attach batchdet")
+        assert "cell [3] ended while detached" in ended, ended
         refused = _cell(other, "%load_ext rtnb\n%rtnb attach batchdet", ok=False)
         assert "is attached to kernel pid" in refused and "--take" in refused, refused
         assert "Traceback" not in refused

@@ -83,3 +83,49 @@ def test_bad_submissions_get_one_line_before_anything_runs(ray_head, tmp_path):
     assert nobody.stderr.count("\n") == 1 and "no Ray dashboard answers" in nobody.stderr
     unknown = _rtnb(["logs", "nope", "--address", ray_head.wait_dashboard()], tmp_path, timeout=60)
     assert unknown.returncode == 2 and "no job 'nope'" in unknown.stderr
+
+
+def test_a_jobs_detached_group_is_left_running_then_listed_followed_and_stopped_from_a_terminal(
+    ray_head, ray_cluster, tmp_path
+):
+    """A submitted notebook that starts --detached: its job ends, its group stays on
+    the cluster, found and freed there with --address, as from a notebook's kernel."""
+    import json
+
+    from tests._kernel import new_notebook
+
+    address = ray_head.wait_dashboard()
+    notebook = tmp_path / "detached_job.ipynb"
+    cells = [
+        "%load_ext rtnb",
+        "%rtnb start --detached --name jobdet --workers 2 --cpus-per-worker 0.5",
+        "%%rtrain\nimport rtnb\nfor s in range(3):\n    rtnb.report({'loss': 1.0 / (s + 1)}, step=s)",
+    ]
+    notebook.write_text(json.dumps(new_notebook(cells)))
+    proc = _rtnb(
+        [
+            "submit",
+            str(notebook),
+            "--address",
+            address,
+            "--storage",
+            str(tmp_path / "runs"),
+            "--wait",
+        ],
+        tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "run 'jobdet' was started --detached and is left running on purpose" in proc.stdout
+    gcs = ["--address", ray_head.address]
+    listed = _rtnb(["ps", *gcs], tmp_path, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith("jobdet"))
+    assert "ready" in row and "1 CPU" in row and "no kernel" in row, row
+    followed = _rtnb(["attach", "jobdet", *gcs], tmp_path, timeout=120)
+    assert "has no cell running (cell [3] ended)" in followed.stdout, (
+        followed.stdout + followed.stderr
+    )
+    stopped = _rtnb(["stop", "jobdet", *gcs], tmp_path, timeout=120)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+    assert wait_for_free_cpus(CLUSTER_CPUS, timeout=60) >= CLUSTER_CPUS, "ranks left behind"

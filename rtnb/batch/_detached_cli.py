@@ -71,6 +71,16 @@ def _progress(session: Any) -> str:
     return f"step {step}  {shown}".rstrip()
 
 
+def _flushed(sink: Any) -> Any:
+    """Each line out at once, also into a pipe (`rtnb attach RUN | tee log`)."""
+
+    def write(rank: int, stream: str, text: str) -> None:
+        sink(rank, stream, text)
+        sys.stdout.flush()
+
+    return write
+
+
 def _follow(session: Any) -> int:
     """Print the running cell's output and a progress line until it ends; Ctrl-C
     leaves it running."""
@@ -85,8 +95,8 @@ def _follow(session: Any) -> int:
             )
             return 0
         print(f"rtnb: following {cell.name} of run {run!r} (Ctrl-C leaves it running)")
-        print(f"rtnb: {_progress(session)}")
-        cell.add_sink(print_sink(), replay=False)
+        print(f"rtnb: {_progress(session)}", flush=True)
+        cell.add_sink(_flushed(print_sink()), replay=False)
         while not cell.wait_done(PROGRESS_EVERY_S):
             print(f"rtnb: {_progress(session)}", flush=True)
         print(f"rtnb: {_progress(session)}")

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,9 +40,17 @@ from rtnb.driver._detached import (
     idle_seconds,
     run_of,
 )
-from rtnb.errors import ClusterError, ConfigError, RtnbError, SessionError, one_line
+from rtnb.errors import (
+    ClusterError,
+    ConfigError,
+    RtnbError,
+    SessionError,
+    WaitTimeout,
+    one_line,
+)
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._rundir import BATCH_RUNS_ENV
 
 __all__ = [
     "DetachedSession",
@@ -69,19 +78,24 @@ _FORWARDED = frozenset(
         "scale",
         "restart",
         "result",
-        "dataset_names",
         "load",
         "latest_checkpoint_id",
+        "prepare_resume",
     }
 )
 # Forwarded calls that answer the session itself: here, this object.
-_ANSWER_SELF = frozenset({"scale", "restart"})
+# A cell's output kept here for views that subscribe late (the run's logs/ keep all).
+_LOG_LINES = 20_000
 
 
 def _ray():
     import ray
 
     return ray
+
+
+class HostGone(SessionError):
+    """The detached group's host is gone: stopped, freed when idle, or killed."""
 
 
 def _get(ref: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
@@ -96,8 +110,13 @@ def _get(ref: Any, timeout: float = _CALL_TIMEOUT_S) -> Any:
             raise cause from None
         raise SessionError(f"the detached group's host failed: {one_line(cause)}") from None
     except ray.exceptions.RayActorError:
+        raise HostGone(
+            "the detached group is gone (stopped, freed by its idle timeout, or killed)"
+        ) from None
+    except ray.exceptions.GetTimeoutError:
         raise SessionError(
-            "the detached group is gone (stopped, or its idle timeout freed it)"
+            f"the detached group's host did not answer within {timeout:g} s (busy, or its "
+            "machine is overloaded); the group goes on: try again"
         ) from None
 
 
@@ -115,10 +134,15 @@ class FollowedCell:
     :class:`CellHandle` (value, error, output sinks, stop)."""
 
     def __init__(
-        self, host: Any, view: CellView, steps: Callable[[], dict[int, int]] = dict
+        self,
+        host: Any,
+        view: CellView,
+        steps: Callable[[], dict[int, int]] = dict,
+        token: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._host = host
         self._steps = steps
+        self._token = token
         self.cell_id = view.cell_id
         self.name = view.name
         self.background = view.background
@@ -126,12 +150,14 @@ class FollowedCell:
         self.started_at = view.started_at
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._log: list[tuple[int, str, str]] = []
+        self._log: deque[tuple[int, str, str]] = deque(maxlen=_LOG_LINES)
         self._sinks: list[OutputSink] = []
         self._callbacks: list[Callable[[FollowedCell], None]] = []
         self.update(view)
 
     def update(self, view: CellView) -> None:
+        if self._done.is_set() and not view.done:
+            return  # an answer sent before the end, read after it
         self._view = view
         self.restarted_from, self.recoveries = view.restarted_from, view.recoveries
         if view.done and not self._done.is_set():
@@ -207,12 +233,15 @@ class FollowedCell:
                     raise outcome.error
                 return outcome.value
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.name} is still running")
+                raise WaitTimeout(
+                    f"{self.name} is still running after {timeout:g} s; it goes on "
+                    "(`%rtnb wait` again for its value)"
+                )
 
     result = wait
 
     def stop(self, reason: str = "stopped by the user") -> None:
-        _get(self._host.stop_cell.remote(self.cell_id, reason))
+        _get(self._host.stop_cell.remote(self.cell_id, reason, self._token()))
 
     def run_here(self) -> Any:
         """Wait in this thread for the cell's end; Ctrl-C stops it on every rank."""
@@ -258,27 +287,30 @@ class DetachedSession:
         self.ended: str | None = None  # why the group is gone, once it is
         self.taken_by: str | None = None  # the kernel that took this group over
         self._cells: dict[int, FollowedCell] = {}
+        self._cells_lock = threading.Lock()  # this thread's new cells vs the follower's
         self._last_background: FollowedCell | None = None
         self._cursors = (0, 0, 0)
         self._closing = threading.Event()
         for view in cells:
             self._cell(view)
-        # The history first, in this thread: a view shown right after sees all of it.
-        while True:
-            chunk = self._pull(0.0)
-            if chunk is None or not (chunk.reports or chunk.output or chunk.cells):
+        # The history first, in this thread: a view shown right after sees all of it
+        # (up to what the host had at the first answer; the rest comes live).
+        first = self._pull(0.0)
+        while first is not None and self._cursors[0] < first.reports_end:
+            if self._pull(0.0) is None:
                 break
         threading.Thread(target=self._follow, name="rtnb-follow", daemon=True).start()
 
     # ---- following -------------------------------------------------------------------
     def _pull(self, timeout_s: float) -> FeedChunk | None:
-        token = self._holder.token if self._holder is not None else None
         try:
-            chunk = _get(self._host.follow.remote(*self._cursors, token, timeout_s), timeout=60)
-        except SessionError as exc:
+            chunk = _get(
+                self._host.follow.remote(*self._cursors, self._token(), timeout_s), timeout=60
+            )
+        except HostGone as exc:
             self._gone(str(exc))
             return None
-        except Exception:  # noqa: BLE001 - a slow answer: the next pull asks again
+        except Exception:  # noqa: BLE001 - a slow or odd answer: the next pull asks again
             return None
         self._apply(chunk)
         return chunk
@@ -309,14 +341,20 @@ class DetachedSession:
             self._gone(f"the detached group of run {self.run_name!r} was freed: {chunk.ended}")
 
     def _cell(self, view: CellView) -> FollowedCell:
-        cell = self._cells.get(view.cell_id)
-        if cell is None:
-            cell = self._cells[view.cell_id] = FollowedCell(self._host, view, self._steps)
-            if view.background:
-                self._last_background = cell
-        else:
-            cell.update(view)
+        with self._cells_lock:
+            cell = self._cells.get(view.cell_id)
+            if cell is None:
+                cell = FollowedCell(self._host, view, self._steps, self._token)
+                self._cells[view.cell_id] = cell
+                if view.background:
+                    self._last_background = cell
+                return cell
+        cell.update(view)
         return cell
+
+    def _token(self) -> str | None:
+        holder = self._holder
+        return holder.token if holder is not None else None
 
     def _steps(self) -> dict[int, int]:
         return {rank: report.step for rank, report in self.metrics.last.items()}
@@ -324,7 +362,7 @@ class DetachedSession:
     def _gone(self, why: str) -> None:
         if self.ended is None:
             self.ended = why
-        for cell in self._cells.values():
+        for cell in self.cells:
             cell.gone(why)
 
     # ---- what a session has ----------------------------------------------------------
@@ -334,7 +372,8 @@ class DetachedSession:
 
     @property
     def started(self) -> bool:
-        return self.ended is None
+        """Whether this process has the group: held by it, and not freed."""
+        return self.ended is None and self._holder is not None
 
     @property
     def held(self) -> bool:
@@ -347,7 +386,8 @@ class DetachedSession:
 
     @property
     def cells(self) -> list[FollowedCell]:
-        return [self._cells[cid] for cid in sorted(self._cells)]
+        with self._cells_lock:
+            return [self._cells[cid] for cid in sorted(self._cells)]
 
     @property
     def active_cell(self) -> FollowedCell | None:
@@ -369,8 +409,7 @@ class DetachedSession:
 
             def forwarded(*args: Any, **kwargs: Any) -> Any:
                 self._require_held()
-                answer = _get(self._host.call.remote(name, args, kwargs))
-                return self if name in _ANSWER_SELF else answer
+                return _get(self._host.call.remote(name, args, kwargs, self._token()))
 
             return forwarded
         if name.startswith("_"):
@@ -380,16 +419,48 @@ class DetachedSession:
             "`%rtnb stop` it and start one without --detached to use it"
         )
 
+    @property
+    def dataset_names(self) -> list[str]:
+        self._require_held()
+        return _get(self._host.call.remote("dataset_names", (), {}, self._token()))
+
+    def scale(self, workers: int | tuple[int, int] | None = None) -> DetachedSession:
+        """A group of ``workers`` ranks holding the same state, in the host."""
+        if workers == 0:
+            raise ConfigError(
+                "a detached group cannot go to local mode (--workers 0 runs the rank in "
+                "this kernel): `%rtnb stop` it and start one without --detached"
+            )
+        return self._changed("scale", workers)
+
+    def restart(self, replay: bool = False) -> DetachedSession:
+        """A fresh group in the host (``replay``: with the ranks' state)."""
+        return self._changed("restart", replay)
+
+    def _changed(self, name: str, argument: Any) -> DetachedSession:
+        self._require_held()
+        _get(self._host.call.remote(name, (argument,), {}, self._token()))
+        self._config, self.last_replay, self.last_growth = _get(self._host.after_change.remote())
+        return self
+
     def checkpoint_store(self, run: str | None = None) -> CheckpointStore:
-        """This run's checkpoints (or another run's of the same storage), read here."""
-        return CheckpointStore.of_run(self._config.storage_path, run or self.run_name)
+        """This run's checkpoints (or another run's of the same storage), read here;
+        a delete goes through the host, whose store guards what a recovery loads."""
+        store = CheckpointStore.of_run(self._config.storage_path, run or self.run_name)
+        token = self._token()
+
+        def delete(checkpoint_id: str, _index: bool = True) -> None:
+            _get(self._host.delete_checkpoint.remote(checkpoint_id, run, token))
+
+        store.delete = delete  # type: ignore[method-assign]
+        return store
 
     def resume(
         self, checkpoint_id: str = "latest", *, run: str | None = None, background: bool = True
     ) -> Any:
         """The last training cell again from ``checkpoint_id``, in the group's host."""
         self._require_held()
-        view = _get(self._host.resume.remote(checkpoint_id, run))
+        view = _get(self._host.resume.remote(checkpoint_id, run, self._token()))
         if view is None:
             return None
         cell = self._cell(view)
@@ -426,7 +497,7 @@ class DetachedSession:
             "label": label,
             "config": config,
         }
-        view = _get(self._host.run.remote(code, background, options))
+        view = _get(self._host.run.remote(code, background, options, self._token()))
         cell = self._cell(view)
         cell.add_sink(output or print_sink(), replay=True)
         return cell
@@ -483,10 +554,13 @@ class DetachedSession:
         """Free the group: stop its cells, its ranks and its host."""
         if self.ended is None:
             self._require_held()
-            with contextlib.suppress(SessionError):
-                _get(self._host.free.remote("stopped by the user"))
-            self._gone(f"the detached group of run {self.run_name!r} was stopped")
-            _wait_gone(self.run_name)
+            try:
+                with contextlib.suppress(SessionError):
+                    _get(self._host.free.remote("stopped by the user"))
+                self._gone(f"the detached group of run {self.run_name!r} was stopped")
+                _wait_gone(self.run_name)
+            finally:
+                self._close()
         self._close()
 
     def release(self) -> None:
@@ -504,10 +578,6 @@ class DetachedSession:
             with contextlib.suppress(Exception):
                 self._connection.shutdown()
             self._connection = None
-
-    def status_line(self) -> str:
-        state = "held by this kernel" if self.held else "followed"
-        return f"rtnb: run {self.run_name!r} is detached ({state})"
 
     def __repr__(self) -> str:
         return f"<rtnb.DetachedSession run={self.run_name!r}>"
@@ -536,12 +606,15 @@ def start_detached(
         outlive_kernel=True,
     )
     ray = _ray()
-    if connection.owned and connection.warm is None:
+    own_ray = not connection.owned and _ray_dies_with_this_process()
+    if (connection.owned and connection.warm is None) or own_ray:
         connection.shutdown()
         from rtnb.driver import _warm
 
         why = (
-            "RTNB_WARM_RAY=0 switches the warm Ray off"
+            "the Ray this kernel uses is its own (its ray.init()), which ends with it"
+            if own_ray
+            else "RTNB_WARM_RAY=0 switches the warm Ray off"
             if _warm.switched_off()
             else "the warm Ray takes no --listen address"
             if config.listen
@@ -558,28 +631,35 @@ def start_detached(
             f"run {run!r} already has a detached group: `%rtnb attach {run}` (or `rtnb stop {run}`)"
         )
     holder = _this_kernel()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # Not the batch runner's file: the kernel announces the run (as detached) itself.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != BATCH_RUNS_ENV}
     say(f"starting the detached group of run {run!r} (its host outlives this kernel)")
-    host = (
-        ray.remote(SessionHost)
-        .options(
-            name=actor_name(run),
-            namespace=DETACHED_NAMESPACE,
-            lifetime="detached",
-            num_cpus=0,
-            max_concurrency=_HOST_CONCURRENCY,
-            max_restarts=0,
+    try:
+        host = (
+            ray.remote(SessionHost)
+            .options(
+                name=actor_name(run),
+                namespace=DETACHED_NAMESPACE,
+                lifetime="detached",
+                num_cpus=0,
+                max_concurrency=_HOST_CONCURRENCY,
+                max_restarts=0,
+            )
+            .remote(
+                session_class,
+                config,
+                replay,
+                env,
+                os.getcwd(),
+                list(sys.path),
+                idle_seconds(idle_timeout_s),
+            )
         )
-        .remote(
-            session_class,
-            config,
-            replay,
-            env,
-            os.getcwd(),
-            list(sys.path),
-            idle_seconds(idle_timeout_s),
-        )
-    )
+    except ValueError:  # the name was taken since the look above: a start beside this one
+        connection.shutdown()
+        raise ConfigError(
+            f"run {run!r} already has a detached group: `%rtnb attach {run}`"
+        ) from None
     try:
         in_force, start_line, replay_line = _get(host.start.remote(holder))
     except BaseException:
@@ -588,6 +668,18 @@ def start_detached(
         connection.shutdown()
         raise
     return DetachedSession(host, run, in_force, holder, [], connection, start_line, replay_line)
+
+
+def _ray_dies_with_this_process() -> bool:
+    """Whether the Ray this process uses is its own child (the user's own
+    ``ray.init()``): a group on it would end with the kernel."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+        return any("gcs_server" in child.name() for child in children)
+    except psutil.Error:
+        return False
 
 
 def _join(address: str | None) -> ClusterConnection | None:

@@ -22,6 +22,7 @@ reaches it, and the class the host builds is handed in), so there is no cycle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import socket
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtnb.core._values import PerRank, RemoteRepr
-from rtnb.errors import RtnbError, SessionError
+from rtnb.errors import SessionError, one_line
+from rtnb.storage._layout import DETACHED_MARK
 
 __all__ = [
     "DEFAULT_IDLE_S",
@@ -138,6 +140,7 @@ class FeedChunk:
     cells: list[CellView] = field(default_factory=list)
     taken_by: str | None = None  # this follower's hold went to another kernel
     ended: str | None = None  # the group was freed (why)
+    reports_end: int = 0  # how many reports the host had when it answered
 
 
 @dataclass
@@ -159,7 +162,10 @@ class DetachedGroup:
 
 
 class SessionHost:
-    """The detached session's actor body (plain Python; ``_attached`` wraps it)."""
+    """The detached session's actor body (plain Python; ``_attached`` wraps it).
+
+    Calls that change the group take the caller's token and are refused to a kernel
+    that does not hold it, and to everyone once the group is being freed."""
 
     def __init__(
         self,
@@ -178,7 +184,10 @@ class SessionHost:
             os.chdir(cwd)
         sys.path[:0] = [p for p in path if p not in sys.path]
         self._lock = threading.Condition()
-        self._session = session_class(config, replay=replay)
+        # Built in start(): a bad option or storage then comes back as its own line.
+        self._make_session = lambda: session_class(config, replay=replay)
+        self._session: Any = None
+        self._run_name = str(config.name)
         self._idle_s = idle_s
         self._reports: list[tuple] = []
         self._output: deque[tuple[int, int, str, str]] = deque()
@@ -194,21 +203,29 @@ class SessionHost:
         self._since = time.time()
         self._idle_since: float | None = None
         self._ended: str | None = None
-        metrics = self._session.metrics
-        metrics.subscribe(self._on_batch)
-        metrics.on_begin(self._on_begin)
-        self._pool = _lease_warm_pool(self._session.run_name)
+        self._pool: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, holder: Holder | None) -> tuple[Any, str, str | None]:
         """Start the group; the config in force, the start's line, the replay's."""
         if holder is not None:
             self._hold(holder, take=False)
-        session = self._session
-        session.start()
+        session = self._make_session()
+        session.metrics.subscribe(self._on_batch)
+        session.metrics.on_begin(self._on_begin)
+        self._pool = _lease_warm_pool(session.run_name)
+        self._session = session
+        try:
+            session.start()
+        except BaseException:
+            self.free("its start failed")
+            raise
+        with self._lock:
+            self._beat = time.monotonic()  # the start took a while: the holder is fresh
+        # The runs table (any kernel, `rtnb runs`) tells this run needs no kernel.
+        session.run_dir.write_json(DETACHED_MARK, {"since": self._since})
         threading.Thread(target=self._watch_idle, name="rtnb-detached-idle", daemon=True).start()
-        replay = str(session.last_replay) if session.last_replay is not None else None
-        return session.config, str(session.last_start), replay
+        return session.config, str(session.last_start), _text(session.last_replay)
 
     def free(self, why: str) -> None:
         """Stop the session (every cell, every rank), let the warm Ray go, end."""
@@ -217,32 +234,59 @@ class SessionHost:
                 return
             self._ended = why
             self._lock.notify_all()
+        self._end()
+
+    def _end(self) -> None:
+        session = self._session
         try:
-            self._session.stop()
+            if session is not None:
+                session.stop()
+                session.run_dir.remove(DETACHED_MARK)
         finally:
             if self._pool is not None:
                 self._pool.detach()
             threading.Thread(target=_end_this_actor, daemon=True).start()
 
+    def _live(self, token: str | None) -> Any:
+        """The session, for a call that uses it: refused once the group is being freed,
+        and to a kernel that does not hold it (``token`` None: a terminal, a view)."""
+        with self._lock:
+            if self._ended is not None or self._session is None:
+                raise SessionError(
+                    f"the detached group of run {self._run_name!r} "
+                    + (f"was freed: {self._ended}" if self._ended else "is still starting")
+                )
+            holder = self._holder
+            if token is not None and holder is not None and holder.token != token:
+                raise SessionError(
+                    f"this kernel does not hold run {self._run_name!r}: {holder.kernel} "
+                    f"took it over; `%rtnb attach {self._run_name} --take` takes it back"
+                )
+            return self._session
+
     # ---- holding ---------------------------------------------------------------------
     def hold(self, holder: Holder | None, take: bool) -> tuple[Any, list[CellView]]:
         """``holder`` is now the kernel of this group (``take``: even when another
         kernel holds it; None: only followed); the config in force and the cells."""
+        session = self._live(None)
         if holder is not None:
             self._hold(holder, take)
         with self._lock:
-            return self._session.config, list(self._views.values())
+            return session.config, _copies(self._views)
 
     def _hold(self, holder: Holder, take: bool) -> None:
         with self._lock:
+            if self._ended is not None:
+                raise SessionError(f"the detached group of run {self._run_name!r} was freed")
             current = self._holder
-            if current is not None and current.token != holder.token and self._fresh():
-                if not take:
+            if current is not None and current.token != holder.token:
+                if self._fresh() and not take:
                     raise SessionError(
-                        f"run {self._session.run_name!r} is attached to {current.kernel}: "
-                        f"`%rtnb attach {self._session.run_name} --take` takes it over "
+                        f"run {self._run_name!r} is attached to {current.kernel}: "
+                        f"`%rtnb attach {self._run_name} --take` takes it over "
                         "(that kernel is told and lets go)"
                     )
+                # Told on its next call, alive or back from a pause: it holds nothing.
                 self._taken[current.token] = holder.kernel
             self._holder, self._beat = holder, time.monotonic()
             self._idle_since = None
@@ -291,16 +335,19 @@ class SessionHost:
             reports = self._reports[reports_at : reports_at + max_reports]
             start = max(output_at, self._output_base) - self._output_base
             output = [self._output[i] for i in range(start, len(self._output))]
-            cells = [self._views[cid] for cid, v in self._cell_versions.items() if v > cells_at]
+            changed = {
+                cid: self._views[cid] for cid, v in self._cell_versions.items() if v > cells_at
+            }
             return FeedChunk(
                 reports_at + len(reports),
                 output_end,
                 self._version,
                 reports,
                 output,
-                cells,
+                _copies(changed),
                 taken,
                 self._ended,
+                len(self._reports),
             )
 
     def _on_batch(self, rank: int, batch: Any) -> None:
@@ -322,20 +369,13 @@ class SessionHost:
             self._lock.notify_all()
 
     # ---- cells -----------------------------------------------------------------------
-    def run(self, code: str, background: bool, options: dict[str, Any]) -> CellView:
+    def run(
+        self, code: str, background: bool, options: dict[str, Any], token: str | None
+    ) -> CellView:
         """Start ``code`` on the ranks in the host (every cell runs there, so that it
         goes on without a kernel)."""
-        return self._track(
-            self._session.run_background(code, output=_silent, **options), background
-        )
-
-    def resume(self, checkpoint_id: str, run: str | None) -> CellView | None:
-        """The last training cell again from a checkpoint, in the background (None: no
-        training cell ran yet; the next one starts from it)."""
-        handle = self._session.resume(checkpoint_id, run=run, background=True)
-        return None if handle is None else self._track(handle, True)
-
-    def _track(self, handle: Any, background: bool) -> CellView:
+        sink = _CellSink(self._on_output)
+        handle = self._live(token).run_background(code, output=sink, **options)
         view = CellView(
             handle.cell_id, handle.name, background, list(handle.ranks), handle.started_at
         )
@@ -345,17 +385,21 @@ class SessionHost:
             self._changed(handle.cell_id)
             if background:
                 self._last_background = handle.cell_id
-        handle.add_sink(
-            lambda rank, stream, text: self._on_output(handle.cell_id, rank, stream, text),
-            replay=True,
-        )
+            answer = dataclasses.replace(view)
+        sink.known_as(handle.cell_id)
         handle.add_done_callback(self._ended_cell)
-        return view
+        return answer
+
+    def resume(self, checkpoint_id: str, run: str | None, token: str | None) -> CellView | None:
+        """The last training cell again from a checkpoint, in the background (None: no
+        training cell ran yet; the next one starts from it)."""
+        plan = self._live(token).prepare_resume(checkpoint_id, run=run)
+        return None if plan.code is None else self.run(plan.code, True, {}, token)
 
     def _ended_cell(self, handle: Any) -> None:
         with self._lock:
             view = self._views[handle.cell_id]
-            view.done, view.error = True, handle.error
+            view.done, view.error = True, _sendable_error(handle.error)
             view.restarted_from = handle.restarted_from
             view.recoveries, view.ended_at = handle.recoveries, time.time()
             self._changed(handle.cell_id)
@@ -376,24 +420,37 @@ class SessionHost:
             value = handle.wait(timeout_s)
         except TimeoutError:
             return None
-        except RtnbError as exc:
-            return CellOutcome(error=exc)
-        except BaseException as exc:  # noqa: BLE001 - the user's error, kept
-            return CellOutcome(error=exc)
+        except BaseException as exc:  # noqa: BLE001 - the cell's error, kept
+            return CellOutcome(error=_sendable_error(exc))
         return CellOutcome(value=_sendable(value))
 
-    def stop_cell(self, cell_id: int, reason: str) -> None:
+    def stop_cell(self, cell_id: int, reason: str, token: str | None) -> None:
+        self._live(token)
         handle = self._cells.get(cell_id)
         if handle is not None:
             handle.stop(reason)
 
-    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
-        """One of the session's own calls (pull, push, status, scale, ...)."""
-        result = getattr(self._session, name)(*args, **kwargs)
-        return None if result is self._session else result
+    def call(self, name: str, args: tuple, kwargs: dict, token: str | None) -> Any:
+        """One of the session's own calls (pull, push, status, scale, ...), or the
+        value of one of its properties."""
+        session = self._live(token)
+        attribute = getattr(session, name)
+        result = attribute(*args, **kwargs) if callable(attribute) else attribute
+        return None if result is session else result
+
+    def after_change(self) -> tuple[Any, str | None, str | None]:
+        """After a scale or restart: the config in force, the replay's line and the
+        growth's."""
+        session = self._live(None)
+        return session.config, _text(session.last_replay), session.last_growth
+
+    def delete_checkpoint(self, checkpoint_id: str, run: str | None, token: str | None) -> None:
+        """The browser's Delete, through the host's store: it guards what a recovery
+        would load and owns the index."""
+        self._live(token).checkpoint_store(run).delete(checkpoint_id)
 
     def world_size(self) -> int:
-        return self._session.world_size
+        return self._live(None).world_size
 
     # ---- rtnb ps / idle --------------------------------------------------------------
     def describe(self) -> DetachedGroup:
@@ -402,6 +459,23 @@ class SessionHost:
             held = self._holder.kernel if self._fresh() and self._holder else None
             running = [v for v in self._views.values() if not v.done]
             idle_for = None if self._idle_since is None else time.monotonic() - self._idle_since
+            ended = self._ended
+        if session is None or ended is not None:
+            state = "stopping" if ended is not None else "starting"
+            return DetachedGroup(
+                self._run_name,
+                state,
+                0,
+                None,
+                self._since,
+                0.0,
+                0.0,
+                held,
+                None,
+                None,
+                self._idle_s,
+                "",
+            )
         config = session.config
         last = session.metrics.last
         ranks = session.world_size if session.started else 0
@@ -433,17 +507,62 @@ class SessionHost:
                     continue
                 if self._idle_since is None:
                     self._idle_since = now
-                idle = now - self._idle_since >= self._idle_s
-            if idle:
-                self.free(
+                if now - self._idle_since < self._idle_s:
+                    continue
+                # Decided and marked in one critical section: an attach or a cell that
+                # comes now is refused rather than freed under it.
+                self._ended = (
                     f"no cell ran and no kernel was attached for {self._idle_s:g} s "
                     f"(the detached idle timeout, {IDLE_ENV})"
                 )
+                self._lock.notify_all()
+            self._end()
+            return
+
+
+def _copies(views: dict[int, CellView]) -> list[CellView]:
+    """Copies taken under the lock: Ray pickles the answer after it is let go."""
+    return [dataclasses.replace(view) for view in views.values()]
+
+
+class _CellSink:
+    """A host cell's output sink from its first line on: lines before the cell's id
+    is known wait here, in order, and go to the feed once it is."""
+
+    def __init__(self, feed: Any) -> None:
+        self._feed = feed
+        self._lock = threading.Lock()
+        self._cell_id: int | None = None
+        self._early: list[tuple[int, str, str]] = []
+
+    def __call__(self, rank: int, stream: str, text: str) -> None:
+        with self._lock:
+            if self._cell_id is None:
+                self._early.append((rank, stream, text))
                 return
+            self._feed(self._cell_id, rank, stream, text)
+
+    def known_as(self, cell_id: int) -> None:
+        with self._lock:
+            self._cell_id = cell_id
+            for line in self._early:
+                self._feed(cell_id, *line)
+            self._early.clear()
 
 
-def _silent(_rank: int, _stream: str, _text: str) -> None:
-    """The host prints nothing (its followers show the output)."""
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _sendable_error(error: BaseException | None) -> BaseException | None:
+    """A cell's error as a kernel can receive it: itself when it pickles, else its line."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - an exception class only the ranks have
+        return SessionError(one_line(error))
 
 
 def _sendable(value: Any) -> Any:

@@ -422,7 +422,17 @@ class _DetachedStart:
         _announce_to_batch_runner(self._config.storage_path, self.run_name, detached=True)
         return self._started
 
+    def __enter__(self) -> Any:
+        return self._started or self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        # A detached group outlives the block, as it outlives the kernel: let go.
+        if self._started is not None:
+            self._started.release()
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
         started = self.__dict__.get("_started")
         if started is None:
             raise SessionError("the detached group is not started yet: call start() first")

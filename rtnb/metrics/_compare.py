@@ -70,7 +70,7 @@ def runs_rows(runs, stores: dict, metric: str | None) -> list[dict]:
         rows.append(
             {
                 "run": run.name,
-                "status": run.state,
+                "status": run.shown_state,
                 "started": run.started,
                 "updated": run.updated,
                 "duration": run.duration_s,

@@ -54,6 +54,7 @@ __all__ = [
     "tensorboard_dir",
     "validation_file",
     "write_run_record",
+    "DETACHED_MARK",
 ]
 
 RUN_RECORD = "run.json"
@@ -79,6 +80,9 @@ JOURNAL_SPOOL = "journal-spool"
 _AHEAD = "ahead-"
 _STATE_PREFIX, _STATE_SUFFIX = "state-rank", ".pt"
 SWEEP_RECORD = "sweep.json"
+# Present while a detached group's host runs the run (%rtnb start --detached): who
+# holds it is the host's to say; the runs table shows the run as detached.
+DETACHED_MARK = "detached.json"
 # In a checkpoint's folder, written last: a folder without it is not a checkpoint.
 MANIFEST = "_manifest.json"
 # 1: the first versioned record (earlier ones had no version field and are read the

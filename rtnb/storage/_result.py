@@ -10,7 +10,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.core._score import ScoreRule, ScoreSource
 from rtnb.core._text import format_duration, format_table, mean_over_ranks
 from rtnb.errors import ConfigError
-from rtnb.storage._layout import RUN_RECORD, committed_in_index, read_run_record
+from rtnb.storage._layout import DETACHED_MARK, RUN_RECORD, committed_in_index, read_run_record
 from rtnb.storage._metricslog import read_metrics
 from rtnb.storage._rundir import RunDirectory
 
@@ -124,6 +124,7 @@ class RunSummary:
     checkpoints: int = 0
     config: dict = field(default_factory=dict)
     mlflow: dict = field(default_factory=dict)  # the run's MLflow run (run.json)
+    detached: bool = False  # a detached group's host runs it (no kernel needed)
 
     @property
     def mlflow_link(self) -> str:
@@ -143,6 +144,12 @@ class RunSummary:
         if self.status in _LIVE:
             return "live"
         return "failed" if self.status == "failed" else "finished"
+
+    @property
+    def shown_state(self) -> str:
+        """The state as the runs table shows it: a live run a detached group's host
+        runs (no kernel needed) says so."""
+        return "live, detached" if self.detached and self.state == "live" else self.state
 
     @property
     def steps(self) -> int:
@@ -183,7 +190,7 @@ class RunTable:
         ] + [
             [
                 r.name,
-                r.status,
+                r.status + (" (detached)" if r.detached and r.state == "live" else ""),
                 str(r.workers),
                 when(r.started),
                 when(r.updated),
@@ -226,6 +233,7 @@ def list_runs(storage: str) -> RunTable:
                 config=record.config,
                 checkpoints=committed_in_index(run_dir),
                 mlflow=record.mlflow,
+                detached=run_dir.exists(DETACHED_MARK),
             )
         )
     runs.sort(key=lambda r: r.updated, reverse=True)

@@ -5,6 +5,7 @@ Holds ``run.json`` (config, ranks, status) now; metrics and checkpoints go under
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -109,6 +110,11 @@ class RunDirectory:
         with self.fs.open_output_stream(tmp) as out:
             out.write(data)
         self.fs.move(tmp, target)
+
+    def remove(self, name: str) -> None:
+        """Delete file ``name`` of this run; gone already is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(posixpath.join(self.path, name))
 
     def read_json(self, name: str) -> dict[str, Any]:
         with self.fs.open_input_stream(posixpath.join(self.path, name)) as src:
