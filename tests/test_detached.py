@@ -154,7 +154,12 @@ def test_a_detached_cell_outlives_its_kernel_recovers_and_another_kernel_attache
         assert "following cell [" in first_line and "Ctrl-C leaves it running" in first_line
         assert "step 29" in follower.stdout.readline()
         follower.send_signal(signal.SIGINT)
-        rest = follower.communicate(timeout=60)[0]
+        try:
+            rest = follower.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            follower.kill()
+            shown = follower.communicate()[0]
+            raise AssertionError(f"Ctrl-C did not end `rtnb attach`: {shown}") from None
         assert follower.returncode == 130 and "is left running" in rest, rest
         assert "running" in _cli(warm_env, "ps")
 

@@ -3,6 +3,8 @@ terminal, through the public face (batch code never reaches into the driver)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -26,6 +28,9 @@ def detached_command(command: str, run: str | None, address: str | None) -> int:
         rtnb.stop_detached(run, address=address)
         print(f"rtnb: the detached group of run {run!r} is stopped; its CPUs/GPUs are free")
         return 0
+    # Ctrl-C must reach the follow even when this process was started with SIGINT
+    # ignored (a background job of a script inherits that): it is how one leaves.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return _follow(rtnb.attach(run, address=address, observe=True))
 
 
@@ -110,8 +115,11 @@ def _follow(session: Any) -> int:
     except KeyboardInterrupt:
         print(
             f"\nrtnb: run {run!r} is left running: `rtnb attach {run}` follows it again, "
-            f"`rtnb stop {run}` frees it"
+            f"`rtnb stop {run}` frees it",
+            flush=True,
         )
-        return 130
+        # Out at once: this process holds nothing, and a Ray shutdown would first wait
+        # for the follow call in flight (up to a minute on a busy machine).
+        os._exit(130)
     finally:
         session.release()
