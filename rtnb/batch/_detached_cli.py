@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from rtnb.core._output import print_sink
-from rtnb.core._text import format_table
+from rtnb.core._text import format_table, mean_over_ranks
 
 __all__ = ["detached_command"]
 
@@ -67,12 +67,8 @@ def _progress(session: Any) -> str:
     if not last:
         return "no reports yet"
     step = max(r.step for r in last.values())
-    means: dict[str, list[float]] = {}
-    for report in last.values():
-        for name, value in report.metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                means.setdefault(name, []).append(float(value))
-    shown = "  ".join(f"{k}={sum(v) / len(v):.4g}" for k, v in sorted(means.items())[:6])
+    means = mean_over_ranks({rank: report.metrics for rank, report in last.items()})
+    shown = "  ".join(f"{name}={value:.4g}" for name, value in list(means.items())[:6])
     return f"step {step}  {shown}".rstrip()
 
 

@@ -25,8 +25,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rtnb.core._config import SessionConfig
+from rtnb.core._config import SessionConfig, default_run_name
 from rtnb.core._output import OutputSink, print_sink
+from rtnb.core._values import PerRank, from_portable
 from rtnb.driver._cluster import ClusterConnection, connect
 from rtnb.driver._detached import (
     DETACHED_NAMESPACE,
@@ -231,7 +232,7 @@ class FollowedCell:
             if outcome is not None:
                 if outcome.error is not None:
                     raise outcome.error
-                return outcome.value
+                return PerRank({rank: from_portable(p) for rank, p in outcome.values.items()})
             if deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(
                     f"{self.name} is still running after {timeout:g} s; it goes on "
@@ -593,7 +594,7 @@ def start_detached(
 ) -> DetachedSession:
     """Start a detached group for ``config`` (the session's own options)."""
     say = progress or (lambda line: None)
-    run = config.name or time.strftime("run-%Y%m%d-%H%M%S")
+    run = config.name or default_run_name()
     config = dataclasses.replace(config, name=run, storage=config.storage_path)
     need = 0.0 if config.local else config.workers * config.cpus_per_worker
     connection = connect(

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtnb.core._values import PerRank, RemoteRepr
+from rtnb.core._values import to_portable
 from rtnb.errors import SessionError, one_line
 from rtnb.storage._layout import DETACHED_MARK
 
@@ -89,17 +89,15 @@ class Holder:
     hostname: str = ""
 
     def dead(self) -> bool:
-        """Known dead: a process of this machine that is gone (a zombie too)."""
-        if not self.pid or self.hostname != socket.gethostname():
-            return False
-        import psutil
+        """Known dead: a process of this machine that is gone (a zombie too), by the
+        warm pool's own rule for its kernels."""
+        from rtnb.driver._warmhost import kernel_alive
 
-        try:
-            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-        except psutil.Error:
-            return False
+        return (
+            bool(self.pid)
+            and self.hostname == socket.gethostname()
+            and not kernel_alive(self.pid, None)
+        )
 
 
 @dataclass
@@ -120,9 +118,10 @@ class CellView:
 
 @dataclass
 class CellOutcome:
-    """A cell's end: its value per rank, or its error."""
+    """A cell's end: its value per rank (as ``to_portable`` packs a rank's value:
+    a value only the host can unpickle, or too large, still prints), or its error."""
 
-    value: Any = None
+    values: dict[int, tuple[bytes | None, str]] = field(default_factory=dict)
     error: BaseException | None = None
 
 
@@ -422,7 +421,7 @@ class SessionHost:
             return None
         except BaseException as exc:  # noqa: BLE001 - the cell's error, kept
             return CellOutcome(error=_sendable_error(exc))
-        return CellOutcome(value=_sendable(value))
+        return CellOutcome(values={rank: to_portable(item) for rank, item in value.items()})
 
     def stop_cell(self, cell_id: int, reason: str, token: str | None) -> None:
         self._live(token)
@@ -563,18 +562,6 @@ def _sendable_error(error: BaseException | None) -> BaseException | None:
         return error
     except Exception:  # noqa: BLE001 - an exception class only the ranks have
         return SessionError(one_line(error))
-
-
-def _sendable(value: Any) -> Any:
-    """A cell's value as a kernel can receive it: itself when it pickles, else each
-    rank's value that does not as its repr."""
-    try:
-        pickle.dumps(value)
-        return value
-    except Exception:  # noqa: BLE001 - a class only the ranks have
-        if isinstance(value, dict):
-            return PerRank({rank: _sendable(item) for rank, item in value.items()})
-        return RemoteRepr(repr(value))
 
 
 def _lease_warm_pool(run: str) -> Any:

@@ -26,12 +26,11 @@ import dataclasses
 import itertools
 import json
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from rtnb.core._config import SessionConfig
+from rtnb.core._config import SessionConfig, default_run_name
 from rtnb.core._context import set_notebook_checkpoints
 from rtnb.core._output import OutputSink
 from rtnb.core._redact import redact_uri
@@ -93,7 +92,7 @@ class Session(LiveAPI, RunAPI):
         config = _config_of(config, options)
         if replay and not config.name:
             raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
-        self.run_name = config.name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.run_name = config.name or default_run_name()
         self.run_dir = RunDirectory(config.storage_path, self.run_name)
         self.checkpoints = CheckpointStore(self.run_dir, config.keep, config.score, config.mode)
         self.commits = CheckpointCoordinator(self.checkpoints)
@@ -402,7 +401,7 @@ class _DetachedStart:
             raise ConfigError(f"--idle-timeout must be positive, got {idle_timeout_s:g}")
         self._replay, self._idle_s = replay, idle_timeout_s
         self._started: Any = None
-        self.run_name = self._config.name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.run_name = self._config.name or default_run_name()
         self._config = dataclasses.replace(self._config, name=self.run_name)
 
     @property

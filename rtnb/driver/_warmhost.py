@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POOL_NAME", "POOL_NAMESPACE", "WarmPool", "main"]
+__all__ = ["POOL_NAME", "POOL_NAMESPACE", "WarmPool", "kernel_alive", "main"]
 
 POOL_NAME = "rtnb-warm-pool"
 POOL_NAMESPACE = "rtnb-warm"
@@ -62,7 +62,7 @@ def _started(pid: int) -> float | None:
         return None
 
 
-def _alive(pid: int, started: float | None) -> bool:
+def kernel_alive(pid: int, started: float | None) -> bool:
     """Whether the kernel that attached as ``pid`` still runs.
 
     A killed kernel stays a zombie until its parent (the Jupyter server, nbclient)
@@ -207,7 +207,9 @@ class WarmPool:
             time.sleep(WATCH_S)
             gone: list[Any] = []
             with self._lock:
-                dead = [pid for pid, started in self._leases.items() if not _alive(pid, started)]
+                dead = [
+                    pid for pid, started in self._leases.items() if not kernel_alive(pid, started)
+                ]
                 for pid in dead:
                     del self._leases[pid]
                     self._detached.pop(pid, None)
