@@ -11,7 +11,8 @@ the rounds, MET or MISSED (judged on the median), and what the peer was and how 
 was tuned (``peers.py``). ``--check`` exits 1 when a goal is missed or a benchmark
 failed. ``--json`` writes all of it, with the machine and the commit, for the docs.
 
-``--quick``: 3 rounds of smaller sizes (within 15 minutes on 2 cores); otherwise 5
+``--quick``: 3 rounds of smaller sizes (~36 minutes on 2 cores; the goal, 15, is
+missed: see docs/benchmarks.md); otherwise 5
 rounds of the sizes the docs quote.
 """
 
@@ -137,8 +138,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "checkpoint_async",
         (
-            _x("async_ratio_s3", "loop saving every 10 steps, ASYNC to S3 / no checkpoint", 1.10),
-            _x("sync_ratio_s3", "the same loop, SYNC to S3 / no checkpoint"),
+            _x(
+                "async_ratio_s3",
+                "loop saving 100 MB a rank (10 quick) every 10 steps, ASYNC to S3 / none",
+                1.10,
+            ),
+            _x("sync_ratio_s3", "the same loop, SYNC to S3 / none"),
             Figure(
                 "trainer_async_ratio_s3",
                 "Ray Train's ASYNC to S3 / its loop without",
@@ -385,12 +390,14 @@ def _commit() -> str:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
         )
-        dirty = subprocess.run(
+        changed = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             cwd=HERE,
-        ).stdout.strip()
+        ).stdout.splitlines()
+        # The browser tests retake the docs' pictures: that is no change to the code.
+        dirty = [line for line in changed if not line[3:].startswith("docs/images/")]
         return out.stdout.strip() + ("+changes" if dirty else "")
     except OSError:
         return "unknown"

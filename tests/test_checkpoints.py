@@ -438,3 +438,46 @@ def test_every_committed_checkpoint_holds_every_saving_ranks_shard(session):
         session.checkpoints.get(info.id).verify(full=True)
     value = session.run("ck = rtnb.get_checkpoint()\nck.load_state()['s']")
     assert value == {0: 5, 1: 5}
+
+
+def test_a_step_one_rank_could_not_write_is_never_committed_with_the_others_files(
+    ray_cluster, tmp_path
+):
+    # Rank 1's checkpoint makes a folder "x" in step 3's checkpoint; rank 0's file of
+    # that name can then not be written there. Rank 1's files alone must not become
+    # step 3's checkpoint, in this cell or when later cells pass step 3.
+    session = rtnb.Session(workers=2, storage=str(tmp_path), name="half")
+    session.start()
+    try:
+        with pytest.raises(rtnb.StorageError, match="rank 0 could not write") as failed:
+            session.run(
+                "import os, tempfile, rtnb, torch.distributed as dist\n"
+                "def folder(rank, step):\n"
+                "    d = tempfile.mkdtemp()\n"
+                "    name = 'x' if rank == 0 and step == 3 else f'x/rank{rank}.pt'\n"
+                "    os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)\n"
+                "    open(os.path.join(d, name), 'w').write(str(step))\n"
+                "    return rtnb.Checkpoint.from_directory(d)\n"
+                "rank = dist.get_rank()\n"
+                "for step in range(1, 4):\n"
+                "    if rank == 0 and step == 3:\n"
+                "        dist.barrier()  # rank 1's folder x is there first\n"
+                "    rtnb.report({'loss': 1.0}, step=step, checkpoint=folder(rank, step),\n"
+                "                checkpoint_upload_mode='SYNC')\n"
+                "    if rank == 1 and step == 3:\n"
+                "        dist.barrier()\n"
+            )
+        assert "step-000000002" in str(failed.value), str(failed.value)
+        assert [c.step for c in session.list_checkpoints()] == [1, 2]
+        session.run(
+            "for step in range(4, 6):\n"
+            "    rtnb.report({'loss': 1.0}, step=step, checkpoint=folder(rank, step),\n"
+            "                checkpoint_upload_mode='SYNC')\n"
+        )
+        listed = session.list_checkpoints()
+        assert [c.step for c in listed] == [1, 2, 4, 5], "step 3 lacks rank 0's files"
+        for info in listed:
+            assert info.ranks == [0, 1], info
+            session.checkpoints.get(info.id).verify(full=True)
+    finally:
+        session.stop()

@@ -576,3 +576,42 @@ def test_a_detached_session_refuses_what_it_cannot_be_in_one_line():
     assert pending.detached and not pending.started and pending.run_name == "later"
     with pytest.raises(rtnb.SessionError, match="not started yet"):
         pending.status()
+
+
+def test_ranks_linking_the_same_file_name_into_a_checkpoint_never_leave_it_missing(tmp_path):
+    # Two ranks whose checkpoints hold the same file name link it into one folder at
+    # once, each then hashing what it placed: the name must never be missing.
+    from rtnb.storage._checkpoint import _link
+
+    dst = tmp_path / "checkpoint" / "model.pt"
+    sources = []
+    for rank in (0, 1):
+        src = tmp_path / f"rank{rank}.pt"
+        src.write_bytes(b"weights")
+        sources.append(str(src))
+    _link(sources[0], str(dst))
+    problems: list[str] = []
+    linking = threading.Event()
+    linking.set()
+
+    def link_again(src: str) -> None:
+        for _ in range(3000):
+            if not _link(src, str(dst)):
+                problems.append("a link fell back to a copy")
+
+    def look() -> None:
+        while linking.is_set():
+            if not dst.exists():
+                problems.append("missing")
+
+    watcher = threading.Thread(target=look)
+    watcher.start()
+    linkers = [threading.Thread(target=link_again, args=(s,)) for s in sources]
+    for thread in linkers:
+        thread.start()
+    for thread in linkers:
+        thread.join()
+    linking.clear()
+    watcher.join()
+    assert not problems, f"{len(problems)} times: {sorted(set(problems))}"
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["model.pt"], "no spare names left"

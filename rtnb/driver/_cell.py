@@ -148,9 +148,7 @@ class CellHandle:
         """``saved``: the changes the saved notebook's cell received (``rtnb run``)."""
         self._context = context
         self.cell_id = cell_id
-        # The notebook's name for the cell (Jupyter's "[4]"): what the header, the
-        # errors and the tracebacks call it; rtnb's own cell number otherwise.
-        self.label = label
+        self.label = label  # Jupyter's "[4]" for the header and errors, else rtnb's number
         self.code = code
         self.ranks = ranks
         self.timeout_s = timeout_s
@@ -169,8 +167,8 @@ class CellHandle:
         self._begin_attempt()
         self._stopping = StopProtocol(context.stop_grace_s)
         self._commit_error: CheckpointError | None = None
-        # The first storage write that failed during this cell (a rank's checkpoint
-        # files, the metrics record, the logs, a commit): the cell stops at one step.
+        # The first storage write that failed (checkpoint files, metrics record, logs,
+        # a commit): the cell stops at one step.
         self._storage_failure: str | None = None
         self._restart_noted = True
         self._hang = HangWatch(
@@ -184,14 +182,14 @@ class CellHandle:
         for step, text in self.controls.saved_markers():
             context.metrics.add_marker(step, text)
         self._breakpoints = Breakpoints(not (background or replay), self.note)
-        # %rtnb profile: each rank's profile of the armed steps, as they arrive.
-        self.profiles: dict[int, Any] = {}
+        self.profiles: dict[int, Any] = {}  # %rtnb profile: each rank's, as they arrive
 
     def _begin_attempt(self) -> None:
         """What one run of the cell on one group knows of its ranks; all of it starts
         again when the cell runs again on a rebuilt group. Kept on self so the driver
         loop can be re-entered after Ctrl-C."""
         self.steps: dict[int, int] = {r: -1 for r in self.ranks}  # -1: not heard from yet
+        self.unwritten: dict[int, int | None] = {}  # rank -> first step it could not write
         self.states: dict[int, str] = {r: "running" for r in self.ranks}
         self.loaded: dict[int, str | None] = {}
         self.lines: dict[int, int] = {}  # each rank's line of training (see _commits)
@@ -494,6 +492,7 @@ class CellHandle:
         if _moved(update, self.steps.get(rank, -1)):
             self._hang.moved()
         self.steps[rank] = update.step
+        self.unwritten[rank] = update.unwritten_step
         self.lines[rank] = update.line
         self.states[rank] = "paused" if update.paused_at is not None else str(update.state)
         if update.loaded_checkpoint is not None and rank not in self.loaded:
@@ -572,6 +571,7 @@ class CellHandle:
             self._finish(error=self._commit_error)
             return
         if self._storage_failure is not None:
+            self._context.checkpoints.drop_pending()  # lacks files some rank could not write
             latest = None
             with contextlib.suppress(Exception):
                 latest = self._context.latest_checkpoint_id()

@@ -252,14 +252,21 @@ class Checkpoint:
 
 
 def _link(src: str, dst: str) -> bool:
+    """Hard-link ``src`` as ``dst``, replacing a file there in one step: ranks that
+    save the same file name link into one checkpoint folder at once, and removing
+    ``dst`` before linking left a moment where another rank found it missing."""
+    spare = f"{dst}.rtnb-link-{os.getpid()}-{threading.get_ident()}"
     try:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if os.path.exists(dst):
-            os.remove(dst)
-        os.link(src, dst)
-        return True
+        os.link(src, spare)
+        os.replace(spare, dst)
     except OSError:  # another device, or links not supported: copy instead
         return False
+    finally:
+        # A rename onto a link of the same file leaves both names (POSIX).
+        with contextlib.suppress(OSError):
+            os.remove(spare)
+    return True
 
 
 class _HashCheck(threading.Thread):
@@ -435,7 +442,9 @@ def _copy_files(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
             and source._temporary
             and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel))
         ):
-            digest, size = _hash(dest_fs, posixpath.join(dest_path, rel))
+            # The file this rank linked (another rank saving the same name may have
+            # replaced the run's link since; its bytes are its own to hash).
+            digest, size = _hash(dest_fs, os.path.join(source.path, rel))
             entries.append({"path": rel, "size": size, HASH: digest})
             continue
         target = posixpath.join(dest_path, rel)

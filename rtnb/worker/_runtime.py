@@ -227,6 +227,9 @@ class RankRuntime:
         )
         self._upload_error: BaseException | None = None
         self._storage_error: str | None = None  # set by a failed checkpoint write
+        # The first step whose files this rank could not write, in the running cell
+        # (no checkpoint from that step on may commit: see RankUpdate.unwritten_step).
+        self._unwritten_step: int | None = None
         self._reported_checkpoint: str | None = None  # the id of the last one reported
         # Cell state, guarded by _cond.
         self._cell_id: int | None = None
@@ -331,6 +334,7 @@ class RankRuntime:
             self._value = None
             self._error = None
             self._storage_error = None
+            self._unwritten_step = None
             self._stop_wanted = False
             self._stop_target = None
             self._paused_at = None
@@ -547,6 +551,7 @@ class RankRuntime:
             loaded_checkpoint=self._loaded_checkpoint,
             line=self.line,
             storage_error=self._storage_error,
+            unwritten_step=self._unwritten_step,
         )
 
     # ---- output and reports (called from the cell thread) --------------------------
@@ -730,6 +735,8 @@ class RankRuntime:
             else self.context.storage_path
         )
         with self._cond:
+            if self._unwritten_step is None or step < self._unwritten_step:
+                self._unwritten_step = step
             if self._storage_error is None:
                 self._storage_error = (
                     f"rank {self.context.world_rank} could not write its checkpoint files "
