@@ -166,10 +166,6 @@ class RankUpdate:
     # A checkpoint write that failed (full disk, read-only, an object-store error):
     # the rank stopped writing and asks for the cell to stop at a common step.
     storage_error: str | None = None
-    # The first step whose files it could not write: the driver commits no checkpoint
-    # from that step on (the other ranks' files alone are not the checkpoint), though
-    # the rank's step goes on to where the cell stops.
-    unwritten_step: int | None = None
     # Steps whose checkpoint files are still uploading beside the loop (oldest
     # first), and the seconds report() has waited for room among them in all.
     uploading: tuple[int, ...] = ()

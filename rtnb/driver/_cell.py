@@ -189,7 +189,6 @@ class CellHandle:
         again when the cell runs again on a rebuilt group. Kept on self so the driver
         loop can be re-entered after Ctrl-C."""
         self.steps: dict[int, int] = {r: -1 for r in self.ranks}  # -1: not heard from yet
-        self.unwritten: dict[int, int | None] = {}  # rank -> first step it could not write
         self.states: dict[int, str] = {r: "running" for r in self.ranks}
         self.loaded: dict[int, str | None] = {}
         self.lines: dict[int, int] = {}  # each rank's line of training (see _commits)
@@ -492,7 +491,6 @@ class CellHandle:
         if _moved(update, self.steps.get(rank, -1)):
             self._hang.moved()
         self.steps[rank] = update.step
-        self.unwritten[rank] = update.unwritten_step
         self.lines[rank] = update.line
         self.states[rank] = "paused" if update.paused_at is not None else str(update.state)
         if update.loaded_checkpoint is not None and rank not in self.loaded:
@@ -575,8 +573,9 @@ class CellHandle:
             latest = None
             with contextlib.suppress(Exception):
                 latest = self._context.latest_checkpoint_id()
+            at = self._stopping.target  # the ranks' common stop step
             error = storage_stopped(
-                self.name, self._storage_failure, finished, latest, self._context.run_name
+                self.name, self._storage_failure, finished, latest, self._context.run_name, at
             )
             self._finish(error=error)
             return

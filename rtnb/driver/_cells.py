@@ -191,7 +191,7 @@ class CellFlow:
         return self._commits.for_cell(replay)
 
     def commit(self, handle: CellHandle) -> None:
-        steps = _committable_steps(handle)
+        steps = dict(handle.steps)
         if not handle.replay:
             self._commits.track(dict(handle.lines), steps)
         self._commits.commit_ready(steps, set(handle.ranks))
@@ -707,13 +707,3 @@ def check_syntax(code: str, filename: str = "<rtrain-cell-0>") -> None:
 _COMPILED: OrderedDict[str, None] = OrderedDict()
 _COMPILED_KEPT = 64
 _COMPILED_LOCK = threading.Lock()
-
-
-def _committable_steps(handle: CellHandle) -> dict[int, int]:
-    """Each rank's step as commits see it: below a step whose files it could not
-    write (the other ranks' files alone are not that checkpoint)."""
-    steps = {}
-    for rank, step in handle.steps.items():
-        unwritten = handle.unwritten.get(rank)
-        steps[rank] = step if unwritten is None else min(step, unwritten - 1)
-    return steps

@@ -105,10 +105,13 @@ def storage_stopped(
     finished: dict[int, RankUpdate],
     latest: str | None,
     run_name: str,
+    stopped_at: int | None = None,
 ) -> StorageError:
     """The error of a cell stopped at one step because a write to storage failed
-    (``what``); ``latest``: the run's last committed checkpoint."""
-    steps = {u.step for u in finished.values()}
+    (``what``); ``latest``: the run's last committed checkpoint; ``stopped_at``: the
+    stop's common step. (The ranks' published steps stay below files still uploading
+    or never written, so they do not say where the ranks stopped.)"""
+    steps = {stopped_at} if stopped_at is not None else {u.step for u in finished.values()}
     stopped = (
         f"every rank stopped at step {steps.pop()}" if len(steps) == 1 else "every rank stopped"
     )
@@ -122,7 +125,9 @@ def storage_stopped(
         f"and {kept}. Free space there (or fix its permissions) and run the next cell, or "
         f"`%rtnb start --storage ELSEWHERE --name {run_name} --replay`",
         kept=True,
-        step=max((u.step for u in finished.values()), default=None),
+        step=stopped_at
+        if stopped_at is not None
+        else max((u.step for u in finished.values()), default=None),
     )
 
 

@@ -227,8 +227,9 @@ class RankRuntime:
         )
         self._upload_error: BaseException | None = None
         self._storage_error: str | None = None  # set by a failed checkpoint write
-        # The first step whose files this rank could not write, in the running cell
-        # (no checkpoint from that step on may commit: see RankUpdate.unwritten_step).
+        # The first step whose files this rank could not write, in the running cell:
+        # the step published stays below it, so no checkpoint from it on commits with
+        # the other ranks' files alone.
         self._unwritten_step: int | None = None
         self._reported_checkpoint: str | None = None  # the id of the last one reported
         # Cell state, guarded by _cond.
@@ -528,8 +529,12 @@ class RankRuntime:
         return update, reports
 
     def _committable_step_locked(self) -> int:
-        oldest = self._uploads.lowest_step()
-        return self.step if oldest is None else min(self.step, oldest - 1)
+        passed = [self.step]
+        if (oldest := self._uploads.lowest_step()) is not None:
+            passed.append(oldest - 1)
+        if self._unwritten_step is not None:
+            passed.append(self._unwritten_step - 1)
+        return min(passed)
 
     def _update_locked(self, output: list, checkpoints: list) -> RankUpdate:
         return RankUpdate(
@@ -551,7 +556,6 @@ class RankRuntime:
             loaded_checkpoint=self._loaded_checkpoint,
             line=self.line,
             storage_error=self._storage_error,
-            unwritten_step=self._unwritten_step,
         )
 
     # ---- output and reports (called from the cell thread) --------------------------
