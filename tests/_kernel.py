@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import nbformat
 from jupyter_client.manager import KernelManager
 
+from tests._margins import waited
+
 
 def new_notebook(cells: list[str]):
     """A notebook of code cells whose kernelspec runs in this Python (no kernel dialog)."""
@@ -53,7 +55,9 @@ class Kernel:
         self.km.start_kernel(**kwargs)
         self.kc = self.km.client()
         self.kc.start_channels()
+        began = time.monotonic()
         self.kc.wait_for_ready(timeout=60)
+        waited("a kernel's start", time.monotonic() - began, 60)
 
     def execute(
         self,
@@ -77,6 +81,7 @@ class Kernel:
             while True:
                 remaining = timeout - (time.monotonic() - start)
                 if remaining <= 0:
+                    waited(f"a kernel cell ({code.splitlines()[0][:50]})", timeout, timeout)
                     raise TimeoutError(f"kernel did not finish within {timeout} s:\n{code}")
                 if stdin is not None and request is None:
                     with contextlib.suppress(queue.Empty):
@@ -100,6 +105,7 @@ class Kernel:
                 timer.cancel()
         result.status = self._reply_to(msg_id)["content"]["status"]
         result.elapsed_s = time.monotonic() - start
+        waited(f"a kernel cell ({code.splitlines()[0][:50] if code else ''})", result.elapsed_s, timeout)
         return result
 
     @staticmethod

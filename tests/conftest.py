@@ -23,6 +23,7 @@ import pytest
 
 from rtnb.core._net import use_auth_token_if_present
 from rtnb.core._startup import with_lazy_imports
+from tests import _margins
 
 # Ray reads its auth mode once, when first imported; a unit test that imports Ray
 # (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
@@ -62,6 +63,29 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (
             f"CI=true but {item.nodeid} skipped ({reason}): only tests marked gpu may skip in CI"
         )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's waits are told apart in the margins' report; a test that used over
+    half of its pytest timeout is reported there too."""
+    _margins.begin_test(item.nodeid)
+    began = time.monotonic()
+    yield
+    marker = item.get_closest_marker("timeout")
+    bound = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    _margins.waited("the whole test (pytest-timeout)", time.monotonic() - began, bound)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    close = _margins.close_waits()
+    if not close:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write(f"waits that used over {_margins.CLOSE:.0%} of their bound (a slower machine fails them):")
+    for wait in sorted(close, key=lambda w: -w.used):
+        write(f"  {wait.used:4.0%}  {wait.took_s:6.1f} s of {wait.bound_s:g} s  {wait.what}  ({wait.test})")
 
 
 def require(module: str, why: str):
@@ -259,13 +283,14 @@ def ray_cluster(ray_head):
 def wait_for_free_cpus(expected: float, timeout: float = 30.0) -> float:
     import ray
 
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
     free = 0.0
-    while time.monotonic() < deadline:
+    while time.monotonic() < began + timeout:
         free = ray.available_resources().get("CPU", 0.0)
         if free >= expected:
-            return free
+            break
         time.sleep(0.2)
+    _margins.waited(f"{expected:g} CPUs free", time.monotonic() - began, timeout)
     return free
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from rtnb.storage._result import read_run_metrics
 from tests._kernel import Kernel, new_notebook
+from tests._margins import until
 
 pytestmark = [pytest.mark.slow]
 
@@ -63,13 +64,7 @@ def _cli(env: dict, *args: str, ok: bool = True) -> str:
 
 
 def _until(what: str, check, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
+    return until(what, check, timeout_s)
 
 
 def _steps(storage: Path, run: str) -> dict[int, list[int]]:
@@ -208,18 +203,27 @@ def test_a_detached_cell_outlives_its_kernel_recovers_and_another_kernel_attache
                     pass
 
 
-NOTEBOOK_CELLS = [
-    "%load_ext rtnb",
-    "%rtnb start --detached --name batchdet --workers 2 --cpus-per-worker 0.5 --idle-timeout 8",
-    "%%rtrain\nimport rtnb\nfor s in range(5):\n    rtnb.report({'loss': 1.0 / (s + 1)}, step=s)",
-]
+def _batch_cells(gate: Path, done: Path) -> list[str]:
+    """A notebook that starts a detached group, trains, and leaves a background cell
+    running until the test opens ``gate``; the cell's last act writes ``done``. While
+    it runs the group is busy, so no step of the test waits inside its idle timeout."""
+    return [
+        "%load_ext rtnb",
+        "%rtnb start --detached --name batchdet --workers 2 --cpus-per-worker 0.5 "
+        "--idle-timeout 12",
+        "%%rtrain\nimport rtnb\nfor s in range(5):\n    rtnb.report({'loss': 1.0 / (s + 1)}, step=s)",
+        "%%rtrain --background\nimport os, time, rtnb\n"
+        f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.05)\n"
+        f"if rtnb.get_context().world_rank == 0:\n    open({str(done)!r}, 'w').close()",
+    ]
 
 
 def test_a_batch_run_leaves_its_detached_group_which_is_held_taken_and_freed_when_idle(
     tmp_path, warm_env
 ):
+    gate, done = tmp_path / "gate", tmp_path / "done"
     notebook = tmp_path / "detached.ipynb"
-    notebook.write_text(json.dumps(new_notebook(NOTEBOOK_CELLS)))
+    notebook.write_text(json.dumps(new_notebook(_batch_cells(gate, done))))
     # The warm Ray ends 2 s after its last kernel leaves, unless a detached group holds it.
     env = {**warm_env, "RTNB_STORAGE": str(tmp_path / "runs"), "RTNB_WARM_RAY_IDLE_S": "2"}
     ran = _cli(env, "run", str(notebook))
@@ -233,8 +237,13 @@ def test_a_batch_run_leaves_its_detached_group_which_is_held_taken_and_freed_whe
     holder = Kernel(cwd=str(tmp_path), env=env)
     other = Kernel(cwd=str(tmp_path), env=env)
     try:
-        ended = _cell(holder, "%load_ext rtnb\n%rtnb attach batchdet")
-        assert "cell [3] ended while detached" in ended, ended
+        _cell(holder, "%load_ext rtnb")
+        # The background cell ends with no kernel attached; from then on the idle
+        # timeout counts, and only the attach below runs inside it.
+        gate.touch()
+        _until("the background cell ends", done.exists)
+        ended = _cell(holder, "%rtnb attach batchdet")
+        assert "cell [4] ended while detached" in ended, ended
         refused = _cell(other, "%load_ext rtnb\n%rtnb attach batchdet", ok=False)
         assert "is attached to kernel pid" in refused and "--take" in refused, refused
         assert "Traceback" not in refused
@@ -246,7 +255,7 @@ def test_a_batch_run_leaves_its_detached_group_which_is_held_taken_and_freed_whe
         # its idle timeout its ranks and CPUs are freed.
         other.shutdown()
         other = None
-        _until("the idle group is freed", lambda: "no detached groups" in _cli(env, "ps"), 90)
+        _until("the idle group is freed", lambda: "no detached groups" in _cli(env, "ps"), 240)
     finally:
         for kernel in (holder, other):
             if kernel is not None:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests._margins import until
 from tests.conftest import wait_for_free_cpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -42,13 +43,7 @@ def session(ray_cluster, tmp_path_factory):
 
 
 def _wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return until(what, predicate, timeout, poll_s=0.1)
 
 
 def test_a_rank_that_skips_an_all_reduce_is_named_with_the_cell_line_each_rank_waits_at(

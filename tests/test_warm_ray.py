@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests._margins import until, waited
+
 pytestmark = pytest.mark.slow
 
 # A "kernel": starts a session on the warm Ray, runs a cell that looks at its
@@ -54,21 +56,19 @@ def _kernel(tmp_path: Path, how: str, env: dict[str, str]) -> dict:
 def _wait_for_spares(home: Path, count: int, timeout_s: float) -> None:
     """Until the warm Ray's pool has ``count`` spare ranks again (it makes them a few
     seconds after a claim, at low priority)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = json.loads(next((home / "warm-ray").glob("*.json")).read_text())
-        if state.get("spares", 0) >= count:
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"the warm Ray had no {count} spares after {timeout_s} s: {state}")
+    def spares() -> int:
+        return json.loads(next((home / "warm-ray").glob("*.json")).read_text()).get("spares", 0)
+
+    until(f"the warm Ray has {count} spare ranks", lambda: spares() >= count, timeout_s, 0.25)
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
     alive = pids
-    while alive and time.monotonic() < deadline:
+    while alive and time.monotonic() < began + timeout_s:
         alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
         time.sleep(0.2)
+    waited("processes gone", time.monotonic() - began, timeout_s)
     return alive
 
 
