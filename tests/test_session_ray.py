@@ -178,6 +178,27 @@ def test_ray_train_loop_code_runs_unchanged(group):
     assert sorted(frame.dropna(subset=["from_ray_train"])["rank"].tolist()) == [0, 1]
 
 
+@pytest.mark.slow
+def test_ray_train_submodules_as_attributes_the_form_of_rays_examples(group):
+    """``from ray import train`` then ``train.torch.prepare_model(...)`` (Ray's examples)
+    and ``import ray.train as train`` then ``train.huggingface.transformers``: on a Ray
+    Train worker TorchTrainer imported them already; on a rank they import on first use."""
+    value = group.run(
+        "import sys, torch\n"
+        "from ray import train\n"
+        "model = train.torch.prepare_model(torch.nn.Linear(2, 1))\n"
+        "import ray.train as rt\n"
+        "callback = rt.huggingface.transformers.RayTrainReportCallback\n"
+        "try:\n    rt.no_such_name\nexcept AttributeError as exc:\n    missing = str(exc)\n"
+        "(type(model).__name__, callback.__module__, missing)"
+    )
+    assert value[0] == value[1] == (
+        "DistributedDataParallel",
+        "rtnb.worker._hf",
+        "module 'ray.train' has no attribute 'no_such_name'",
+    )
+
+
 def test_a_rank_process_holds_no_driver_code(group):
     value = group.run(
         "import sys, rtnb\nrtnb.report; rtnb.get_checkpoint\n"

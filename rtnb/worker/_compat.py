@@ -5,9 +5,12 @@ Inside a rank, ``ray.train.report/get_context/get_checkpoint/get_dataset_shard``
 ``ray.train.huggingface.transformers.prepare_trainer/RayTrainReportCallback`` and a Tune
 function trainable's ``ray.tune.report/get_checkpoint`` are pointed at rtnb's versions;
 ``ray.train.lightning``'s strategies and environment run as Ray ships them, on those
-names, and its ``RayTrainReportCallback`` is rtnb's (``_lightning``: every step's logs too). The patch is applied when the user's code imports those modules
-(an import hook), because importing ``ray.train.torch`` costs ~3 s that a rank
-that never uses it should not pay at start-up.
+names, and its ``RayTrainReportCallback`` is rtnb's (``_lightning``: every step's logs
+too). The patch is applied when the user's code imports those modules (an import
+hook), because importing ``ray.train.torch`` costs ~3 s that a rank that never uses
+it should not pay at start-up; for the same reason ``ray.train.torch``,
+``.lightning`` and ``.huggingface.transformers`` are attributes that import
+themselves on first use, as they are there already on a Ray Train worker.
 """
 
 from __future__ import annotations
@@ -30,11 +33,36 @@ _ABSENT = object()
 _ORIGINALS: dict[tuple[str, str], object] = {}
 
 
+def _lazy_submodules(*names: str):
+    """A patch that makes ``module.NAME`` import ``module.NAME`` on first use for each
+    of ``names`` (PEP 562), as on a Ray Train worker, where TorchTrainer has imported
+    them already: ``from ray import train`` then ``train.torch.prepare_model(...)``, the
+    form of Ray's own examples. A cell that never touches one does not pay its import."""
+
+    def patch(module) -> None:
+        inner = getattr(module, "__getattr__", None)
+
+        def __getattr__(name: str):
+            if name in names:
+                return importlib.import_module(f"{module.__name__}.{name}")
+            if inner is not None:
+                return inner(name)
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+
+        _set(module, "__getattr__", __getattr__)
+
+    return patch
+
+
+_TRAIN_SUBMODULES = _lazy_submodules("torch", "lightning", "huggingface")
+
+
 def _patch_train(module) -> None:
     from rtnb.worker import _api as _train
 
     for name in ("report", "get_context", "get_checkpoint", "get_dataset_shard"):
         _set(module, name, getattr(_train, name))
+    _TRAIN_SUBMODULES(module)
 
 
 def _patch_train_torch(module) -> None:
@@ -77,6 +105,7 @@ _PATCHES = {
     "ray.train": _patch_train,
     "ray.tune": _patch_tune,
     "ray.train.torch": _patch_train_torch,
+    "ray.train.huggingface": _lazy_submodules("transformers"),
     "ray.train.huggingface.transformers": _patch_train_transformers,
     "ray.train.lightning": _patch_train_lightning,
 }
