@@ -78,6 +78,27 @@ def _ranks_option(func):
     )(func)
 
 
+def _split_option(func):
+    return argument(
+        "--split",
+        default=None,
+        metavar="NAME,...",
+        help=(
+            "split only these datasets across the ranks; the others go whole to every "
+            "rank (Ray Train's DataConfig(datasets_to_split=...))"
+        ),
+    )(func)
+
+
+def _split_names(args) -> list[str] | None:
+    """``--split a,b`` as ["a", "b"]; given without datasets to split, a UsageError."""
+    if args.split is None:
+        return None
+    if not getattr(args, "datasets", None) and not getattr(args, "pairs", None):
+        raise UsageError("--split goes with datasets: --datasets train=A,val=B --split train")
+    return [n.strip() for n in args.split.split(",") if n.strip()]
+
+
 def _cell_options(func):
     """Options shared by %%rtrain and %rtrain."""
     for decorator in reversed(
@@ -98,6 +119,7 @@ def _cell_options(func):
                 metavar="NAME=VAR,...",
                 help="Ray Datasets for rtnb.get_dataset_shard(NAME), e.g. train=train_ds",
             ),
+            _split_option,
             _ranks_option,
         ]
     ):
@@ -264,6 +286,7 @@ def _push_args(line):
 
 @magic_arguments()
 @argument("pairs", nargs="*", help="NAME=VAR: the notebook's Ray Dataset VAR as NAME on the ranks")
+@_split_option
 def _datasets_args(line):
     """%rtnb datasets options."""
 
@@ -866,7 +889,7 @@ class RtnbMagics(Magics):
                 else "rtnb: no datasets handed to the ranks yet (%rtnb datasets train=train_ds)"
             )
             return None
-        session.set_datasets(self._datasets_from(args.pairs))
+        session.set_datasets(self._datasets_from(args.pairs), _split_names(args))
         return None
 
     def _datasets_from(self, pairs: list[str]) -> dict:
@@ -1168,11 +1191,13 @@ class RtnbMagics(Magics):
         live = live_view and not args.no_live and self.output.live
         label = self._cell_label()
         datasets = self._datasets_from([args.datasets]) if args.datasets else None
+        split = _split_names(args)
         try:
             if args.background:
                 handle = session.run_background(
                     code,
                     datasets=datasets,
+                    dataset_config=split,
                     ranks=args.ranks,
                     timeout=args.timeout,
                     total_steps=args.steps,
@@ -1207,6 +1232,7 @@ class RtnbMagics(Magics):
             handle = session.begin_cell(
                 code,
                 datasets=datasets,
+                dataset_config=split,
                 ranks=args.ranks,
                 timeout=args.timeout,
                 total_steps=args.steps,

@@ -79,6 +79,11 @@ AFTER_START = [
     ("%rtnb datasets train=never_made", "'never_made' is not defined in the notebook"),
     ("rows = [1, 2]\n%rtnb datasets train=rows", "dataset 'train' is a list, not a Ray Dataset"),
     ("%%rtrain --datasets train-ds\n1", "--datasets takes NAME=VAR pairs"),
+    ("%%rtrain --split train\n1", "--split goes with datasets"),
+    (
+        "import ray\nnums = ray.data.range(4)\n%rtnb datasets train=nums --split val",
+        "names 'val', which was not passed",
+    ),
     ("%rtnb scale 3-1", "MIN is more than MAX"),
     ("%rtnb scale", "only an elastic group grows by itself"),
     ("%rtnb export train.txt", "name it FILE.py"),

@@ -39,6 +39,8 @@ def test_quickstart_runs_unattended_with_static_figure_and_metrics(ray_cluster, 
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"output notebook: {out}" in proc.stdout
+    # The kernel rtnb starts talks over Unix sockets: no warning about plain TCP.
+    assert "without encryption" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     nb = nbformat.read(out, as_version=4)
     assert not _errors(nb)
     kinds = {k for cell in nb.cells for o in cell.get("outputs", []) for k in o.get("data", {})}

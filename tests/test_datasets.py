@@ -127,3 +127,41 @@ def test_datasets_given_before_a_group_exists_are_refused_and_not_kept(ray_clust
     with pytest.raises(rtnb.SessionError, match="no worker group is running"):
         session.set_datasets(train=ray.data.range(8))
     assert session.dataset_names == [], "a refused hand-over is not kept for the next one"
+
+
+def test_split_train_only_in_a_notebook_and_rank_0_alone_reads_the_validation_set(
+    ray_cluster, tmp_path
+):
+    """The form of Ray's own scripts (``DataConfig(datasets_to_split=["train"])``, the
+    validation set read by rank 0 only), written with the magics' ``--split``."""
+    from tests._kernel import Kernel
+
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        cells = [
+            "%load_ext rtnb\n"
+            f"%rtnb start --cpus-per-worker 0.5 --storage {tmp_path} --name split",
+            "import ray\ntrain_ds = ray.data.range(40)\nval_ds = ray.data.range(6)",
+            "%%rtrain --datasets train=train_ds,val=val_ds --split train\n"
+            "import ray.train\n"
+            "rows = [int(i) for b in ray.train.get_dataset_shard('train').iter_batches() for i in b['id']]\n"
+            "val = None\n"
+            "if ray.train.get_context().get_world_rank() == 0:\n"
+            "    val = sorted(int(i) for b in ray.train.get_dataset_shard('val').iter_batches() for i in b['id'])\n"
+            "(len(rows), val)",
+        ]
+        shown = []
+        for code in cells:
+            run = kernel.execute(code, timeout=240)
+            assert run.status == "ok", run.text + run.evalue + "\n".join(run.traceback)
+            shown.append(run.text + "".join(str(r.get("text/plain", "")) for r in run.results))
+        # train split in two halves; val whole, read by rank 0 alone, and nothing waits.
+        assert "[rank 0] (20, [0, 1, 2, 3, 4, 5])" in shown[-1], shown[-1]
+        assert "[rank 1] (20, None)" in shown[-1], shown[-1]
+        # Ray Data's bars, reading the whole set on rank 0, are not shown as raw JSON.
+        assert "magic_token" not in shown[-1], shown[-1]
+        names = kernel.execute("%rtnb datasets")
+        assert "datasets on the ranks: train, val" in names.text, names.text
+    finally:
+        kernel.execute("%rtnb stop")
+        kernel.shutdown()

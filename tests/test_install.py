@@ -3,6 +3,7 @@ inside the package."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import sysconfig
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import rtnb
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -49,12 +51,24 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(ray_cluster, tmp_pat
             str(venv / "bin" / "python"),
             "install",
             "-q",
-            "--no-deps",
+            # As into a user's environment that holds torch and Ray already: every
+            # declared requirement must be met by what is there, nothing fetched.
+            "--no-index",
             str(wheel),
         ],
         check=True,
         capture_output=True,
     )
+    version = subprocess.run(
+        [str(venv / "bin" / "rtnb"), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    assert version.startswith(f"rtnb {rtnb.__version__} (Python ") and "Ray 2." in version, version
+    (dist_info,) = site.glob("rtnb-*.dist-info")
+    assert (dist_info / "licenses" / "LICENSE").read_text().lstrip().startswith("Apache License")
+    # The Jupyter server extension is enabled by the wheel's data file (it warms Ray).
+    assert json.loads((venv / "etc/jupyter/jupyter_server_config.d/rtnb.json").read_text()) == {
+        "ServerApp": {"jpserver_extensions": {"rtnb": True}}
+    }
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import rtnb; print(rtnb.__file__)"],
         capture_output=True,

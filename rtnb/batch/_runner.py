@@ -324,6 +324,21 @@ def choose_kernel(path: Path, requested: str | None) -> KernelChoice:
     return KernelChoice(name, (spec.language if requested else said) or spec.language or "python")
 
 
+def _local_kernel_manager() -> type:
+    """The kernel manager for the kernels rtnb starts itself: they talk over Unix
+    sockets in Jupyter's runtime folder, which only this user can open, rather than
+    unencrypted TCP on loopback (ipykernel warns of it on every start)."""
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class LocalKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _transport_default(self) -> str:
+            return "ipc"
+
+    return LocalKernelManager
+
+
 def run_notebook(
     notebook: str | Path,
     output: str | Path | None = None,
@@ -367,6 +382,7 @@ def run_notebook(
                 str(dst),
                 parameters=parameters or {},
                 kernel_name=kernel.name,
+                kernel_manager_class=_local_kernel_manager(),
                 language=kernel.language,
                 execution_timeout=timeout_s,
                 # past the timeout, interrupt (the ranks stop cleanly), then fail

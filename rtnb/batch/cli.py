@@ -66,10 +66,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+def _versions() -> str:
+    """rtnb's version, and those of what it runs on (what a bug report needs); read
+    from the installed packages' metadata, so nothing is imported."""
+    import platform
+    from importlib import metadata
+
+    from rtnb import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"rtnb {__version__} (Python {platform.python_version()}, "
+        f"Ray {installed('ray')}, torch {installed('torch')})"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="rtnb", description="Interactive distributed PyTorch on Ray, from notebooks"
     )
+    parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="run the quickstart notebook on an embedded local Ray")

@@ -90,6 +90,27 @@ def _split_names(data_config: Any, names: list[str]) -> list[str] | str:
     return chosen
 
 
+def _as_data_config(data_config: Any) -> Any:
+    """A ``ray.train.DataConfig``, or the names of the datasets to split (the others
+    go whole to every rank): ``--split train`` is ``DataConfig(datasets_to_split=
+    ["train"])``."""
+    if data_config is None or hasattr(data_config, "configure"):
+        return data_config
+    names = [data_config] if isinstance(data_config, str) else data_config
+    if (
+        isinstance(names, (list, tuple))
+        and names
+        and all(isinstance(n, str) and n.isidentifier() for n in names)
+    ):
+        from ray.train import DataConfig
+
+        return DataConfig(datasets_to_split=list(names))
+    raise ConfigError(
+        f"dataset_config is a {type(data_config).__name__}: pass a ray.train.DataConfig "
+        "(e.g. DataConfig(datasets_to_split=['train'])) or the names to split (['train'])"
+    )
+
+
 def _lineage(dataset: Any) -> bytes | None:
     try:
         return dataset.serialize_lineage()
@@ -112,11 +133,7 @@ class DatasetHandOver:
         """Take ``datasets`` (added to those passed before, a name passed again is
         replaced) and the record the journal keeps of the whole set."""
         checked = check_datasets(datasets)
-        if data_config is not None and not hasattr(data_config, "configure"):
-            raise ConfigError(
-                f"data_config is a {type(data_config).__name__}: pass a "
-                "ray.train.DataConfig (e.g. DataConfig(datasets_to_split=['train']))"
-            )
+        data_config = _as_data_config(data_config)
         merged = {**self._live, **checked}
         config = data_config if data_config is not None else self._data_config
         split = _split_names(config, sorted(merged))

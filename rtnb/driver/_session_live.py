@@ -31,9 +31,11 @@ class LiveAPI:
         dataset_config=...)`` does: in a cell, ``rtnb.get_dataset_shard(name)`` (or
         ``ray.train.get_dataset_shard``) is the rank's streaming shard. Each is split
         across the ranks (``streaming_split(world_size, equal=True)``) unless a
-        ``ray.train.DataConfig(datasets_to_split=[...])`` leaves it whole. They stay
-        for later cells and are handed again to every new group (recovery, scale,
-        ``--replay``). The Datasets' preprocessing runs on the cluster.
+        ``ray.train.DataConfig(datasets_to_split=[...])`` (or just the list of names to
+        split: ``dataset_config=["train"]``, the magics' ``--split train``) leaves it
+        whole. They stay for later cells and are handed again to every new group
+        (recovery, scale, ``--replay``). The Datasets' preprocessing runs on the
+        cluster.
 
         Example::
 

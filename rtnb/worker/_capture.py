@@ -9,6 +9,13 @@ from collections.abc import Callable, Collection
 __all__ = ["CaptureStream", "flush_std", "install_capture", "install_thread_capture"]
 
 
+# Ray's distributed tqdm (Ray Data's progress bars in a worker process) prints each
+# bar's state as one JSON line carrying this token, for the driver's log monitor to
+# draw. A rank's output comes to the notebook through rtnb instead, where such a line
+# is noise: the cell's data watch says how each pipeline goes.
+_RAY_TQDM_TOKEN = "__ray_tqdm_magic_token__"
+
+
 class CaptureStream:
     """Replaces sys.stdout/sys.stderr in a rank process; every write goes to ``sink``.
 
@@ -32,7 +39,7 @@ class CaptureStream:
     def write(self, text: str) -> int:
         if self._threads is not None and threading.get_ident() not in self._threads:
             return self._original.write(text)
-        if text:
+        if text and _RAY_TQDM_TOKEN not in text:
             self._sink(self.name, text)
         return len(text)
 
