@@ -209,7 +209,13 @@ class WorkerNode:
     """A second Ray node (its own raylet and object store) joined to the session's
     head, so a test can lose a whole node without starting another cluster."""
 
-    def __init__(self, head: HeadNode, num_cpus: int, resources: dict[str, float]) -> None:
+    def __init__(
+        self,
+        head: HeadNode,
+        num_cpus: int,
+        resources: dict[str, float],
+        env: dict[str, str] | None = None,
+    ) -> None:
         import json
 
         self.log = Path(head.temp_dir) / f"worker-{time.monotonic_ns()}.log"
@@ -226,7 +232,11 @@ class WorkerNode:
         ]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
 
     def wait_joined(self, resource: str, timeout: float = 60.0) -> None:

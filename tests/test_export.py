@@ -217,3 +217,44 @@ def test_import_runs_a_scripts_loop_on_the_group_at_its_size_and_config(ray_clus
         assert session.world_size == 2
     finally:
         session.stop()
+
+
+def test_an_exported_notebook_that_read_ray_data_runs_to_its_end_on_this_machine(
+    ray_cluster, tmp_path
+):
+    """`python job.py` on the machine the notebook trained on: two workers of one CPU
+    each would hold every CPU of a 2-core machine and leave Ray Data's tasks none (the
+    fit then waits for ever, silently); the script's own Ray keeps one for them."""
+    import ray
+
+    import rtnb
+
+    session = rtnb.Session(workers=2, storage=str(tmp_path / "runs"), name="data-export")
+    session.start()
+    try:
+        train = ray.data.range(64)
+        session.run(
+            "import ray.train\n"
+            "rows = sum(len(b['id']) for b in ray.train.get_dataset_shard('train').iter_batches())\n"
+            "ray.train.report({'rows': rows})",
+            datasets={"train": train},
+        )
+        script = tmp_path / "job.py"
+        session.export(str(script))
+    finally:
+        session.stop()
+    text = script.read_text()
+    assert "ray.init(num_cpus=(os.cpu_count() or 1) + 1)" in text and "It reads Ray Data" in text
+    # Its own Ray, with the machine's own CPUs (not the tests' 4-CPU cluster).
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "final metrics:" in run.stdout, run.stdout[-3000:]

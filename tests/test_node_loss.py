@@ -75,3 +75,30 @@ def test_a_lost_node_is_recovered_from_the_latest_checkpoint(second_node, tmp_pa
         assert committed_before <= {c.id for c in session.checkpoints.list()}
         assert handle.restarted_from is not None
         assert len({r.node_id for r in session.group.ranks}) == 1, "rebuilt on the node left"
+
+
+def test_a_node_with_another_torch_is_named_in_one_line_before_any_rank_starts(
+    ray_head, ray_cluster, tmp_path
+):
+    """A node whose environment holds another torch (its Python finds a torch 2.0.0
+    first on its path) is named with both sides' versions and what to do; nothing is
+    left holding a CPU."""
+    site = tmp_path / "other-env"
+    for name, version in (("torch", "2.0.0"),):
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    marker = f"rtnb_node_{time.monotonic_ns()}"
+    node = WorkerNode(ray_head, num_cpus=1, resources={marker: 1}, env={"PYTHONPATH": str(site)})
+    try:
+        node.wait_joined(marker)
+        free_before = wait_for_free_cpus(5)
+        with pytest.raises(rtnb.ClusterError) as info:
+            rtnb.Session(workers=2, storage=str(tmp_path / "runs")).start()
+        line = str(info.value)
+        assert "\n" not in line, line
+        assert "runs torch 2.0.0; this kernel runs torch 2.13" in line, line
+        assert "pip install torch==2.13" in line and "no rank was started" in line, line
+        assert wait_for_free_cpus(free_before) >= free_before, "no rank left holding a CPU"
+    finally:
+        node.kill()

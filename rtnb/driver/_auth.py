@@ -71,8 +71,10 @@ def as_the_environment_says() -> None:
 
 
 def _reload() -> None:
-    from ray._raylet import AuthenticationTokenLoader, Config
-
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # a Ray before token auth (2.4x): nothing is cached to read again
+        return
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 

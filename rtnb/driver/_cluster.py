@@ -24,6 +24,7 @@ from rtnb.core._redact import redact_uri
 from rtnb.driver._auth import as_the_environment_says, joining_with, users_token
 from rtnb.driver._embedded import LOOPBACK, start_embedded_ray
 from rtnb.driver._ray_output import quiet_rank_machinery
+from rtnb.driver._versions import ray_mismatch_line
 from rtnb.errors import ClusterError, one_line
 
 if TYPE_CHECKING:
@@ -321,6 +322,9 @@ def connect(
             )
         ) from None
     except Exception as exc:  # noqa: BLE001 - Ray raises many types here
+        mismatch = ray_mismatch_line(str(exc))
+        if mismatch is not None:
+            raise ClusterError(mismatch) from None
         raise ClusterError(f"could not join Ray ({target}): {one_line(exc)}") from None
     _quiet_ray_logging()
     client_mode = _in_client_mode()

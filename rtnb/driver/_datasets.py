@@ -111,6 +111,16 @@ def _as_data_config(data_config: Any) -> Any:
     )
 
 
+def _named(name: str, dataset: Any) -> Any:
+    """``dataset`` named as handed, as Ray Train 2.60's DataConfig names it: Ray Data's
+    stats then tag its executions ``NAME_...``, which the cell's data watch reads (Ray
+    2.40's DataConfig leaves the name unset, and its setter private)."""
+    setter = getattr(dataset, "set_name", None) or getattr(dataset, "_set_name", None)
+    if setter is not None:
+        setter(name)
+    return dataset
+
+
 def _lineage(dataset: Any) -> bytes | None:
     try:
         return dataset.serialize_lineage()
@@ -153,7 +163,7 @@ class DatasetHandOver:
         missing: list[str] = []
         for name in record.names:
             if name in self._live:
-                datasets[name] = self._live[name]
+                datasets[name] = _named(name, self._live[name])
                 continue
             lineage = record.lineage.get(name)
             try:
@@ -164,7 +174,7 @@ class DatasetHandOver:
                 del datasets[name]
                 missing.append(name)
             else:
-                self._live[name] = datasets[name]
+                self._live[name] = _named(name, datasets[name])
         return datasets, missing
 
     def data_config(self, record: DatasetRecord, available: list[str]) -> Any:

@@ -165,7 +165,10 @@ def joining_private_ray() -> Iterator[None]:
     raylet too, for this call only."""
     from ray._private import services
 
-    original = services._is_raylet_process
+    original = getattr(services, "_is_raylet_process", None)
+    if original is None:  # a Ray before 2.5x: its driver asks the GCS for its node
+        yield
+        return
 
     def is_raylet(cmdline) -> bool:
         named = bool(cmdline) and os.path.basename(cmdline[0]) == HIDDEN_RAYLET_NAME

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtnb.core._context import CONFIG_NAME
+from rtnb.driver._embedded import DATA_CPUS
 from rtnb.storage._journal import EntryKind, Journal, JournalEntry
 
 __all__ = [
@@ -480,6 +481,17 @@ def _script(
     workers = int(config.get("workers") or 0)
     gpu = bool(config.get("gpu"))
     cpus = float(config.get("cpus_per_worker") or 1.0)
+    data_note = (
+        f"""
+It reads Ray Data. Its read and map tasks need a CPU the workers do not hold: on
+a Ray this script starts itself (no RAY_ADDRESS) it declares {DATA_CPUS} logical CPU
+more than the machine has, as the notebook's own Ray did; without it, workers
+holding every CPU leave the pipeline waiting for ever, without a word. On a
+cluster of your own, keep a CPU free for them (or lower resources_per_worker).
+"""
+        if datasets
+        else ""
+    )
     head = f'''"""Run {run_name!r} of a notebook, {EXPORT_MARK}
 ({datetime.date.today().isoformat()}).
 
@@ -496,7 +508,7 @@ As in Ray Train, ray.train.get_checkpoint() is the checkpoint a run was restored
 from (None on a fresh start), not the latest one an earlier cell saved as in rtnb.
 With --resume-from CHECKPOINT (a folder or URI, e.g. one of the notebook's run's
 checkpoints/step-...), the cells' get_checkpoint() starts from that one instead.
-"""
+{data_note}"""
 
 import argparse
 import os
@@ -547,6 +559,12 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {inputs_name!
         if datasets_to_split != "all":
             data_lines += f"        dataset_config=ray.train.DataConfig(datasets_to_split={datasets_to_split!r}),\n"
     workers_text = "0" if workers == 0 else f"0 if UNDER_TORCHRUN else {workers}"
+    data_init = (
+        "    if not UNDER_TORCHRUN and not os.environ.get(\"RAY_ADDRESS\"):\n"
+        f"        ray.init(num_cpus=(os.cpu_count() or 1) + {DATA_CPUS})  # a CPU for Ray Data\n"
+        if datasets
+        else ""
+    )
     parts.append(
         f"""
 
@@ -559,7 +577,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--resume-from", help="a checkpoint folder or URI to start from")
     RESUME_FROM = parser.parse_known_args()[0].resume_from
-    trainer = TorchTrainer(
+{data_init}    trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={config_text},
         scaling_config=ScalingConfig(

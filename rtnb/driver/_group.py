@@ -411,10 +411,16 @@ class WorkerGroup:
         """The executions of this kernel's Ray Data pipelines (Ray Data's stats
         actor's records, each with its ``_tag``), and the cluster's free resources."""
         import ray
-        from ray.data._internal.stats import get_or_create_stats_actor
+        from ray.data._internal import stats
 
+        # Ray 2.40 names it with an underscore; its records are the same.
+        stats_actor = (
+            getattr(stats, "get_or_create_stats_actor", None)
+            or stats._get_or_create_stats_actor
+        )
         job = ray.get_runtime_context().get_job_id()
-        found = ray.get(get_or_create_stats_actor().get_datasets.remote(job), timeout=5)
+        actor = stats_actor()  # held: a handle dropped mid-call is "lost" on Ray 2.40
+        found = ray.get(actor.get_datasets.remote(job), timeout=5)
         records = [{**record, "_tag": tag} for tag, record in found.items()]
         return records, ray.available_resources()
 

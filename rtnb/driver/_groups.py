@@ -23,6 +23,7 @@ from rtnb.driver._group import RankGroup, WorkerGroup, check_capacity
 from rtnb.driver._local import LocalGroup
 from rtnb.driver._policy import ScalingPolicy
 from rtnb.driver._startup import StartProgress
+from rtnb.driver._versions import check_cluster_versions
 from rtnb.errors import ClusterError
 
 __all__ = ["GroupBuilder", "new_group", "ray_lost_line"]
@@ -108,6 +109,10 @@ class GroupBuilder:
         self._at_exit()
         if self.connection.watch is not None:
             self.connection.watch.subscribe(self._on_ray_lost)
+        if not self.connection.owned:
+            # A cluster someone else started: its nodes may run other versions (asked
+            # once per cluster and process, a task of no CPU per node: about a second).
+            check_cluster_versions()
 
     def check_fits(self, config: SessionConfig) -> None:
         """One line when a group of ``config``'s size cannot be placed: against the
