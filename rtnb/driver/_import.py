@@ -3,8 +3,11 @@
 :func:`read_train_script` reads a script that builds a ``TorchTrainer`` (as Ray
 Train's examples and an rtnb export do) and makes the cell that runs its training
 loop on the live group: the script's imports, functions, classes and constants,
-then ``train_loop_per_worker(config)`` with the script's ``train_loop_config``.
-What only makes sense in a driver (``ray.init``, building and fitting the trainer,
+then ``train_loop_per_worker(config)`` with the script's ``train_loop_config``, as
+its driver code would build it: names it reads are worked out from the scope that
+builds the trainer (an assignment, the function's parameters as the script's own call
+or their defaults give them, an ``argparse`` option's default for ``args.NAME``), or
+one line names the value that cannot be. What only makes sense in a driver (``ray.init``, building and fitting the trainer,
 the ``__main__`` block, the function that does it) is left out and said so. The
 script's ``ScalingConfig(num_workers=N)`` is the group size the cell asks for.
 Nothing of the script runs in the kernel: it is only parsed.
@@ -13,6 +16,8 @@ Nothing of the script runs in the kernel: it is only parsed.
 from __future__ import annotations
 
 import ast
+import builtins
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -58,18 +63,21 @@ def read_train_script(path: str) -> TrainScript:
     }
     loop_name = None
     config_src = None
+    config_definitions = ""
     workers: int | None = None
     gpu: bool | None = None
     if trainer is not None:
         loop = trainer.args[0] if trainer.args else _keyword(trainer, "train_loop_per_worker")
         if isinstance(loop, ast.Name):
             loop_name = loop.id
+        values = _ScriptValues(tree, scope, path)
         config = _resolve(_keyword(trainer, "train_loop_config"), scope)
         if config is not None:
-            config_src = ast.get_source_segment(source, config)
+            config_definitions, config_src = values.expression(config, "train_loop_config")
         scaling = _resolve(_keyword(trainer, "scaling_config"), scope)
         if isinstance(scaling, ast.Call):
-            workers, gpu = _scaling(scaling, scope, notes)
+            workers, gpu = _scaling(scaling, values, notes)
+        notes += values.notes
         if _keyword(trainer, "datasets") is not None:
             notes.append(
                 "the script's datasets are built in its driver code: hand them to the ranks "
@@ -92,6 +100,9 @@ def read_train_script(path: str) -> TrainScript:
     takes_config = bool(functions[loop_name].args.args or functions[loop_name].args.posonlyargs)
     call = f"{loop_name}({config_src or '{}'})" if takes_config else f"{loop_name}()"
     # The script's own path, as when it runs (an rtnb export finds its inputs by it).
+    if config_definitions:
+        body += "\n\n\n# train_loop_config as the script's driver code builds it\n"
+        body += config_definitions
     code = f"__file__ = {path!r}\n\n{body}\n\n{call}\n"
     return TrainScript(path, code, loop_name, workers, gpu, notes)
 
@@ -146,15 +157,12 @@ def _resolve(node: ast.expr | None, scope: list[ast.stmt]) -> ast.expr | None:
 
 
 def _scaling(
-    call: ast.Call, scope: list[ast.stmt], notes: list[str]
+    call: ast.Call, values: _ScriptValues, notes: list[str]
 ) -> tuple[int | None, bool | None]:
     workers = gpu = None
-    value = _resolve(_keyword(call, "num_workers"), scope)
+    value = _keyword(call, "num_workers")
     if value is not None:
-        try:
-            literal = ast.literal_eval(value)
-        except ValueError:
-            literal = None
+        literal = values.literal(value)
         if isinstance(literal, int) and not isinstance(literal, bool):
             workers = literal
         elif isinstance(literal, tuple):
@@ -165,11 +173,204 @@ def _scaling(
             notes.append("the script's num_workers is not a number here; the group keeps its size")
     use_gpu = _keyword(call, "use_gpu")
     if use_gpu is not None:
-        try:
-            gpu = bool(ast.literal_eval(use_gpu))
-        except ValueError:
-            gpu = None
+        literal = values.literal(use_gpu)
+        gpu = None if literal is None else bool(literal)
     return workers, gpu
+
+
+class _ScriptValues:
+    """The values a script's driver code gives the names its trainer is built from,
+    worked out without running it: a name assigned once in the scope that builds the
+    trainer, a parameter of the function that builds it (what the script's own call
+    passes, an ``argparse`` option's default for ``args.NAME``, else the parameter's
+    default)."""
+
+    def __init__(self, tree: ast.Module, scope: list[ast.stmt], path: str) -> None:
+        self._tree = tree
+        self._scope = scope
+        self._path = path
+        self._sources: dict[str, str] = {}
+        self.notes: list[str] = []
+        self._module_names = _module_names(tree)
+        self._function = next(
+            (
+                node
+                for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body is scope
+            ),
+            None,
+        )
+
+    def _options_filled(self, node: ast.expr) -> ast.expr:
+        """``node`` with each ``args.NAME`` of an ``argparse`` option replaced by the
+        option's default (the ranks have no command line to parse)."""
+        tree = self._tree
+        notes = self.notes
+
+        class Fill(ast.NodeTransformer):
+            def visit_Attribute(self, attribute: ast.Attribute) -> ast.expr:
+                option = _argparse_default(tree, attribute)
+                if option is None:
+                    return self.generic_visit(attribute)
+                note = (
+                    f"{ast.unparse(attribute)} = {ast.unparse(option[1])} "
+                    f"(the default of {option[0]})"
+                )
+                if note not in notes:
+                    notes.append(note)
+                return option[1]
+
+        return ast.fix_missing_locations(Fill().visit(copy.deepcopy(node)))
+
+    def literal(self, node: ast.expr) -> object | None:
+        """``node``'s value where it comes to a Python literal, else None."""
+        node = self._options_filled(node)
+        try:
+            names = {name: ast.literal_eval(value) for name, value in self._bindings(node, "")}
+            code = compile(ast.Expression(node), "<script>", "eval")
+            # Only the literals above and the expression's own operators: no builtins.
+            return eval(code, {"__builtins__": {}}, names)  # noqa: S307
+        except Exception:  # noqa: BLE001 - not worked out: the caller says so
+            return None
+
+    def expression(self, node: ast.expr, what: str) -> tuple[str, str]:
+        """(definitions, expression): source that evaluates ``node`` where the cell
+        runs, the names it reads from the driver code bound in a function of their
+        own; one ConfigError line naming a value that cannot be worked out."""
+        node = self._options_filled(node)
+        try:
+            bindings = self._bindings(node, what)
+        except LookupError as missing:
+            name = missing.args[0]
+            raise ConfigError(
+                f"{what} in {self._path!r} uses {name!r}, whose value %rtnb import cannot "
+                f"work out from the script: give {name} a value there (a default, or an "
+                "argparse option's default), or call the training function in a cell "
+                "yourself with the config you want"
+            ) from None
+        text = ast.unparse(node)
+        if not bindings:
+            return "", text
+        for name, value in bindings:
+            self.notes.append(f"{what}: {name} = {ast.unparse(value)} ({self._sources[name]})")
+        lines = [f"    {name} = {ast.unparse(value)}" for name, value in bindings]
+        definitions = "\n".join(["def _script_config():", *lines, f"    return {text}"])
+        return definitions, "_script_config()"
+
+    def _bindings(
+        self, node: ast.expr, what: str, seen: set[str] | None = None
+    ) -> list[tuple[str, ast.expr]]:
+        """(name, value) for each name ``node`` reads from the driver code, those a
+        value reads first; LookupError(name) for one that cannot be worked out."""
+        seen = set() if seen is None else seen
+        found: list[tuple[str, ast.expr]] = []
+        for name in sorted(_free_names(node) - self._module_names - seen):
+            seen.add(name)
+            value = self._value_of(name)
+            if value is None:
+                raise LookupError(name)
+            value = self._options_filled(value)
+            found += self._bindings(value, what, seen)
+            found.append((name, value))
+        return found
+
+    def _value_of(self, name: str) -> ast.expr | None:
+        asked = ast.Name(id=name, ctx=ast.Load())
+        assigned = _resolve(asked, self._scope)
+        if assigned is not asked:
+            self._sources[name] = "assigned in the script"
+            return assigned
+        function = self._function
+        if function is None:
+            return None
+        args = function.args
+        params = [a.arg for a in (*args.posonlyargs, *args.args)]
+        defaults = dict(zip(params[len(params) - len(args.defaults) :], args.defaults))
+        defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d})
+        if name not in params and name not in defaults:
+            return None
+        passed = self._passed(function.name, params, name)
+        if passed is not None:
+            return passed
+        if name in defaults:
+            self._sources[name] = f"the default of {function.name}()"
+            return defaults[name]
+        return None
+
+    def _passed(self, function: str, params: list[str], name: str) -> ast.expr | None:
+        """What the script's own call of ``function`` passes for ``name``."""
+        call = next(
+            (
+                node
+                for node in ast.walk(self._tree)
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == function
+            ),
+            None,
+        )
+        if call is None:
+            return None
+        value = next((k.value for k in call.keywords if k.arg == name), None)
+        if value is None and name in params and params.index(name) < len(call.args):
+            value = call.args[params.index(name)]
+        if value is None:
+            return None
+        option = _argparse_default(self._tree, value)
+        if option is not None:
+            self._sources[name] = f"the default of {option[0]}"
+            return option[1]
+        value = self._options_filled(value)
+        if _free_names(value) - self._module_names:
+            return None
+        self._sources[name] = f"what the script passes to {function}()"
+        return value
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    return {
+        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    } - set(dir(builtins))
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    """What the cell defines itself: the module's functions, classes, imports and
+    names assigned at module level."""
+    names: set[str] = set()
+    for statement in tree.body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(statement.name)
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in statement.names}
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            names |= _bound(statement)
+    return names
+
+
+def _argparse_default(tree: ast.Module, value: ast.expr) -> tuple[str, ast.expr] | None:
+    """For ``args.lr``: ("--lr", the default its ``add_argument`` declares)."""
+    if not (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)):
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and _callee(node) == "add_argument" and node.args):
+            continue
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        dest = _keyword(node, "dest")
+        named = (
+            dest.value
+            if isinstance(dest, ast.Constant)
+            else next((f.lstrip("-").replace("-", "_") for f in flags if f.startswith("--")), "")
+            or (flags[0].lstrip("-").replace("-", "_") if flags else "")
+        )
+        if named != value.attr:
+            continue
+        default = _keyword(node, "default")
+        action = _keyword(node, "action")
+        if default is None and isinstance(action, ast.Constant):
+            default = ast.Constant(value=action.value == "store_false")
+        return (flags[0] if flags else value.attr), (default or ast.Constant(value=None))
+    return None
 
 
 def _cell_statements(
