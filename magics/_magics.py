@@ -96,7 +96,7 @@ def _split_names(args) -> list[str] | None:
         return None
     if not getattr(args, "datasets", None) and not getattr(args, "pairs", None):
         raise UsageError("--split goes with datasets: --datasets train=A,val=B --split train")
-    return [n.strip() for n in args.split.split(",") if n.strip()]
+    return [n.strip() for n in args.split.split(",") if n.strip()]  # '': none split
 
 
 def _cell_options(func):

@@ -165,3 +165,39 @@ def test_split_train_only_in_a_notebook_and_rank_0_alone_reads_the_validation_se
     finally:
         kernel.execute("%rtnb stop")
         kernel.shutdown()
+
+
+def test_a_rank_waiting_on_a_split_another_rank_does_not_read_is_told_why(ray_cluster, tmp_path):
+    """Both datasets split (the default) and only rank 0 reads `val`: rank 0 would wait
+    for ever, as under TorchTrainer. The cell says why, naming the dataset, the ranks
+    and the fix, within 30 s; once rank 1 reads its part too, the cell ends."""
+    import ray
+
+    from rtnb.driver._datasets import SPLIT_WAIT_NOTE_S
+    from tests._margins import until
+
+    gate = tmp_path / "rank-1-reads-now"
+    lines: list[str] = []
+    with rtnb.Session(
+        workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="split-wait"
+    ) as session:
+        handle = session.run_background(
+            "import os, time, ray.train\n"
+            "rank = ray.train.get_context().get_world_rank()\n"
+            "if rank == 1:\n"
+            f"    while not os.path.exists({str(gate)!r}):\n"
+            "        time.sleep(0.1)\n"
+            "sum(len(b['id']) for b in ray.train.get_dataset_shard('val').iter_batches())",
+            datasets={"train": ray.data.range(40), "val": ray.data.range(10)},
+            output=lambda rank, stream, text: lines.append(text),
+        )
+        said = until(
+            "the line about the split no other rank reads",
+            lambda: next((t for t in lines if "is split across the ranks" in t), None),
+            timeout_s=10 * SPLIT_WAIT_NOTE_S,
+        )
+        gate.touch()
+        assert handle.wait(120) == {0: 5, 1: 5}
+    assert "Ray Data 'val' is split across the ranks, and rank 0 has waited" in said, said
+    assert "while rank 1 does not read it" in said and "--split train" in said, said
+    assert "\n" not in said.rstrip("\n"), said

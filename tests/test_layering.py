@@ -282,8 +282,9 @@ _ACTOR_HOLDERS = {
     "rtnb/driver/_warmhost.py",
     "rtnb/driver/_attached.py",
 }
-# The one module that starts a Ray task of its own, on no rank: a checkpoint's validation.
-_TASK_STARTERS = {"rtnb/driver/_validation.py"}
+# The modules that start Ray tasks of their own, on no rank: a checkpoint's validation,
+# and the question of which versions a cluster's nodes run.
+_TASK_STARTERS = {"rtnb/driver/_validation.py", "rtnb/driver/_versions.py"}
 
 
 def test_only_the_worker_group_modules_call_a_rank():

@@ -181,6 +181,9 @@ class RankUpdate:
     debugging: str | None = None
     # This rank's profile of the armed steps (a core._profile.RankProfile), once taken.
     profile: Any = None
+    # The datasets whose shard this rank waits on right now (inside its next()), and
+    # for how many seconds: a split one no other rank reads never answers.
+    data_waits: dict[str, float] = field(default_factory=dict)
     # The cell's exception itself, with its frames, from a rank in the kernel's own
     # process (local mode) only, for %debug; it never crosses a process.
     exception: BaseException | None = field(default=None, repr=False, compare=False)

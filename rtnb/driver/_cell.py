@@ -200,6 +200,21 @@ class CellHandle:
         return self._execution.finished if self._execution is not None else {}
 
     # ---- public ------------------------------------------------------------------------
+    def data_waits(self) -> dict[int, dict[str, float]]:
+        """Each rank's waits in its dataset shards, as it last told them
+        (``RankUpdate.data_waits``; none once its cell ended): a data watch tells a
+        split that some ranks wait in and the others do not read."""
+        execution = self._execution
+        if execution is None:
+            return {}
+        last = dict(execution.last)
+        return {
+            rank: dict(last[rank].data_waits)
+            if rank in last and last[rank].state is CellState.RUNNING
+            else {}
+            for rank in self.ranks
+        }
+
     def add_sink(self, sink: OutputSink, replay: bool = True) -> None:
         """Send this cell's output to ``sink(rank, stream, text)`` (past output first)."""
         self._output.add_sink(sink, replay)

@@ -460,7 +460,13 @@ class CellFlow:
                 handle.note(grown)
             self.metrics.begin(rank_list, total_steps)
             if self._datasets.names:
-                watch = DataWatch(self._datasets.names, group.data_progress, handle.note)
+                watch = DataWatch(
+                    self._datasets.names,
+                    group.data_progress,
+                    handle.note,
+                    split=self._datasets.split_names,
+                    rank_waits=handle.data_waits,
+                )
                 handle.before_end(watch.end)
                 watch.start()
             self._active = handle

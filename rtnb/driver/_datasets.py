@@ -97,10 +97,8 @@ def _as_data_config(data_config: Any) -> Any:
     if data_config is None or hasattr(data_config, "configure"):
         return data_config
     names = [data_config] if isinstance(data_config, str) else data_config
-    if (
-        isinstance(names, (list, tuple))
-        and names
-        and all(isinstance(n, str) and n.isidentifier() for n in names)
+    if isinstance(names, (list, tuple)) and all(
+        isinstance(n, str) and n.isidentifier() for n in names
     ):
         from ray.train import DataConfig
 
@@ -138,6 +136,12 @@ class DatasetHandOver:
     @property
     def names(self) -> list[str]:
         return sorted(self._live)
+
+    @property
+    def split_names(self) -> list[str]:
+        """The datasets split across the ranks (the others go whole to each)."""
+        chosen = _split_names(self._data_config, self.names)
+        return self.names if chosen == "all" else [n for n in self.names if n in chosen]
 
     def record(self, datasets: Mapping[str, Any], data_config: Any = None) -> DatasetRecord:
         """Take ``datasets`` (added to those passed before, a name passed again is
@@ -188,6 +192,27 @@ class DatasetHandOver:
         return DataConfig(
             datasets_to_split=split if split == "all" else [n for n in split if n in available]
         )
+
+
+def split_wait_line(
+    name: str, waiting: Mapping[int, float], idle: list[int], split: list[str]
+) -> str:
+    """The line for ranks stuck in split dataset ``name`` that other ranks do not read."""
+    ranks = ", ".join(map(str, sorted(waiting)))
+    others = ", ".join(map(str, idle))
+    rest = [n for n in split if n != name]
+    whole = (
+        f"hand it whole to every rank with --split {','.join(rest)}"
+        if rest
+        else "hand it whole to every rank with --split '' (none split)"
+    )
+    return (
+        f"[rtnb] Ray Data {name!r} is split across the ranks, and rank{'s' if len(waiting) > 1 else ''} "
+        f"{ranks} {'have' if len(waiting) > 1 else 'has'} waited {max(waiting.values()):.0f} s for "
+        f"{'their' if len(waiting) > 1 else 'its'} shard while rank{'s' if len(idle) > 1 else ''} "
+        f"{others} {'do' if len(idle) > 1 else 'does'} not read it: a split dataset streams only "
+        f"while every rank reads its part. Read {name!r} on every rank, or {whole}\n"
+    )
 
 
 def split_failed(exc: BaseException) -> ConfigError:
@@ -294,6 +319,9 @@ class DataProgress:
 
 # A pipeline that made no progress this long while its tasks lack CPUs is said to wait.
 _WAIT_NOTE_S = 3.0
+# A rank waiting this long in a split dataset's shard while another rank does not read
+# it is told why (it would wait for ever: the split streams only while all read).
+SPLIT_WAIT_NOTE_S = 20.0
 # Running pipelines are shown again at most this often (a line each, not a bar).
 _PROGRESS_NOTE_S = 10.0
 
@@ -311,10 +339,16 @@ class DataWatch:
         note: Callable[[str], None],
         poll_s: float = 1.0,
         since: float | None = None,
+        split: list[str] | None = None,
+        rank_waits: Callable[[], Mapping[int, Mapping[str, float]]] | None = None,
     ) -> None:
         self._names = names
         self._fetch = fetch
         self._note = note
+        # The split datasets, and each rank's waits in them (RankUpdate.data_waits).
+        self._split = list(names) if split is None else list(split)
+        self._rank_waits = rank_waits
+        self._split_noted: set[str] = set()
         self._poll_s = poll_s
         self._ended = threading.Event()
         self._lock = threading.Lock()
@@ -352,6 +386,7 @@ class DataWatch:
             return self._check()
 
     def _check(self) -> int:
+        self._check_split_waits()
         running = 0
         records, free = self._fetch()
         now = time.time()
@@ -384,3 +419,17 @@ class DataWatch:
                     f"({progress.stage}; the cluster has {free.get('CPU', 0.0):g} free)\n"
                 )
         return running
+
+    def _check_split_waits(self) -> None:
+        """One line per split dataset some ranks wait in while others do not read it."""
+        if self._rank_waits is None:
+            return
+        waits = self._rank_waits()
+        for name in self._split:
+            if name in self._split_noted:
+                continue
+            waiting = {r: w[name] for r, w in waits.items() if name in w}
+            idle = sorted(r for r in waits if r not in waiting)
+            if waiting and idle and max(waiting.values()) >= SPLIT_WAIT_NOTE_S:
+                self._split_noted.add(name)
+                self._note(split_wait_line(name, waiting, idle, self._split))

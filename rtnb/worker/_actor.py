@@ -24,6 +24,7 @@ from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
 from rtnb.worker._debug import DebugState
 from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
+from rtnb.worker._shards import watched_shard
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
 
@@ -470,8 +471,12 @@ class RankActor:
         self.runtime.push(values)
 
     def set_datasets(self, shards: dict[str, Any]) -> None:
-        """This rank's dataset shards (Ray Data iterators), replacing the last set."""
-        self.runtime.datasets = dict(shards)
+        """This rank's dataset shards (Ray Data iterators), replacing the last set;
+        each watched for the time the rank waits in it."""
+        waits = self.runtime.shard_waits
+        self.runtime.datasets = {
+            name: watched_shard(name, shard, waits) for name, shard in shards.items()
+        }
 
     def set_step(self, step: int, line: int = 0) -> None:
         self.runtime.step, self.runtime.line = step, line

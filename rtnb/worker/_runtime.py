@@ -48,6 +48,7 @@ from rtnb.worker._debug import (
     stdlib_set_trace,
     where_in_traceback,
 )
+from rtnb.worker._shards import ShardWaits
 from rtnb.worker._uploads import (
     CheckpointUploadMode,
     CheckpointUploads,
@@ -293,6 +294,7 @@ class RankRuntime:
             self._uncapture = install_thread_capture(self._add_output, {self._thread.ident})
         # Ray Data shards by name (DataIterators), handed over by the driver.
         self.datasets: dict[str, Any] = {}
+        self.shard_waits = ShardWaits()
         # CPU, memory and GPU of this process, sampled by the long-poll (≤ 1 Hz).
         # Made at the first poll: the rank's device is known by then.
         self._sampler: ResourceSampler | None = None
@@ -556,6 +558,7 @@ class RankRuntime:
             loaded_checkpoint=self._loaded_checkpoint,
             line=self.line,
             storage_error=self._storage_error,
+            data_waits=self.shard_waits.snapshot() if self.datasets else {},
         )
 
     # ---- output and reports (called from the cell thread) --------------------------
