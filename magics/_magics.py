@@ -1192,12 +1192,14 @@ class RtnbMagics(Magics):
         label = self._cell_label()
         datasets = self._datasets_from([args.datasets]) if args.datasets else None
         split = _split_names(args)
+        if split is not None:  # handed now with their split, as the cell would hand them
+            session.set_datasets(datasets, split)
+            datasets = None
         try:
             if args.background:
                 handle = session.run_background(
                     code,
                     datasets=datasets,
-                    dataset_config=split,
                     ranks=args.ranks,
                     timeout=args.timeout,
                     total_steps=args.steps,
@@ -1232,7 +1234,6 @@ class RtnbMagics(Magics):
             handle = session.begin_cell(
                 code,
                 datasets=datasets,
-                dataset_config=split,
                 ranks=args.ranks,
                 timeout=args.timeout,
                 total_steps=args.steps,

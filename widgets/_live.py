@@ -253,7 +253,8 @@ class LiveMetrics(w.VBox):
             self._set_said.value = f"<i>{html.escape(str(exc))}</i>"
 
     def _show_control_inputs(self) -> None:
-        declared = getattr(self.handle, "declared_controls", None)
+        controls = getattr(self.handle, "controls", None)
+        declared = controls.declared if controls is not None else None
         if self._set_controls is None or not declared or set(declared) == set(self._control_inputs):
             return
         for name, default in declared.items():
@@ -363,8 +364,8 @@ class LiveMetrics(w.VBox):
         if reported:
             bundle = static_figure_bundle(self.store, title=header, max_points=self.max_points)
         # The cell's live changes, kept in the saved notebook for `rtnb run`.
-        record_of = getattr(self.handle, "changes_record", None)
-        record = record_of() if record_of is not None else None
+        controls = getattr(self.handle, "controls", None)  # a cell of this kernel's
+        record = controls.record() if controls is not None else None
         if bundle is None:
             self._display.update({"text/plain": "\n".join(filter(None, [header, logs]))}, raw=True)
             if record is not None and self._logs_display is not None:

@@ -515,10 +515,8 @@ class DetachedSession:
         once: bool = False,
         label: str | None = None,
         datasets: Any = None,
-        dataset_config: Any = None,
     ) -> FollowedCell:
-        """Start ``code`` in the group's host; its handle at once (``datasets`` and
-        ``dataset_config`` are refused: the host cannot take the kernel's Datasets)."""
+        """Start ``code`` in the group's host; its handle at once."""
         quiet = output or (lambda rank, stream, text: None)
         return self._start_cell(
             code, True, quiet, ranks, timeout, total_steps, once, label, datasets, config
@@ -535,7 +533,6 @@ class DetachedSession:
         once: bool = False,
         label: str | None = None,
         datasets: Any = None,
-        dataset_config: Any = None,
     ) -> FollowedCell:
         """A foreground cell: it runs in the host (so it goes on if this kernel
         dies); ``run_here()`` waits for it."""

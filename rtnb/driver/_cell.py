@@ -192,6 +192,7 @@ class CellHandle:
         self.states: dict[int, str] = {r: "running" for r in self.ranks}
         self.loaded: dict[int, str | None] = {}
         self.lines: dict[int, int] = {}  # each rank's line of training (see _commits)
+        self.data_waits: dict[int, dict[str, float]] = {}  # RankUpdate.data_waits, running
         # This attempt's run on the group: the ranks' calls and answers.
         self._execution: Execution | None = None
 
@@ -200,21 +201,6 @@ class CellHandle:
         return self._execution.finished if self._execution is not None else {}
 
     # ---- public ------------------------------------------------------------------------
-    def data_waits(self) -> dict[int, dict[str, float]]:
-        """Each rank's waits in its dataset shards, as it last told them
-        (``RankUpdate.data_waits``; none once its cell ended): a data watch tells a
-        split that some ranks wait in and the others do not read."""
-        execution = self._execution
-        if execution is None:
-            return {}
-        last = dict(execution.last)
-        return {
-            rank: dict(last[rank].data_waits)
-            if rank in last and last[rank].state is CellState.RUNNING
-            else {}
-            for rank in self.ranks
-        }
-
     def add_sink(self, sink: OutputSink, replay: bool = True) -> None:
         """Send this cell's output to ``sink(rank, stream, text)`` (past output first)."""
         self._output.add_sink(sink, replay)
@@ -508,6 +494,7 @@ class CellHandle:
         self.steps[rank] = update.step
         self.lines[rank] = update.line
         self.states[rank] = "paused" if update.paused_at is not None else str(update.state)
+        self.data_waits[rank] = update.data_waits if update.state is CellState.RUNNING else {}
         if update.loaded_checkpoint is not None and rank not in self.loaded:
             self.loaded[rank] = update.loaded_checkpoint
             self._note_restart_origin()
@@ -539,16 +526,7 @@ class CellHandle:
         """Ranks a background cell left at a breakpoint (``%rtnb debug`` attaches)."""
         return sorted(self._breakpoints.noted)
 
-    # ---- live controls -----------------------------------------------------------------
-    @property
-    def declared_controls(self) -> dict[str, Any]:
-        """The controls the ranks declared (name -> default): the live view's inputs."""
-        return self.controls.declared
-
-    def changes_record(self) -> dict[str, Any] | None:
-        """What a saved notebook keeps of this cell's live changes."""
-        return self.controls.record()
-
+    # ---- live controls (``controls``: what the ranks declared, what a saved notebook keeps)
     def _make_asked_changes(self, execution: Execution) -> None:
         made = self.controls.make_asked(
             execution,

@@ -460,13 +460,7 @@ class CellFlow:
                 handle.note(grown)
             self.metrics.begin(rank_list, total_steps)
             if self._datasets.names:
-                watch = DataWatch(
-                    self._datasets.names,
-                    group.data_progress,
-                    handle.note,
-                    split=self._datasets.split_names,
-                    rank_waits=handle.data_waits,
-                )
+                watch = DataWatch.for_cell(self._datasets, group.data_progress, handle)
                 handle.before_end(watch.end)
                 watch.start()
             self._active = handle

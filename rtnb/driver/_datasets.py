@@ -358,6 +358,23 @@ class DataWatch:
         self._stuck_noted: set[str] = set()
         self._finished: set[str] = set()
 
+    @classmethod
+    def for_cell(
+        cls,
+        handover: DatasetHandOver,
+        fetch: Callable[[], tuple[list[dict], dict[str, float]]],
+        cell: Any,
+    ) -> DataWatch:
+        """The watch of a cell (a ``CellHandle``: its ``note``, ``ranks`` and each
+        running rank's ``data_waits``) reading ``handover``'s datasets."""
+        return cls(
+            handover.names,
+            fetch,
+            cell.note,
+            split=handover.split_names,
+            rank_waits=lambda: {r: dict(cell.data_waits.get(r, {})) for r in cell.ranks},
+        )
+
     def start(self) -> None:
         threading.Thread(target=self._run, name="rtnb-data-watch", daemon=True).start()
 

@@ -274,7 +274,6 @@ class Session(LiveAPI, RunAPI):
         once: bool = False,
         label: str | None = None,
         datasets: Mapping[str, Any] | None = None,
-        dataset_config: Any = None,
     ) -> PerRank:
         """Run ``code`` (or ``fn()``/``fn(config)``) on the ranks and wait for it.
 
@@ -285,11 +284,10 @@ class Session(LiveAPI, RunAPI):
         (or in a new kernel) runs it again. ``once``: never replay this cell.
         ``label``: the notebook's name for the cell (Jupyter's ``[4]``), which its
         messages and tracebacks then use instead of rtnb's cell number.
-        ``datasets``: Ray Datasets handed to the ranks first, ``dataset_config`` which
-        of them are split (see :meth:`set_datasets`).
+        ``datasets``: Ray Datasets handed to the ranks first (see :meth:`set_datasets`).
         """
         if datasets is not None:
-            self.set_datasets(datasets, dataset_config)
+            self.set_datasets(datasets)
         handle = self._cells.begin(
             code, ranks, timeout, False, config, total_steps, once, label, output
         )
@@ -306,13 +304,12 @@ class Session(LiveAPI, RunAPI):
         once: bool = False,
         label: str | None = None,
         datasets: Mapping[str, Any] | None = None,
-        dataset_config: Any = None,
     ) -> CellHandle:
         """A foreground cell's handle before it runs, so views can subscribe to it
         first; run it with :meth:`CellHandle.run_here`. Output is printed unless
         ``output`` says otherwise."""
         if datasets is not None:
-            self.set_datasets(datasets, dataset_config)
+            self.set_datasets(datasets)
         return self._cells.begin(
             code, ranks, timeout, False, None, total_steps, once, label, output
         )
@@ -329,11 +326,10 @@ class Session(LiveAPI, RunAPI):
         once: bool = False,
         label: str | None = None,
         datasets: Mapping[str, Any] | None = None,
-        dataset_config: Any = None,
     ) -> CellHandle:
         """Start ``code`` on the ranks and return its :class:`CellHandle` at once."""
         if datasets is not None:
-            self.set_datasets(datasets, dataset_config)
+            self.set_datasets(datasets)
         handle = self._cells.begin(
             code, ranks, timeout, True, config, total_steps, once, label, output
         )
