@@ -5,6 +5,7 @@ core-seconds divided by the cores (what it would take if two streams of tests pa
 the cores perfectly).
 
     PYTHONPATH=benchmarks .venv/bin/python -m pytest -q -p _suite_cpu [--suite-cpu-json FILE]
+    .venv/bin/python benchmarks/_suite_cpu.py compare SLOW.json NORMAL.json
 
 It counts the whole machine (the session's Ray, kernels and rank processes the tests
 start are the point), so run nothing else beside it.
@@ -68,3 +69,35 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     if out:
         with open(out, "w") as dest:
             json.dump({"cores": cores, "tests": _seen}, dest, indent=1)
+
+
+def compare(slow_path: str, normal_path: str, top: int = 25) -> str:
+    """Two runs' ``--suite-cpu-json`` side by side: each test's wall time on the slow
+    run over the normal one. A machine twice as slow doubles what is CPU; a test whose
+    ratio is far above the run's own is waiting on something that scales worse than its
+    work (a retry, a poll that backs off, a timeout it reaches), one far below waits on
+    a clock (a fixed sleep, an idle timeout)."""
+    slow = {t["test"]: t for t in json.load(open(slow_path))["tests"]}
+    normal = {t["test"]: t for t in json.load(open(normal_path))["tests"]}
+    both = [name for name in slow if name in normal and normal[name]["wall_s"] >= 1.0]
+    total_slow = sum(slow[n]["wall_s"] for n in both)
+    total_normal = sum(normal[n]["wall_s"] for n in both)
+    run_ratio = total_slow / total_normal if total_normal else 0.0
+    lines = [
+        f"{len(both)} tests of >= 1 s in both: {total_normal / 60:.1f} min -> "
+        f"{total_slow / 60:.1f} min ({run_ratio:.2f}x)",
+        f"the {top} that grew the most (seconds added), with their own ratio:",
+    ]
+    grown = sorted(both, key=lambda n: normal[n]["wall_s"] - slow[n]["wall_s"])
+    for name in grown[:top]:
+        a, b = normal[name]["wall_s"], slow[name]["wall_s"]
+        lines.append(f"  {b - a:+7.1f} s  {a:6.1f} -> {b:6.1f} s  {b / a:5.2f}x  {name}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "compare":
+        sys.exit("usage: python benchmarks/_suite_cpu.py compare SLOW.json NORMAL.json")
+    print(compare(sys.argv[2], sys.argv[3]))
