@@ -60,17 +60,45 @@ def watched_shard(name: str, shard: Any, waits: ShardWaits) -> Any:
 
 def _recording(name: str, make: Callable[..., Any], waits: ShardWaits) -> Callable[..., Any]:
     @functools.wraps(make)
-    def iterate(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        items = iter(make(*args, **kwargs))
-        while True:
-            counted = waits.begin(name)
-            try:
-                item = next(items)
-            except StopIteration:
-                return
-            finally:
-                if counted:
-                    waits.end(name)
-            yield item
+    def iterate(*args: Any, **kwargs: Any) -> Any:
+        return _recorded(make(*args, **kwargs), name, waits)
 
     return iterate
+
+
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recorded(iterable: Any, name: str, waits: ShardWaits) -> Any:
+    """``iterable`` itself, its class swapped for a subclass whose ``__iter__``
+    records the waits: Ray's own type checks (``isinstance(x, _IterableFromIterator)``
+    in its and rtnb's ``prepare_trainer``) and ``len()`` see what they saw. An object
+    whose class cannot be swapped (a generator) is left unwatched."""
+    base = type(iterable)
+    recording = _RECORDING_CLASSES.get(base)
+    if recording is None:
+
+        def __iter__(self: Any) -> Iterator[Any]:
+            items = base.__iter__(self)
+            shard, shard_waits = self._rtnb_shard
+            while True:
+                counted = shard_waits.begin(shard)
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    if counted:
+                        shard_waits.end(shard)
+                yield item
+
+        recording = type(
+            base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__}
+        )
+        _RECORDING_CLASSES[base] = recording
+    try:
+        iterable._rtnb_shard = (name, waits)  # first: an object without a __dict__ stays as is
+        iterable.__class__ = recording
+    except (TypeError, AttributeError):
+        return iterable
+    return iterable
