@@ -114,3 +114,27 @@ def test_a_value_the_script_does_not_give_is_one_line_naming_it(tmp_path):
         read_train_script(str(script))
     line = str(info.value)
     assert "\n" not in line and "uses 'seed'" in line and "give seed a value there" in line, line
+
+
+def test_a_script_that_hands_datasets_says_exactly_what_to_hand_and_how(tmp_path):
+    script = tmp_path / "regression.py"
+    script.write_text(
+        "import ray, ray.train\nfrom ray.train import DataConfig, ScalingConfig\n"
+        "from ray.train.torch import TorchTrainer\n"
+        "def train_func(config):\n"
+        "    ray.train.get_dataset_shard('train')\n"
+        "def main():\n"
+        "    dataset = ray.data.read_csv('s3://anonymous@air-example-data/regression.csv')\n"
+        "    train_dataset, val_dataset = dataset.train_test_split(test_size=0.3)\n"
+        "    trainer = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2),\n"
+        "        datasets={'train': train_dataset, 'validation': val_dataset},\n"
+        "        dataset_config=DataConfig(datasets_to_split=['train']))\n"
+        "    trainer.fit()\n"
+    )
+    plan = read_train_script(str(script))
+    note = next(n for n in plan.notes if "hands the ranks" in n)
+    assert "hands the ranks train, validation" in note, note
+    assert "train = train_dataset, validation = val_dataset" in note, note
+    assert note.endswith(
+        "%rtnb datasets train=train validation=validation --split train"
+    ), note

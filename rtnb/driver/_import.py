@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import copy
 import os
 from dataclasses import dataclass, field
@@ -79,10 +80,7 @@ def read_train_script(path: str) -> TrainScript:
             workers, gpu = _scaling(scaling, values, notes)
         notes += values.notes
         if _keyword(trainer, "datasets") is not None:
-            notes.append(
-                "the script's datasets are built in its driver code: hand them to the ranks "
-                "with %rtnb datasets NAME=DATASET first"
-            )
+            notes.append(_datasets_note(trainer, scope, source))
     if loop_name is None:
         loop_name = next(
             (n for n in ("train_loop_per_worker", "train_func", "train_loop") if n in functions),
@@ -105,6 +103,37 @@ def read_train_script(path: str) -> TrainScript:
         body += config_definitions
     code = f"__file__ = {path!r}\n\n{body}\n\n{call}\n"
     return TrainScript(path, code, loop_name, workers, gpu, notes)
+
+
+def _datasets_note(trainer: ast.Call, scope: list[ast.stmt], source: str) -> str:
+    """What to hand the ranks before the cell, as exactly as the script says it: the
+    datasets' names, what builds each, and which are split (its DataConfig)."""
+    given = _resolve(_keyword(trainer, "datasets"), scope)
+    if not isinstance(given, ast.Dict) or not all(
+        isinstance(k, ast.Constant) and isinstance(k.value, str) for k in given.keys
+    ):
+        return (
+            "the script's datasets are built in its driver code: build them in the notebook "
+            "and hand them with %rtnb datasets NAME=DATASET first"
+        )
+    names = [k.value for k in given.keys]
+    built = ", ".join(
+        f"{name} = {ast.get_source_segment(source, _resolve(value, scope)) or ast.unparse(value)}"
+        for name, value in zip(names, given.values)
+    )
+    split = ""
+    config = _resolve(_keyword(trainer, "dataset_config"), scope)
+    chosen = _keyword(config, "datasets_to_split") if isinstance(config, ast.Call) else None
+    if chosen is not None:
+        with contextlib.suppress(ValueError):
+            value = ast.literal_eval(chosen)
+            if isinstance(value, (list, tuple)):
+                split = f" --split {','.join(value)}" if value else " --split ''"
+    pairs = " ".join(f"{name}={name}" for name in names)
+    return (
+        f"the script hands the ranks {', '.join(names)}, built by its driver code "
+        f"({built}): build them in the notebook, then %rtnb datasets {pairs}{split}"
+    )
 
 
 def _keyword(call: ast.Call, name: str) -> ast.expr | None:
