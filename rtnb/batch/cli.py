@@ -67,23 +67,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _versions() -> str:
-    """rtnb's version, and those of what it runs on (what a bug report needs); read
-    from the installed packages' metadata, so nothing is imported."""
-    import platform
-    from importlib import metadata
-
+    """rtnb's version, and those of what it runs on (what a bug report needs), from
+    the installed packages' metadata: nothing is imported."""
     from rtnb import __version__
+    from rtnb.core._installed import versions_here
 
-    def installed(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return (
-        f"rtnb {__version__} (Python {platform.python_version()}, "
-        f"Ray {installed('ray')}, torch {installed('torch')})"
-    )
+    found = versions_here()
+    return f"rtnb {__version__} (Python {found['python']}, Ray {found['ray']}, torch {found['torch']})"
 
 
 def _parser() -> argparse.ArgumentParser:

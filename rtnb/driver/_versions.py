@@ -18,28 +18,12 @@ import re
 import types
 from typing import Any
 
+from rtnb.core._installed import PACKAGES, versions_here
 from rtnb.errors import ClusterError, one_line
 
-__all__ = ["check_cluster_versions", "ray_mismatch_line", "versions_here"]
+__all__ = ["check_cluster_versions", "ray_mismatch_line"]
 
-# What must be the same on both sides, as pip names them.
-PACKAGES = ("ray", "torch", "rtnb")
 _PROBE_TIMEOUT_S = 60.0
-
-
-def versions_here() -> dict[str, str]:
-    """This process's Python and packages, from their metadata (nothing imported).
-    Self-contained: a node runs a copy of it (see :func:`check_cluster_versions`)."""
-    import platform
-    from importlib import metadata
-
-    found = {"python": platform.python_version()}
-    for name in ("ray", "torch", "rtnb"):  # PACKAGES
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
 
 
 def _said(versions: dict[str, str], names: list[str]) -> str:
