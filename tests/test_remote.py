@@ -4,13 +4,16 @@ and what a kernel leaves behind when it shuts down."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from tests._kernel import Kernel
+from tests._margins import until
 from tests.conftest import CLUSTER_CPUS, free_port, wait_for_free_cpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -82,3 +85,61 @@ def test_kernel_shutdown_leaves_no_ranks_behind(ray_cluster, tmp_path):
     finally:
         kernel.shutdown()
     assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+
+
+def test_a_cluster_without_auth_is_joined_without_the_users_token(ray_cluster, tmp_path):
+    """The user has a Ray token (any Ray 2.60 `ray.init()` writes one) and joins a
+    cluster started without token auth. Sending the token there made every rank's
+    actor "die unexpectedly" (the cluster calls a token-mode driver back without one):
+    rtnb asks the GCS first and joins as the cluster expects."""
+    from tests.conftest import end_process_group
+
+    token = tmp_path / "auth_token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    port = free_port()
+    env = _env_without_ray_address()
+    head = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            "--object-store-memory=100000000",
+            # Short: Ray's Unix sockets live under it (a path of at most 107 bytes).
+            f"--temp-dir={tempfile.mkdtemp(prefix='rtnb-noauth-')}",
+        ],
+        env={**env, "RAY_AUTH_MODE": "disabled"},
+        stdout=(tmp_path / "head.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    kernel = None
+    try:
+
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                return True
+            except OSError:
+                return head.poll() is not None  # died: the kernel's line will say so
+
+        until("the head without auth listens", listening, 60)
+        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
+        kernel = Kernel(cwd=str(tmp_path), env={**env, "RAY_AUTH_TOKEN_PATH": str(token)})
+        run = kernel.execute(
+            f"%load_ext rtnb\n%rtnb start --address 127.0.0.1:{port} --workers 1 "
+            f"--storage {tmp_path / 'runs'}",
+            timeout=240,
+        )
+        assert run.status == "ok", run.text + run.evalue + "\n".join(run.traceback)
+        out = kernel.execute("%rtrain 40 + 2", timeout=120)
+        assert out.status == "ok" and "42" in out.results[-1]["text/plain"], out.text + out.evalue
+        assert kernel.execute("%rtnb stop").status == "ok"
+    finally:
+        if kernel is not None:
+            kernel.shutdown()
+        end_process_group(head)

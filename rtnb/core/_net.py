@@ -30,8 +30,11 @@ def probe_tcp(host: str, port: int, timeout: float) -> None:
 def use_auth_token_if_present() -> None:
     # Ray 2.5x+ clusters enable token auth by default and write the token to
     # ~/.ray/auth_token, but a client only sends it when RAY_AUTH_MODE=token; without
-    # it ray.init retries forever logging "InvalidAuthToken". Sending a token to a
-    # cluster without auth is harmless, so opt in whenever a token is available.
+    # it ray.init retries forever logging "InvalidAuthToken". For the HTTP calls of
+    # this process (Ray Jobs) a token sent to a dashboard without auth is ignored, so
+    # opt in whenever a token is available. (Not for a driver joining a GCS: there a
+    # cluster without auth refuses the actors of a driver in token mode; rtnb asks the
+    # GCS first, rtnb.driver._auth.users_token.)
     if os.environ.get("RAY_AUTH_MODE"):
         return
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")

@@ -20,6 +20,7 @@ __all__ = [
     "TOKEN_MODE_ENV",
     "TOKEN_PATH_ENV",
     "as_the_environment_says",
+    "gcs_wants_token",
     "joining_with",
     "users_token",
 ]
@@ -28,17 +29,41 @@ TOKEN_MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 
 
-def users_token() -> dict[str, str]:
+def users_token(gcs_address: str | None = None) -> dict[str, str]:
     """The environment that sends the user's own token (Ray 2.5x+ clusters turn
     token auth on and write ~/.ray/auth_token, but a driver only sends it with
-    RAY_AUTH_MODE=token). Sending a token to a cluster without auth is harmless;
-    a mode the user set is theirs."""
+    RAY_AUTH_MODE=token; without it the join retries for ever). Not for a cluster
+    that runs without auth (``gcs_address`` asked first, when given): a driver in
+    token mode there has every actor it creates refused ("The actor died
+    unexpectedly"), since the cluster calls it back without a token. A mode the user
+    set is theirs."""
     if os.environ.get(TOKEN_MODE_ENV):
         return {}
     token_file = os.environ.get(TOKEN_PATH_ENV) or os.path.expanduser("~/.ray/auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
-        return {TOKEN_MODE_ENV: "token"}
-    return {}
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file)):
+        return {}
+    if gcs_address is not None and gcs_wants_token(gcs_address) is False:
+        return {}
+    return {TOKEN_MODE_ENV: "token"}
+
+
+def gcs_wants_token(gcs_address: str, timeout_s: float = 5.0) -> bool | None:
+    """Whether the GCS at ``gcs_address`` (HOST:PORT) refuses a call without a token:
+    one unauthenticated call; None when that cannot be told (an older Ray, no answer)."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    try:
+        with grpc.insecure_channel(gcs_address) as channel:
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        return False
+    except grpc.RpcError as exc:
+        return True if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    except Exception:  # noqa: BLE001 - a Ray without that call: as before
+        return None
 
 
 @contextlib.contextmanager

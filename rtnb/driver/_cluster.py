@@ -307,10 +307,13 @@ def connect(
         bare = bare.split("://", 1)[-1]
         host, port = _split_host_port(bare)
         probe_tcp(host, port, min(timeout_s, 5.0))
+    gcs = None  # the GCS asked whether it wants a token (Ray Client's server is not one)
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
+    elif target != "auto":
+        gcs = f"{host}:{port}"
     try:
-        with _driver_outlives_its_ray(), joining_with(users_token()):
+        with _driver_outlives_its_ray(), joining_with(users_token(gcs)):
             _init_with_retry(ray, target, kwargs, timeout_s)
     except ConnectionError as exc:
         raise ClusterError(
