@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import missing
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 SCENARIO = Path(__file__).with_name("_neighbour.py")
 NOT_FOUND = "Could not find any running Ray instance"
@@ -112,7 +112,7 @@ class NeighbourScenario:
         if self._results is None:
             assert self._proc is not None
             try:
-                self._proc.wait(timeout=900)
+                self._proc.wait(timeout=1400)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
