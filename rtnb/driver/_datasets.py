@@ -198,20 +198,20 @@ def split_wait_line(
     name: str, waiting: Mapping[int, float], idle: list[int], split: list[str]
 ) -> str:
     """The line for ranks stuck in split dataset ``name`` that other ranks do not read."""
-    ranks = ", ".join(map(str, sorted(waiting)))
-    others = ", ".join(map(str, idle))
     rest = [n for n in split if n != name]
-    whole = (
-        f"hand it whole to every rank with --split {','.join(rest)}"
-        if rest
-        else "hand it whole to every rank with --split '' (none split)"
+    whole = f"--split {','.join(rest)}" if rest else "--split '' (none split)"
+    waiters = (
+        f"ranks {', '.join(map(str, sorted(waiting)))} have waited"
+        if len(waiting) > 1
+        else f"rank {next(iter(waiting))} has waited"
     )
+    readers = f"ranks {', '.join(map(str, idle))} do" if len(idle) > 1 else f"rank {idle[0]} does"
+    mine = "their" if len(waiting) > 1 else "its"
     return (
-        f"[rtnb] Ray Data {name!r} is split across the ranks, and rank{'s' if len(waiting) > 1 else ''} "
-        f"{ranks} {'have' if len(waiting) > 1 else 'has'} waited {max(waiting.values()):.0f} s for "
-        f"{'their' if len(waiting) > 1 else 'its'} shard while rank{'s' if len(idle) > 1 else ''} "
-        f"{others} {'do' if len(idle) > 1 else 'does'} not read it: a split dataset streams only "
-        f"while every rank reads its part. Read {name!r} on every rank, or {whole}\n"
+        f"[rtnb] Ray Data {name!r} is split across the ranks, and {waiters} "
+        f"{max(waiting.values()):.0f} s for {mine} shard while {readers} not read it: a split "
+        f"dataset streams only while every rank reads its part. Read {name!r} on every "
+        f"rank, or hand it whole to every rank with {whole}\n"
     )
 
 

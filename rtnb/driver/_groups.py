@@ -110,8 +110,8 @@ class GroupBuilder:
         if self.connection.watch is not None:
             self.connection.watch.subscribe(self._on_ray_lost)
         if not self.connection.owned:
-            # A cluster someone else started: its nodes may run other versions (asked
-            # once per cluster and process, a task of no CPU per node: about a second).
+            # A cluster someone else started: its nodes may run other versions (each
+            # node asked once per process, a task of no CPU: about a second).
             check_cluster_versions()
 
     def check_fits(self, config: SessionConfig) -> None:

@@ -256,7 +256,7 @@ class _ScriptValues:
         """``node``'s value where it comes to a Python literal, else None."""
         node = self._options_filled(node)
         try:
-            names = {name: ast.literal_eval(value) for name, value in self._bindings(node, "")}
+            names = {name: ast.literal_eval(value) for name, value in self._bindings(node)}
             code = compile(ast.Expression(node), "<script>", "eval")
             # Only the literals above and the expression's own operators: no builtins.
             return eval(code, {"__builtins__": {}}, names)  # noqa: S307
@@ -269,7 +269,7 @@ class _ScriptValues:
         own; one ConfigError line naming a value that cannot be worked out."""
         node = self._options_filled(node)
         try:
-            bindings = self._bindings(node, what)
+            bindings = self._bindings(node)
         except LookupError as missing:
             name = missing.args[0]
             raise ConfigError(
@@ -288,7 +288,7 @@ class _ScriptValues:
         return definitions, "_script_config()"
 
     def _bindings(
-        self, node: ast.expr, what: str, seen: set[str] | None = None
+        self, node: ast.expr, seen: set[str] | None = None
     ) -> list[tuple[str, ast.expr]]:
         """(name, value) for each name ``node`` reads from the driver code, those a
         value reads first; LookupError(name) for one that cannot be worked out."""
@@ -300,7 +300,7 @@ class _ScriptValues:
             if value is None:
                 raise LookupError(name)
             value = self._options_filled(value)
-            found += self._bindings(value, what, seen)
+            found += self._bindings(value, seen)
             found.append((name, value))
         return found
 
