@@ -47,6 +47,7 @@ PEERS: dict[str, str] = {
     "sweep": RAY_TRAIN_TUNED_TEXT + ", one fit() per trial in a Tune grid",
     "scale": "rtnb itself at 2 ranks (how its costs grow with the size)",
     "soak": "none (growth against the goal)",
+    "file_sync": "the same cell on a group of the same Ray without sync (--files off)",
 }
 
 

@@ -271,6 +271,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         timeout_s=400,
     ),
     Benchmark(
+        "file_sync",
+        (
+            Figure("unchanged_ms", "50-file folder synced, nothing changed: ms added", "ms", 20),
+            Figure("changed_ms", "50-file folder synced, one module changed: ms added", "ms", 100),
+            Figure("walk_ms", "the kernel's walk of the folder before a cell", "ms"),
+        ),
+        quick_args=("--cells", "30"),
+        timeout_s=300,
+    ),
+    Benchmark(
         "soak",
         (
             Figure("kernel_growth_mb", "kernel RSS growth after warm-up", "MB", 50),

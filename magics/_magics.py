@@ -58,6 +58,7 @@ from rtnb import (
 from rtnb.core._changes import control_value
 from rtnb.core._config import (
     BACKENDS,
+    FILE_MODES,
     STRATEGIES,
     SessionConfig,
     declared_defaults,
@@ -221,6 +222,27 @@ def _workers(text: str) -> int | tuple[int, int]:
     "--listen",
     default=_DECLARED.listen,
     help="address an embedded Ray listens on (default 127.0.0.1, loopback only)",
+)
+@argument(
+    "--files",
+    default=_DECLARED.files,
+    choices=FILE_MODES,
+    help=(
+        "the notebook's folder on ranks whose node cannot see it: auto (copy it there, "
+        "kept in step before each cell), ship (copy to every rank), off"
+    ),
+)
+@argument(
+    "--excludes",
+    default=_DECLARED.excludes,
+    metavar="PATTERN,...",
+    help="leave these out of the copied folder (as in .gitignore), e.g. data/,*.ckpt",
+)
+@argument(
+    "--includes",
+    default=_DECLARED.includes,
+    metavar="PATTERN,...",
+    help="ship these though they may hold secrets (.env, keys) or are over 10 MiB",
 )
 @argument(
     "--detached",
@@ -704,6 +726,8 @@ class RtnbMagics(Magics):
             progress("rtnb: the start failed (the reason follows)")
             raise
         progress(f"rtnb: run {session.run_name!r} {session.last_start}")
+        for note in session.last_start.notes if session.last_start else ():
+            print(f"rtnb: {note}")
         if session.detached:
             print(
                 f"rtnb: run {session.run_name!r} is detached: it goes on if this kernel "

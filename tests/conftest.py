@@ -215,8 +215,12 @@ class WorkerNode:
         num_cpus: int,
         resources: dict[str, float],
         env: dict[str, str] | None = None,
+        mask: str | None = None,
     ) -> None:
+        """``mask``: a folder this node does not see (an empty tmpfs over it in the
+        node's own mount namespace, as on a machine that does not share that disk)."""
         import json
+        import shlex
 
         self.log = Path(head.temp_dir) / f"worker-{time.monotonic_ns()}.log"
         ray_bin = Path(sys.executable).parent / "ray"
@@ -230,6 +234,9 @@ class WorkerNode:
             f"--resources={json.dumps(resources)}",
             "--object-store-memory=100000000",
         ]
+        if mask is not None:
+            inner = f"mount -t tmpfs tmpfs {shlex.quote(mask)} && exec {shlex.join(cmd)}"
+            cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", inner]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 cmd,

@@ -19,12 +19,23 @@ __all__ = [
     "parse_workers",
     "STRATEGIES",
     "BACKENDS",
+    "FILE_MODES",
 ]
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BACKENDS = ("gloo", "nccl")
+FILE_MODES = ("auto", "ship", "off")
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+def _patterns(value: object, option: str) -> tuple[str, ...]:
+    """``--excludes 'data/,*.ckpt'`` (or a list) as a tuple of patterns."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{option} takes patterns as in .gitignore, e.g. 'data/,*.ckpt'")
+    return tuple(v.strip() for v in value if v.strip())
 
 
 def default_run_name() -> str:
@@ -77,6 +88,12 @@ class SessionConfig:
     connect_timeout_s: float = 15.0
     placement_timeout_s: float = 30.0
     env: dict[str, str] = field(default_factory=dict)
+    # The notebook's folder on ranks whose node cannot see it (like a Ray Job's
+    # working_dir, kept in step before each cell): "auto" copies it only there, "ship"
+    # to every rank, "off" never. Patterns as in .gitignore.
+    files: str = "auto"
+    excludes: tuple[str, ...] = ()
+    includes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._validate()
@@ -144,6 +161,10 @@ class SessionConfig:
             raise ConfigError(
                 f"--hang-after must be ≥ 0 seconds (0: off), got {self.hang_after_s!r}"
             )
+        if self.files not in FILE_MODES:
+            raise ConfigError(f"--files {self.files!r} is not one of {', '.join(FILE_MODES)}")
+        for name in ("excludes", "includes"):
+            self._normalize(name, _patterns(getattr(self, name), f"--{name}"))
         if not isinstance(self.env, dict):
             raise ConfigError(
                 f"env must be a dict of environment variables for the ranks, got "

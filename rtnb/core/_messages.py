@@ -15,6 +15,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtnb.core._folder import FolderChanges
 from rtnb.core._reports import ReportBatch
 
 __all__ = [
@@ -99,6 +100,8 @@ class CellRequest:
     controls: tuple[tuple[str, Any, int], ...] = ()
     # Triggers (``%rtnb trigger``, ``%rtnb save-now``) fired during it, as (step, name).
     triggers: tuple[tuple[int, str], ...] = ()
+    # The notebook's files changed since the target ranks' copies (driver/_folder_sync).
+    files: FolderChanges | None = None
 
     @property
     def filename(self) -> str:

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rtnb.core._config import SessionConfig
+from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, RankPlace, RankUpdate, from_wire, to_wire
 from rtnb.core._redact import redact_uri
 from rtnb.driver import _warm
 from rtnb.driver._datasets import wait_for_data_room
 from rtnb.driver._embedded import rank_bundle, rank_cpus
 from rtnb.driver._execution import Execution, RankCalls, RankLost
+from rtnb.driver._folder_sync import FolderSync
 from rtnb.driver._ray_output import watch_ranks
 from rtnb.driver._startup import StartProgress
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
@@ -129,6 +131,7 @@ class WorkerGroup:
         # the dispatch tokens, 1, 2, ... in the order the ranks listen for them.
         self.relay_tokens: itertools.count | None = None
         self._wired: tuple[CellRequest, bytes] | None = None
+        self.folder: FolderSync | None = None
 
     @property
     def world_size(self) -> int:
@@ -230,6 +233,7 @@ class WorkerGroup:
                 )
                 for info, device in zip(self.ranks, devices):
                     info.device = device
+                self._open_folder(progress, slow(60))
             with progress.phase("process group", f"joining the {cfg.backend} process group"):
                 master_port = ray.get(
                     self.actors[0].open_rendezvous.remote(self.ranks[0].node_ip), timeout=slow(30)
@@ -264,6 +268,26 @@ class WorkerGroup:
             self.shutdown(graceful=False, timeout_s=2.0)  # the pool closed meanwhile
             raise ClusterError("the sweep is over: its groups are shut down")
 
+    def _open_folder(self, progress: StartProgress, timeout_s: float) -> None:
+        """The notebook's folder on each rank: seen in place, or copied where its node
+        cannot see it (``--files``; see driver/_folder_sync.py)."""
+        import ray
+
+        cfg = self.config
+
+        def ask(roots: list[FolderRoot], copy_all: bool) -> list[tuple[str, ...]]:
+            calls = [a.open_folder.remote(roots, copy_all) for a in self.actors]
+            return ray.get(calls, timeout=timeout_s)
+
+        def send(changes: dict[int, FolderChanges]) -> None:
+            with progress.phase("files", "copying the notebook's folder to the ranks"):
+                calls = [self.actors[r].apply_files.remote(c) for r, c in changes.items()]
+                ray.get(calls, timeout=timeout_s)
+
+        self.folder = FolderSync.open(cfg.files, cfg.excludes, cfg.includes, ask, send)
+        if self.folder is not None:
+            progress.report.notes += [self.folder.shipped_summary(), *self.folder.notes]
+
     def _assign_local_ranks(self, described: list[RankPlace]) -> None:
         node_order: list[str] = []
         per_node: dict[str, int] = {}
@@ -295,7 +319,10 @@ class WorkerGroup:
 
     # ---- the rank protocol -------------------------------------------------------------
     def execute(self, request: CellRequest, ranks: list[int]) -> Execution:
-        """Start a cell on ``ranks``; its :class:`Execution` sequences the calls."""
+        """Start a cell on ``ranks``; its :class:`Execution` sequences the calls. The
+        request carries the notebook's files changed since those ranks' copies."""
+        if self.folder is not None:
+            request = self.folder.stamp(request, ranks)
         return Execution(self, request, ranks)
 
     @property
@@ -415,8 +442,7 @@ class WorkerGroup:
 
         # Ray 2.40 names it with an underscore; its records are the same.
         stats_actor = (
-            getattr(stats, "get_or_create_stats_actor", None)
-            or stats._get_or_create_stats_actor
+            getattr(stats, "get_or_create_stats_actor", None) or stats._get_or_create_stats_actor
         )
         job = ray.get_runtime_context().get_job_id()
         actor = stats_actor()  # held: a handle dropped mid-call is "lost" on Ray 2.40

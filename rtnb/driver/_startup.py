@@ -20,6 +20,8 @@ class StartReport:
     """Seconds per phase of the last start, in the order they ran."""
 
     phases: list[tuple[str, float]] = field(default_factory=list)
+    # Lines the user should read once the group runs (what was left out of the files).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:

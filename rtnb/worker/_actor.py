@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
 from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
@@ -165,6 +166,7 @@ class RankActor:
             old.context, run_name=run_name, storage_path=storage_path, extra={}
         )
         self.runtime = RankRuntime(context)
+        self.runtime.folder = old.folder  # the same process: its copy of the files stays
 
     # ---- set-up ----------------------------------------------------------------------
     def describe(self) -> RankPlace:
@@ -177,6 +179,14 @@ class RankActor:
             node_id=ray.get_runtime_context().get_node_id(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
         )
+
+    def open_folder(self, roots: list[FolderRoot], copy_all: bool) -> tuple[str, ...]:
+        """Work in the kernel's code folders, or a private copy where this node cannot
+        see them: the keys of those to copy (:class:`~rtnb.worker._folder.RankFolder`)."""
+        return self.runtime.folder.open(roots, copy_all)
+
+    def apply_files(self, changes: FolderChanges) -> None:
+        self.runtime.folder.apply(changes)
 
     def open_rendezvous(self, host: str) -> int:
         """Rank 0: a listening socket on ``host`` for torch.distributed's store; its

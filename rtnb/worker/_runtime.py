@@ -48,6 +48,7 @@ from rtnb.worker._debug import (
     stdlib_set_trace,
     where_in_traceback,
 )
+from rtnb.worker._folder import RankFolder
 from rtnb.worker._shards import ShardWaits
 from rtnb.worker._uploads import (
     CheckpointUploadMode,
@@ -197,6 +198,8 @@ class RankRuntime:
         global _CURRENT
         self.context = context
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        # The notebook's code folders, seen in place or copied (opened by the group).
+        self.folder = RankFolder()
         set_current_rank(context.world_rank)
         self._cond = threading.Condition()
         self._output: list[tuple[str, str]] = []
@@ -376,6 +379,9 @@ class RankRuntime:
             # must not wait for a debugger's commands.
             sys.breakpointhook = _no_breakpoint
         try:
+            for line in self.folder.before_cell(request.files):
+                if self.context.world_rank == 0 and not request.replay:
+                    print(line)
             body, last = split_last_expression(code, filename)
             exec(body, self.namespace)
             if last is not None:
@@ -392,6 +398,7 @@ class RankRuntime:
             else:
                 self._failed_traceback = exc.__traceback__
         finally:
+            self.folder.after_cell()
             try:
                 self._end_cell_tools()
             except BaseException:  # noqa: BLE001 - an interrupt landing here ends nothing else
