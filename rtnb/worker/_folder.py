@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import types
 from typing import Any
 
 from rtnb.core._folder import (
@@ -45,7 +46,6 @@ class RankFolder:
         # module name -> (its file, the file's stat when last loaded); None: not from
         # the folders
         self._modules: dict[str, tuple[str, FileStat] | None] = {}
-        self._old_objects: dict[Any, list[Any]] = {}
 
     def open(self, roots: list[FolderRoot], copy_all: bool) -> tuple[str, ...]:
         """Work in the kernel's folder where this node sees it, else in a private copy
@@ -153,7 +153,7 @@ class RankFolder:
         for name, module, filename, now in stale:
             self._modules[name] = (filename, now)
             try:
-                self._reload(module)
+                _reload_in_place(module)
             except Exception as exc:  # noqa: BLE001 - the user's edit may raise anything
                 failed.append((name, f"{type(exc).__name__}: {exc}"))
             else:
@@ -172,13 +172,50 @@ class RankFolder:
         stat = _stat(filename)
         return (filename, stat) if stat is not None else None
 
-    def _reload(self, module: Any) -> None:
-        try:
-            from IPython.extensions.autoreload import superreload
-        except ImportError:  # pragma: no cover - IPython is one of rtnb's requirements
-            importlib.reload(module)
-            return
-        superreload(module, old_objects=self._old_objects)
+
+def _reload_in_place(module: Any) -> None:
+    """``importlib.reload``, then the functions and classes the old module made take
+    the new code (the objects built from them, a model made before the edit, run
+    it), as ``%autoreload`` does; a reload that raises leaves the module as it was."""
+    old = dict(module.__dict__)
+    try:
+        importlib.reload(module)
+    except BaseException:
+        module.__dict__.clear()
+        module.__dict__.update(old)
+        raise
+    for name, was in old.items():
+        now = module.__dict__.get(name)
+        if now is None or now is was or getattr(was, "__module__", None) != module.__name__:
+            continue
+        if isinstance(was, type) and isinstance(now, type):
+            _update_class(was, now)
+            module.__dict__[name] = was  # isinstance() of older objects stays true
+        elif isinstance(was, types.FunctionType) and isinstance(now, types.FunctionType):
+            _update_function(was, now)
+
+
+def _update_function(was: types.FunctionType, now: types.FunctionType) -> None:
+    for attr in ("__code__", "__defaults__", "__kwdefaults__", "__doc__", "__annotations__"):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            setattr(was, attr, getattr(now, attr))
+    # (a closure's cells cannot be swapped: such a function keeps its old code)
+
+
+def _update_class(was: type, now: type) -> None:
+    for attr in list(was.__dict__):
+        if attr not in now.__dict__ and attr not in ("__dict__", "__weakref__"):
+            with contextlib.suppress(AttributeError, TypeError):
+                delattr(was, attr)
+    for attr, value in now.__dict__.items():
+        if attr in ("__dict__", "__weakref__", "__module__", "__qualname__"):
+            continue
+        old_value = was.__dict__.get(attr)
+        if isinstance(old_value, types.FunctionType) and isinstance(value, types.FunctionType):
+            _update_function(old_value, value)
+            continue
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(was, attr, value)
 
 
 def _sweep_orphans() -> None:
