@@ -185,6 +185,26 @@ def test_a_local_package_imported_from_outside_site_packages_goes_with_the_folde
             sys.modules.pop(name, None)
 
 
+def test_code_loaded_from_a_file_by_path_is_not_a_local_package(notebook_folder, tmp_path):
+    """torch.compile and others load generated modules by path: a rank could not
+    import them by name, so they are not shipped."""
+    import importlib.util
+
+    generated = tmp_path / "generated" / "c2xk4generated.py"
+    generated.parent.mkdir()
+    generated.write_text("X = 1\n")
+    spec = importlib.util.spec_from_file_location("c2xk4generated", generated)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["c2xk4generated"] = module
+    try:
+        from rtnb.driver._folder_sync import kernel_roots
+
+        assert not [r for r in kernel_roots() if "c2xk4generated" in r.key]
+    finally:
+        sys.modules.pop("c2xk4generated", None)
+
+
 def test_bad_patterns_are_one_clear_line():
     import rtnb
 

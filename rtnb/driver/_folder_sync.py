@@ -54,6 +54,8 @@ def kernel_roots(cwd: str | None = None) -> list[FolderRoot]:
             continue
         if path == cwd or path.startswith(cwd + os.sep) or path.startswith(installed):
             continue
+        if not _importable_by_name(name, path):
+            continue  # loaded from a file by path (torch.compile's generated code, ...)
         seen.add(path)
         key = f"{PACKAGES_ROOT}/{os.path.basename(path)}"
         roots.append(FolderRoot.of(key, path))
@@ -64,10 +66,30 @@ def _module_root(module: Any) -> str | None:
     filename = getattr(module, "__file__", None)
     if not isinstance(filename, str) or not filename.endswith(".py"):
         return None  # built in, a namespace package, a C extension
+    return _module_root_of_file(filename)
+
+
+def _importable_by_name(name: str, path: str) -> bool:
+    """Whether ``import NAME`` finds this file (a folder on ``sys.path``, an editable
+    install's finder): only such code can be imported on a rank from its copy."""
+    parents = {os.path.realpath(p) for p in sys.path if p}
+    if os.path.dirname(path) in parents:
+        return True
+    # Ask the finders themselves (importlib.util.find_spec answers from sys.modules).
+    for finder in sys.meta_path:
+        try:
+            spec = finder.find_spec(name, None)
+        except Exception:  # noqa: BLE001 - a third-party finder may raise anything
+            continue
+        origin = getattr(spec, "origin", None)
+        if isinstance(origin, str):
+            return _module_root_of_file(origin) == path
+    return False
+
+
+def _module_root_of_file(filename: str) -> str:
     path = os.path.realpath(filename)
-    if os.path.basename(path) == "__init__.py":
-        return os.path.dirname(path)
-    return path
+    return os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path
 
 
 def _own_dirs() -> tuple[str, ...]:
