@@ -44,6 +44,9 @@ def notebook_folder(tmp_path, monkeypatch):
     with open(folder / "data" / "huge.csv", "wb") as f:
         f.truncate(11 * 2**20)  # over the 10 MiB a file may have (sparse: no real disk)
     (folder / "data" / "small.csv").write_text("a,b\n1,2\n")
+    (folder / "myenv" / "lib").mkdir(parents=True)  # a virtualenv by another name
+    (folder / "myenv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (folder / "myenv" / "lib" / "torch.py").write_text("")
     monkeypatch.chdir(folder)
     monkeypatch.setattr(sys, "path", list(sys.path))
     return folder
@@ -279,8 +282,10 @@ def test_a_node_that_cannot_see_the_notebooks_folder_gets_it_and_each_edit(
         (folder / "model.py").write_text(
             (folder / "model.py").read_text().replace("FILL = 1.0", "FILL = 3.0")
         )
+        (folder / "helpers.py").write_text("TWO = 2\n")  # a file new since the start
         second = kernel.execute(
-            "%%rtrain\nimport os, tempfile, torch, rtnb\n"
+            "%%rtrain\nimport os, tempfile, torch, rtnb, helpers\n"
+            "assert helpers.TWO == 2\n"
             "net = model.make()\n"
             "own = tempfile.mkdtemp()\n"
             "torch.save(net.state_dict(), os.path.join(own, 'model.pt'))\n"

@@ -15,7 +15,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import site
 import socket
+import sys
+import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +37,7 @@ __all__ = [
     "SECRET_PATTERNS",
     "apply_cap",
     "digest",
+    "installation_dirs",
     "path_signature",
     "walk_root",
 ]
@@ -213,6 +217,20 @@ def _some(keys: list[str]) -> str:
     return f"{names} and {len(keys) - 3} more" if len(keys) > 3 else names
 
 
+def installation_dirs() -> tuple[str, ...]:
+    """Where this Python's own and installed packages live (each ending in a
+    separator): code there is the environment's, not the notebook's, even inside the
+    notebook's folder (a project's own .venv)."""
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    dirs.update(p for p in sysconfig.get_paths().values() if p)
+    try:
+        dirs.update(site.getsitepackages())
+        dirs.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site module
+        pass
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
 def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -385,10 +403,18 @@ def _entries(
                 continue  # a broken link, a file gone meanwhile
             if _ignored(rel, is_dir, rules, scoped):
                 continue
+            if is_dir and _environment(entry.path):
+                continue  # a virtualenv or conda env, whatever its name: never the project's code
             if is_dir:
                 stack.append((entry.path, rel + "/", scoped))
             else:
                 yield rel, entry.path, False, stat
+
+
+def _environment(folder: str) -> bool:
+    return os.path.exists(os.path.join(folder, "pyvenv.cfg")) or os.path.isdir(
+        os.path.join(folder, "conda-meta")
+    )
 
 
 def _ignored(

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import site
 import sys
-import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +29,7 @@ from rtnb.core._folder import (
     FolderWalk,
     apply_cap,
     digest,
+    installation_dirs,
     walk_root,
 )
 from rtnb.core._messages import CellRequest
@@ -44,7 +43,7 @@ def kernel_roots(cwd: str | None = None) -> list[FolderRoot]:
     (an editable install, a folder put on ``sys.path``)."""
     cwd = os.path.realpath(cwd or os.getcwd())
     roots = [FolderRoot.of(FOLDER_ROOT, cwd)]
-    installed = _installation_dirs() + _own_dirs()
+    installed = installation_dirs() + _own_dirs()
     seen: set[str] = set()
     for name, module in list(sys.modules.items()):
         if "." in name or name in OWN_PACKAGES or name == "__main__":
@@ -100,17 +99,6 @@ def _own_dirs() -> tuple[str, ...]:
         if root is not None:
             dirs.append(os.path.join(root, ""))
     return tuple(dirs)
-
-
-def _installation_dirs() -> tuple[str, ...]:
-    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    dirs.update(p for p in sysconfig.get_paths().values() if p)
-    try:
-        dirs.update(site.getsitepackages())
-        dirs.add(site.getusersitepackages())
-    except AttributeError:  # a virtualenv's old site module
-        pass
-    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
 
 
 class FolderSync:

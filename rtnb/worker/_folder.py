@@ -28,6 +28,7 @@ from rtnb.core._folder import (
     FileStat,
     FolderChanges,
     FolderRoot,
+    installation_dirs,
 )
 
 __all__ = ["RankFolder"]
@@ -43,6 +44,7 @@ class RankFolder:
         self.copied: tuple[str, ...] = ()
         self._held: dict[str, str] = {}
         self._watched: tuple[str, ...] = ()
+        self._installed: tuple[str, ...] = ()
         # module name -> (its file, the file's stat when last loaded); None: not from
         # the folders
         self._modules: dict[str, tuple[str, FileStat] | None] = {}
@@ -79,6 +81,7 @@ class RankFolder:
             sys.path.insert(0, entry)
         self.copied = copied
         self._watched = tuple(p if p.endswith(".py") else os.path.join(p, "") for p in places)
+        self._installed = installation_dirs()
         return copied
 
     def apply(self, changes: FolderChanges | None) -> None:
@@ -167,7 +170,7 @@ class RankFolder:
         if getattr(module, "__name__", "").partition(".")[0] in OWN_PACKAGES:
             return None  # rtnb itself, run from a clone the notebook sits in
         filename = os.path.realpath(filename)
-        if not any(filename.startswith(w) for w in self._watched):
+        if not filename.startswith(self._watched) or filename.startswith(self._installed):
             return None
         stat = _stat(filename)
         return (filename, stat) if stat is not None else None
