@@ -7,10 +7,12 @@ available from Python through ``rtnb.Session``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import re
 import shlex
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 from IPython.core.error import UsageError
@@ -43,6 +45,7 @@ from rtnb.widgets import (
 )
 
 from rtnb import (
+    CellError,
     CheckpointInfo,
     MetricsStore,
     RunAccess,
@@ -817,7 +820,8 @@ class RtnbMagics(Magics):
 
     def _rtnb_wait(self, rest: str):
         args = parse_argstring(_wait_args, rest)
-        return _shown(self._require().wait(args.timeout))
+        with self._names_of_the_notebook_hinted():
+            return _shown(self._require().wait(args.timeout))
 
     def _rtnb_stacks(self, rest: str):
         args = parse_argstring(_stacks_args, rest)
@@ -1275,7 +1279,8 @@ class RtnbMagics(Magics):
         elif not args.quiet:
             progress = ProgressLines(session.metrics, handle)
         try:
-            return _shown(handle.run_here())
+            with self._names_of_the_notebook_hinted():
+                return _shown(handle.run_here())
         finally:
             if late is not None:
                 late.close()
@@ -1288,6 +1293,23 @@ class RtnbMagics(Magics):
                     bundle = static_figure_bundle(session.metrics, title=f"run {session.run_name}")
                     if bundle is not None:
                         display(bundle, raw=True)
+
+    @contextlib.contextmanager
+    def _names_of_the_notebook_hinted(self) -> Iterator[None]:
+        """A cell that failed on a name the ranks lack but the notebook has (a
+        papermill parameter, a variable of an earlier plain cell) says how to send it:
+        the first thing a newcomer meets."""
+        try:
+            yield
+        except CellError as exc:
+            name = exc.missing_name
+            if name and not exc.hint and not name.startswith("_") and name in self.shell.user_ns:
+                exc.hint = (
+                    f"`{name}` is a variable of this notebook, not of the ranks: send it with "
+                    f"`%rtnb push {name}` before this cell (a papermill parameter is the "
+                    "notebook's too)"
+                )
+            raise
 
     def _cell_label(self) -> str | None:
         """The running cell's In [N] as the notebook shows it. IPython 9 counts the

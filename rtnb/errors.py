@@ -21,6 +21,7 @@ traceback through rtnb's internals.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 __all__ = [
@@ -116,13 +117,25 @@ class CellError(RtnbError):
         message: str,
         failures: Mapping[int, str] | None = None,
         exc_type: str = "",
+        hint: str = "",
     ) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
         self.exc_type = exc_type
+        # What to do, when the notebook side can tell (a NameError for one of its own
+        # variables: push it); shown under the message.
+        self.hint = hint
 
     def __reduce__(self):
-        return (self.__class__, (self.message, self.failures, self.exc_type))
+        return (self.__class__, (self.message, self.failures, self.exc_type, self.hint))
+
+    @property
+    def missing_name(self) -> str | None:
+        """The name a ``NameError`` on the ranks says is not defined, else None."""
+        match = re.search(
+            r"NameError: name '([A-Za-z_][A-Za-z0-9_]*)' is not defined", self.message
+        )
+        return match.group(1) if match else None
 
     @property
     def ranks(self) -> list[int]:
@@ -142,6 +155,8 @@ class CellError(RtnbError):
 
     def _render_traceback_(self) -> list[str]:
         lines = [f"\x1b[0;31mCellError\x1b[0m: {self.message}"]
+        if self.hint:
+            lines.append(self.hint)
         # Ranks usually fail identically: print each distinct traceback once.
         seen: dict[str, list[int]] = {}
         for rank in self.ranks:

@@ -143,6 +143,15 @@ def test_magic_mistakes_get_one_clear_line(kernel):
     assert run.status == "ok", run.text
     failures += _mistakes(kernel, AFTER_START)
     assert not failures, "\n\n".join(f"{c!r}:\n{s}" for c, s in failures)
+    # A notebook variable (a papermill parameter) used in a cell: the failure says how
+    # to send it; a name the notebook does not have either gets no such line.
+    assert kernel.execute("steps = 25").status == "ok"
+    shown = "\n".join(kernel.execute("%%rtrain\nfor i in range(steps): pass").traceback)
+    assert "NameError: name 'steps' is not defined" in shown, shown
+    assert "`steps` is a variable of this notebook, not of the ranks: send it with " in shown
+    assert "`%rtnb push steps` before this cell" in shown, shown
+    shown = "\n".join(kernel.execute("%%rtrain\nnowhere_defined + 1").traceback)
+    assert "NameError" in shown and "%rtnb push" not in shown, shown
     # nothing above broke the group, and the refused scale kept the ranks' state
     assert kernel.execute("%rtrain kept = 5").status == "ok"
     assert "[5, 5]" in kernel.execute("%rtnb pull kept").results[-1]["text/plain"]
