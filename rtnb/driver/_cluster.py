@@ -70,6 +70,11 @@ class RayWatch:
                 return
         callback(self.lost)
 
+    def unsubscribe(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
     def answers(self, timeout_s: float = 1.0) -> bool:
         try:
             with socket.create_connection((self.host, self.port), timeout=timeout_s):

@@ -241,8 +241,7 @@ class Controller:
                 self.run_dir.ensure_writable()
                 self._attach_outputs()
                 prepare()
-                self._builder.connect(self._config, steps)
-                built = self._builder.build(self._config, steps)
+                built = self._builder.connect_and_build(self._config, steps)
             except BaseException as exc:
                 # A start that fails stops the embedded Ray it started (RankGroup.start
                 # already freed its placement group and actors).

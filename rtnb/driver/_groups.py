@@ -9,6 +9,7 @@ from the builder's watch when the Ray under it goes away.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -24,7 +25,7 @@ from rtnb.driver._local import LocalGroup
 from rtnb.driver._policy import ScalingPolicy
 from rtnb.driver._startup import StartProgress
 from rtnb.driver._versions import check_cluster_versions
-from rtnb.errors import ClusterError
+from rtnb.errors import ClusterError, WorkerGroupError
 
 __all__ = ["GroupBuilder", "new_group", "ray_lost_line"]
 
@@ -133,6 +134,36 @@ class GroupBuilder:
         GCS port must stay shut to count."""
         if self.connection is not None:
             self.connection.check_lost(settle_s)
+
+    def connect_and_build(self, config: SessionConfig, steps: StartProgress) -> BuiltGroup:
+        """Join the Ray and build the group; when its ranks died because that Ray was
+        going away (a start straight after a Ray was lost, before its GCS closed),
+        once more on the Ray that is up now."""
+        self.connect(config, steps)
+        try:
+            return self.build(config, steps)
+        except WorkerGroupError:
+            if not self.forget_if_lost():
+                raise
+        self.connect(config, steps)
+        return self.build(config, steps)
+
+    def forget_if_lost(self, settle_s: float = 2.5) -> bool:
+        """After a group failed to start: whether the Ray joined for it is gone (lost
+        a moment before this start: its GCS still answered when it was joined). Then
+        the builder lets go of it without telling the session, which ran no group on
+        it, so that the next ``connect`` joins or starts the Ray that is up now."""
+        connection = self.connection
+        if connection is None or connection.watch is None:
+            return False
+        connection.watch.unsubscribe(self._on_ray_lost)
+        if connection.check_lost(settle_s) is None:
+            connection.watch.subscribe(self._on_ray_lost)
+            return False
+        self.connection = None
+        with contextlib.suppress(Exception):  # the driver is being let go of already
+            connection.shutdown()
+        return True
 
     def drop_owned(self) -> None:
         """After a failed start: stop the embedded Ray this builder started."""
