@@ -141,3 +141,33 @@ def test_the_journal_is_written_ahead_and_a_torn_last_line_is_skipped(tmp_path):
     assert again.read_values(again.cell_entry(push.seq)) == b"pickled"
     assert again.append(EntryKind.CELL, cell_id=2, code="y = 1").seq == 4
     assert [e.seq for e in Journal(run_dir).entries()] == [1, 2, 3, 4]
+
+
+def test_two_ranks_saving_one_file_name_commit_the_file_that_is_there(tmp_path):
+    """Ranks 0 and 1 each report a folder with its own `model.pt` (Ray Train merges
+    the ranks' folders alike): the last one written is the checkpoint's file, and the
+    committed checkpoint verifies and loads as that file, not as a manifest naming
+    both."""
+    import xxhash
+
+    from rtnb.storage._layout import checkpoint_file
+
+    run_dir = RunDirectory(str(tmp_path), "run")
+    store = CheckpointStore(run_dir)
+    contents = {0: b"rank zero's weights", 1: b"rank one's other weights"}
+    for rank, data in contents.items():
+        entry = {
+            "path": "model.pt",
+            "size": len(data),
+            "xxh3_128": xxhash.xxh3_128(data).hexdigest(),
+        }
+        store.offer(rank, CheckpointOffer(step=4, time=1.0, metrics={}, files=[entry]))
+    run_dir.write_bytes(checkpoint_file("step-000000004", "model.pt"), contents[1])
+    (info,) = store.commit_ready({0: 4, 1: 4}, {0, 1})
+    assert info.ranks == [0, 1]
+    assert [(f["path"], f["rank"]) for f in info.files] == [("model.pt", 1)]
+    checkpoint = CheckpointStore(run_dir).get("4")
+    checkpoint.verify(full=True)
+    with checkpoint.as_directory() as folder:
+        with open(f"{folder}/model.pt", "rb") as saved:
+            assert saved.read() == contents[1]

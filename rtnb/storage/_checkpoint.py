@@ -412,6 +412,30 @@ def describe_in_place(source: Checkpoint, run_fs, dest_path: str) -> list[dict]:
     return entries
 
 
+def settle_same_names(entries: list[dict], filesystem, folder: str) -> list[dict]:
+    """One manifest entry per file of a checkpoint whose ranks saved files of the same
+    name into it (Ray Train merges the ranks' folders alike: the last one written is
+    the file). Equal contents keep the lowest rank's entry; different ones keep the
+    entry of the file that is there (hashed once, only in this case), so the
+    checkpoint verifies and loads as the file it holds."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for entry in entries:
+        groups.setdefault((entry.get("at") or "", entry["path"]), []).append(entry)
+    settled = []
+    for (at, rel), same in groups.items():
+        if len(same) == 1 or len({(e["size"], e.get(HASH)) for e in same}) == 1:
+            settled.append(same[0])
+            continue
+        try:
+            digest, size = _hash(filesystem, posixpath.join(at or folder, rel))
+        except OSError:
+            settled.extend(same)  # gone already: the checkpoint's verify says so
+            continue
+        there = [e for e in same if e.get(HASH) == digest and e["size"] == size]
+        settled.extend(there[-1:] or same)
+    return settled
+
+
 def upload_directory(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
     """Copy ``source``'s files into ``dest_path``, hashing on the way; the file list
     (path, size, hash) for the manifest."""

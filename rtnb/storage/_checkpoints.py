@@ -21,7 +21,7 @@ from rtnb.core._messages import CheckpointOffer
 from rtnb.core._redact import redact_uri
 from rtnb.core._text import enum_member, format_table, mean_over_ranks, to_number
 from rtnb.errors import CheckpointError, one_line
-from rtnb.storage._checkpoint import MANIFEST, Checkpoint
+from rtnb.storage._checkpoint import MANIFEST, Checkpoint, settle_same_names
 from rtnb.storage._layout import (
     CHECKPOINTS,
     RUN_RECORD,
@@ -264,6 +264,9 @@ class CheckpointStore:
         files = []
         for rank, rank_files in sorted(entry["ranks"].items()):
             files.extend({**f, "rank": rank} for f in rank_files)
+        if len({(f.get("at"), f["path"]) for f in files}) < len(files):
+            folder = posixpath.join(self.run_dir.path, checkpoint_dir(cid))
+            files = settle_same_names(files, self.run_dir.fs, folder)
         request = entry.get("validation")
         info = CheckpointInfo(
             id=cid,
