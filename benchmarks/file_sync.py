@@ -19,7 +19,6 @@ the folder before each cell.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", type=int, default=60, help="timed cells per side and case")
     args = parser.parse_args()
-    from _common import embedded_ray, quiet
+    from _common import embedded_ray, emit, peer_first, quiet
 
     import rtnb
     from rtnb.driver._folder_sync import FolderSync, kernel_roots
@@ -87,9 +86,12 @@ def main() -> None:
     cases = {"unchanged": None, "changed": edit}
     samples: dict[str, dict[str, list[float]]] = {c: {"synced": [], "plain": []} for c in cases}
     block = 10
+    sides = [("plain", plain), ("synced", synced)]
+    if not peer_first():  # run.py alternates which side goes first each round
+        sides.reverse()
     while len(samples["changed"]["synced"]) < args.cells:
         for case, before in cases.items():
-            for name, session in (("plain", plain), ("synced", synced)):
+            for name, session in sides:
                 for _ in range(block):
                     samples[case][name].append(timed(session, before))
 
@@ -121,7 +123,7 @@ def main() -> None:
             f"{len(samples[case]['plain'])})"
         )
     print(f"the kernel's walk of 50 files before a cell: {figures['walk_ms']:.2f} ms")
-    print("FIGURES " + json.dumps(figures))
+    emit(**figures)
 
 
 if __name__ == "__main__":
