@@ -729,7 +729,8 @@ class RtnbMagics(Magics):
             progress("rtnb: the start failed (the reason follows)")
             raise
         progress(f"rtnb: run {session.run_name!r} {session.last_start}")
-        for note in session.last_start.notes if session.last_start else ():
+        # (a detached group's start is told as one line by its host: no notes)
+        for note in getattr(session.last_start, "notes", ()):
             print(f"rtnb: {note}")
         if session.detached:
             print(
