@@ -12,6 +12,7 @@ this module: the records here are what crosses Ray.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -340,7 +341,8 @@ def walk_root(
     rules = [_Patterns(DEFAULT_EXCLUDES), _Patterns(excludes)]
     secrets, wanted = _Patterns(SECRET_PATTERNS), _Patterns(includes)
     if os.path.isfile(root.path):
-        _add_file(root.key, root.path, walk, wanted)
+        with contextlib.suppress(OSError):
+            _keep(walk, root.key, root.path, os.stat(root.path))
         return
     for rel, path, is_dir, stat in _entries(root.path, rules, budget, walk):
         if is_dir:
@@ -354,8 +356,7 @@ def walk_root(
         if stat.st_size > LARGE_FILE_BYTES and not named:
             walk.large.append((key, stat.st_size))
             continue
-        walk.files[key] = FileStat(stat.st_size, stat.st_mtime_ns)
-        walk.paths[key] = path
+        _keep(walk, key, path, stat)
 
 
 def _secret(secrets: _Patterns, rel: str) -> bool:
@@ -367,12 +368,8 @@ def _secret(secrets: _Patterns, rel: str) -> bool:
     return bool(secrets.matches(rel, False))
 
 
-def _add_file(key: str, path: str, walk: FolderWalk, wanted: _Patterns) -> None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return
-    walk.files[key] = FileStat(st.st_size, st.st_mtime_ns)
+def _keep(walk: FolderWalk, key: str, path: str, stat: os.stat_result) -> None:
+    walk.files[key] = FileStat(stat.st_size, stat.st_mtime_ns)
     walk.paths[key] = path
 
 

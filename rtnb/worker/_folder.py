@@ -224,22 +224,14 @@ def _update_class(was: type, now: type) -> None:
 def _sweep_orphans() -> None:
     """Remove the copies of ranks that were killed (no exit handler ran): the pid in a
     copy's name is no longer a process."""
+    import psutil  # (Ray's own dependency)
+
     top = tempfile.gettempdir()
     with contextlib.suppress(OSError):
         for entry in os.scandir(top):
             pid = entry.name[len(_PREFIX) :].partition("-")[0]
-            if entry.name.startswith(_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            if entry.name.startswith(_PREFIX) and pid.isdigit() and not psutil.pid_exists(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _copied(key: str, roots: tuple[str, ...]) -> bool:
