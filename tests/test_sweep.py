@@ -190,7 +190,9 @@ def test_failed_trials_are_retried_per_failure_config_and_a_lost_rank_is_recover
         mark = os.path.join(config["marks"], f"{config['kind']}-{rank}")
         first = not os.path.exists(mark)
         open(mark, "a").close()
-        if config["kind"] == "flaky" and first:
+        # One rank raises, as one usually does: the others are stopped when it fails,
+        # maybe before they reached their mark, so a mark of theirs says nothing.
+        if config["kind"] == "flaky" and first and rank == 0:
             raise RuntimeError("flaky the first time")
         if config["kind"] == "broken":
             raise ValueError("broken every time")
