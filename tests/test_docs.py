@@ -152,6 +152,34 @@ def test_the_readme_is_one_screen_of_the_users_page():
     assert "bash .ci/setup && .venv/bin/python -m pytest -q" in text
 
 
+def test_from_ray_train_maps_every_field_of_the_configs_a_script_sets():
+    """Each field of the Ray Train configs a user sets has its row (its rtnb flag or
+    call, or "none" and why): a field a newer Ray adds fails here."""
+    import dataclasses
+    import inspect
+
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    page = (ROOT / "docs" / "ray-train.md").read_text()
+    configs = [
+        ray.train.ScalingConfig,
+        ray.train.RunConfig,
+        ray.train.CheckpointConfig,
+        ray.train.FailureConfig,
+    ]
+    wanted = {c.__name__: [f.name for f in dataclasses.fields(c)] for c in configs}
+    wanted["DataConfig"] = list(inspect.signature(ray.train.DataConfig).parameters)
+    wanted["TorchTrainer"] = list(inspect.signature(TorchTrainer).parameters)
+    wanted["Result"] = [
+        f.name for f in dataclasses.fields(ray.train.Result) if not f.name.startswith("_")
+    ] + ["get_best_checkpoint"]
+    for name, fields in wanted.items():
+        section = page.split(f"**`{name}", 1)[-1].split("\n**", 1)[0]
+        missing = [f for f in fields if f"`{f}" not in section]
+        assert not missing, f"docs/ray-train.md's {name} table lacks {missing}"
+
+
 def test_every_example_not_run_says_why():
     for page in doc_pages():
         for example in examples(page):
@@ -206,3 +234,33 @@ def _failed_cell(nb) -> str:
         ):
             return cell.metadata["rtnb_example"]["where"]
     return "a cell"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_readmes_training_cell_saves_and_resumes_at_one_rank(ray_cluster, tmp_path):
+    """The README's way to save and load a model (the plain module `prepare_model`
+    was given, not `model.module`) holds where `prepare_model` does not wrap: one
+    rank trains, saves, and `%rtnb resume` goes on from the step after the saved one."""
+    assert wait_for_free_cpus(CLUSTER_CPUS, timeout=60) >= CLUSTER_CPUS, "a page left ranks"
+    training = next(e.code for e in examples(ROOT / "README.md") if e.code.startswith("%%rtrain"))
+    cells = [
+        "%load_ext rtnb\n%rtnb start --workers 1",
+        training,
+        "%rtnb resume 19",
+        "%rtrain start",
+        "%rtnb stop",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        pytest.fail(f"the README's cell at one rank failed\n{str(exc)[-3000:]}", pytrace=False)
+    shown = " ".join(
+        o.get("text") or o.get("data", {}).get("text/plain", "") for o in nb.cells[3].outputs
+    )
+    assert re.search(r"\b20\b", shown), f"resume 19 goes on at step 20, got {shown!r}"
