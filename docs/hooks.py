@@ -62,7 +62,7 @@ def _template(node: ast.expr, assigned: dict[str, ast.expr], depth: int = 0) -> 
                 parts.append(str(value.value))
             else:
                 assert isinstance(value, ast.FormattedValue)
-                parts.append("{" + ast.unparse(value.value) + "}")
+                parts.append(_interpolated(value))
         return "".join(parts)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left = _template(node.left, assigned, depth + 1)
@@ -76,8 +76,68 @@ def _template(node: ast.expr, assigned: dict[str, ast.expr], depth: int = 0) -> 
         if body is not None and other is not None:
             return f"{body} / {other}"
     if isinstance(node, (ast.Name, ast.Call, ast.Attribute, ast.Subscript)):
-        return "{" + ast.unparse(node) + "}"
+        return "{" + readable(node) + "}"
     return None
+
+
+# Calls that only format a value: the placeholder names the value itself.
+_FORMATTING = {"str", "repr", "len", "one_line", "redact_uri", "redact_text", "sorted", "list"}
+_AN_ERROR = {"exc", "error", "err", "e"}
+
+
+def _interpolated(value: ast.FormattedValue) -> str:
+    """A message's f-string field as the page shows it: a constant as its text, a
+    plural ending as ``(s)``, anything else as a ``{placeholder}`` in words."""
+    inner = value.value
+    if isinstance(inner, ast.Constant):
+        return repr(inner.value) if value.conversion == ord("r") else str(inner.value)
+    if (
+        isinstance(inner, ast.IfExp)
+        and isinstance(inner.body, ast.Constant)
+        and isinstance(inner.orelse, ast.Constant)
+        and inner.orelse.value == ""
+    ):
+        return f"({inner.body.value})"
+    return "{" + readable(inner) + "}"
+
+
+def _words(identifier: str) -> str:
+    return identifier.strip("_").replace("_", " ").lower()
+
+
+def readable(node: ast.expr) -> str:
+    """What a message's interpolated value is, in words a user reads: ``{the error}``
+    for ``one_line(exc)``, ``{run name}`` for ``self._run_name``, ``{type of value}``
+    for ``type(value).__name__``, ``{names}`` for ``', '.join(names)``."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        if node.args and (name in _FORMATTING or name in ("join", "map")):
+            return readable(node.args[-1])
+        if isinstance(func, ast.Attribute) and name in ("get", "lower", "upper", "strip", "shown"):
+            return readable(func.value)  # a lookup or a spelling of the same value
+        return _words(name)  # what the function gives: cell_name() -> cell name
+    if isinstance(node, ast.BinOp):
+        return readable(node.left)
+    if isinstance(node, ast.IfExp):
+        return readable(node.body)
+    if isinstance(node, ast.BoolOp):  # `x or 'none'`: the value is x's
+        return readable(node.values[0])
+    if isinstance(node, ast.Subscript):
+        return readable(node.value)
+    if isinstance(node, ast.Attribute):
+        if node.attr == "__name__" and isinstance(node.value, ast.Call):
+            inner = node.value
+            if getattr(inner.func, "id", "") == "type" and inner.args:
+                return f"type of {readable(inner.args[0])}"
+        if isinstance(node.value, ast.Name) and node.value.id in _AN_ERROR:
+            return "the error"
+        if node.attr == "value":  # an enum's value: the enum names it
+            return readable(node.value)
+        return _words(node.attr)
+    if isinstance(node, ast.Name):
+        return "the error" if node.id in _AN_ERROR else _words(node.id)
+    return ast.unparse(node)
 
 
 def raise_sites() -> list[RaiseSite]:
@@ -123,15 +183,64 @@ def _site(node: ast.AST, assigned: dict[str, ast.expr], where: str) -> RaiseSite
     return RaiseSite(name, " ".join(message.split()), where)
 
 
+# What the user was doing when a message comes, by the module that raises it (the
+# first prefix that matches); the page groups the messages under these.
+ACTIVITIES = (
+    ("Typing a magic's line", ("magics.",)),
+    ("Sweeps", ("rtnb.driver._sweep",)),
+    (
+        "Batch runs, Ray Jobs, export and import",
+        ("rtnb.batch.", "rtnb.driver._export", "rtnb.driver._import"),
+    ),
+    (
+        "Training that outlives the notebook (detached, attach)",
+        ("rtnb.driver._attached", "rtnb.driver._detached"),
+    ),
+    ("Ray Data", ("rtnb.driver._datasets",)),
+    (
+        "Checkpoints, runs and tracking",
+        (
+            "rtnb.storage.",
+            "rtnb.metrics.",
+            "rtnb.driver._commits",
+            "rtnb.driver._run_access",
+            "rtnb.driver._session_runs",
+            "rtnb.driver._tracking",
+            "rtnb.driver._resume",
+        ),
+    ),
+    (
+        "Starting a group and reaching Ray",
+        (
+            "rtnb.core.",
+            "rtnb.driver._cluster",
+            "rtnb.driver._group",
+            "rtnb.driver._versions",
+            "rtnb.driver._warm",
+            "rtnb.driver._local",
+            "rtnb.driver._session",
+            "rtnb.driver._embedded",
+        ),
+    ),
+    ("Running cells (the ranks' API included)", ("rtnb.",)),
+    ("Views", ("widgets.",)),
+)
+
+
+def activity_of(where: str) -> str:
+    module = where.split(":")[0] + "."
+    return next(title for title, prefixes in ACTIVITIES if module.startswith(prefixes))
+
+
 def error_table() -> str:
-    """The troubleshooting page's tables: one per error class, its docstring first."""
+    """The troubleshooting page's generated part: what each error class means, then
+    every message, grouped by what the user was doing when it comes."""
     import rtnb.errors
 
     sites = raise_sites()
-    out: list[str] = []
+    out: list[str] = ["| error | what it means |", "| --- | --- |"]
     for error in ERROR_CLASSES:
-        rows = [s for s in sites if s.error == error]
-        if not rows:
+        if not any(s.error == error for s in sites):
             continue
         doc = (
             getattr(rtnb.errors, error, None).__doc__
@@ -142,10 +251,15 @@ def error_table() -> str:
             )
         )
         summary = " ".join((doc or "").strip().split("\n\n")[0].split())
-        out += [f"### {error}", "", summary, "", f"| message ({len(rows)}) | raised in |"]
-        out.append("| --- | --- |")
+        out.append(f"| `{error}` | {_markdown_cell(summary)} |")
+    out.append("")
+    for title, _prefixes in ACTIVITIES:
+        rows = [s for s in sites if activity_of(s.where) == title]
+        if not rows:
+            continue
+        out += [f"### {title}", "", f"| message ({len(rows)}) | error |", "| --- | --- |"]
         for row in rows:
-            out.append(f"| {_markdown_cell(row.message)} | `{row.where}` |")
+            out.append(f"| {_markdown_cell(row.message)} | `{row.error}` |")
         out.append("")
     return "\n".join(out)
 

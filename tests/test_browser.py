@@ -330,6 +330,32 @@ def _lag_sample(page, cell: int) -> dict:
     )
 
 
+# One training step of the demo's character model (rtnb.demo) per call, for cells
+# whose loop the test ends: the live view shows real training, as in the manual.
+DEMO_STEPS = """import os, time, torch, rtnb
+from torch.utils.data import DataLoader
+from rtnb.demo import CharModel, char_datasets
+torch.manual_seed(0)
+train_set, _ = char_datasets()
+loader = rtnb.prepare_data_loader(DataLoader(train_set, batch_size=128, shuffle=True))
+net = CharModel()
+model = rtnb.prepare_model(net)
+opt = torch.optim.Adam(model.parameters(), lr=0.003)
+def batches():
+    while True:
+        yield from loader
+batch = batches()
+def demo_step():
+    xb, yb = next(batch)
+    logits = model(xb)
+    loss = torch.nn.functional.cross_entropy(logits, yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return {"loss": loss.item(), "accuracy": (logits.argmax(-1) == yb).float().mean().item()}
+"""
+
+
 def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
     """In the dark theme: the live plot grows, fills the output width and has no white
     box; reloaded while a background cell runs, the tab shows the plot live again."""
@@ -340,13 +366,14 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             f"%load_ext rtnb\n%rtnb start --storage {tmp_path / 'runs'}",
             # Reports until the test has seen the plot grow (a file ends it), so no
             # timing of the machine decides what the test can observe.
-            f"%%rtrain --steps 5000\nimport os, time, rtnb, torch.distributed as dist\ns = 0\n"
+            # The demo's model (its picture is the manual's), one step a report.
+            "%%rtrain --steps 5000\n" + DEMO_STEPS + "s = 0\n"
             f"while not os.path.exists({str(tmp_path / 'seen')!r}) and s < 5000:\n"
-            "    s += 1\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
+            "    s += 1\n    rtnb.report(demo_step())\n    time.sleep(0.03)",
             # The same in the background: the kernel stays free to answer a reload.
             f"%%rtrain --steps 5000 --background\ns = 0\n"
             f"while not os.path.exists({str(tmp_path / 'seen-again')!r}) and s < 5000:\n"
-            "    s += 1\n    rtnb.report({'loss': 1.0 / s + dist.get_rank()})\n    time.sleep(0.03)",
+            "    s += 1\n    rtnb.report(demo_step())\n    time.sleep(0.03)",
             "%rtnb wait\n%rtnb stop",
         ],
     )
@@ -361,7 +388,9 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             lags.append(_lag_sample(page, 1))
             time.sleep(0.5)
         page.screenshot(path=str(tmp_path / "live_plot_dark.png"), full_page=True)
-        _doc_picture(page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-dark.png")
+        _doc_picture(
+            page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-dark.png"
+        )
         look = page.evaluate(
             "() => { const el = document.querySelector('.js-plotly-plot');"
             " const area = el.closest('.jp-OutputArea-output');"
@@ -493,7 +522,6 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         _wait_idle(page)
         page.wait_for_selector(".updatemenu-button", state="attached", timeout=150_000)
         light_colours = _colours(page)
-        _doc_picture(page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea"), "live-view-light.png")
         train_prompt = page.locator(".jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text()
         page.keyboard.press("Shift+Enter")  # a syntax error
         _wait_idle(page)
@@ -530,7 +558,6 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         page.wait_for_selector("text=training from i=3", timeout=240_000)
         message = browser_widget.locator(".widget-html-content:has-text('Resume:')").inner_text()
         page.screenshot(path=str(tmp_path / "resumed.png"), full_page=True)
-        _doc_picture(browser_widget, "checkpoints.png")
         # The runs dashboard while the run is live (it re-reads live runs every 3 s):
         # select both runs, see both curves and the resumed run's main line.
         page.locator(".jp-Cell").nth(4).click()
@@ -556,7 +583,6 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
         during_refreshes = [c for c in noise if c not in before_refreshes]
         overlaid = page.evaluate(dashboard_plot)
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-        _doc_picture(page.locator(".jp-OutputArea-output:has(.rtnb-runs-rows)"), "runs.png")
         page.locator(".jp-Cell").nth(5).click()
         page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")  # wait for the resumed cell, stop the group
@@ -598,6 +624,80 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
     assert during_refreshes == [], f"messages for closed comms while refreshing: {noise}"
     assert noise == [], f"messages for closed comms over the visit: {noise}"
     _assert_readable(light_colours, "light")
+
+
+def _quickstart_cell(starts: str) -> str:
+    """The quickstart notebook's code cell that starts with ``starts``, as it ships."""
+    import nbformat
+
+    nb = nbformat.read(DOC_IMAGES.parent.parent / "notebooks" / "quickstart.ipynb", as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(starts))
+
+
+def test_the_demo_trains_in_jupyterlab_and_gives_the_manuals_pictures(lab, tmp_path):
+    """The quickstart's own cells (the demo's character model on Python's source text)
+    in JupyterLab: the live view mid-run, the checkpoint browser with the best by the
+    validation loss, the runs dashboard — the manual's pictures are of real training,
+    and the model it trained did learn (far above chance on held-out text)."""
+    url, root = lab
+    runs = tmp_path / "runs"
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {runs} --name char-model "
+            "--score val_loss --mode min",
+            "steps = 600\nlr = 0.003",
+            _quickstart_cell("%%rtrain\nimport torch, rtnb"),
+            _quickstart_cell("%rtnb push"),
+            _quickstart_cell("%%rtrain --steps"),
+            "%rtnb checkpoints",
+            f"%rtnb runs {runs} --metric val_accuracy",
+            "%rtnb stop",
+        ],
+    )
+    with _opened(url, name, tmp_path) as page:
+        for _ in range(4):  # parameters, the ranks' data and model, push, train
+            page.keyboard.press("Shift+Enter")
+        page.locator(".jp-Cell").nth(4).locator(".js-plotly-plot").wait_for(timeout=240_000)
+        # Mid-run: a quarter of the steps drawn (or the run already over, on a fast day).
+        until(
+            "a quarter of the demo's steps drawn",
+            lambda: max(_plot_lengths(page, 4) or [0]) >= 150 or _kernel_status(page) == "idle",
+            240,
+        )
+        _doc_picture(
+            page.locator(".jp-Cell").nth(4).locator(".jp-OutputArea"), "live-view-light.png"
+        )
+        _wait_idle(page)
+        trained = page.locator(".jp-Cell").nth(4).locator(".jp-OutputArea").inner_text()
+        page.keyboard.press("Shift+Enter")  # the checkpoint browser
+        browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
+        browser_widget.wait_for(timeout=150_000)
+        rows_text = [
+            o.inner_text() for o in browser_widget.locator(".rtnb-ckpt-rows select option").all()
+        ]
+        _doc_picture(browser_widget, "checkpoints.png")
+        page.keyboard.press("Shift+Enter")  # the runs dashboard
+        rows = page.locator(".rtnb-runs-rows select")
+        rows.wait_for(timeout=240_000)
+        rows.select_option(index=[0])
+        page.wait_for_function(
+            "() => { const d = document.querySelector('.rtnb-runs-rows').closest('.widget-vbox');"
+            " const p = d.querySelector('.js-plotly-plot'); return p && p.data && p.data.length; }",
+            timeout=150_000,
+        )
+        _doc_picture(page.locator(".jp-OutputArea-output:has(.rtnb-runs-rows)"), "runs.png")
+        page.keyboard.press("Shift+Enter")  # stop
+        page.wait_for_selector(".jp-OutputArea-output:has-text('stopped')", timeout=240_000)
+    assert "trained 600 steps: validation accuracy" in trained, trained
+    result = rtnb.Result.from_path(str(runs / "char-model"))
+    # Chance is 1 in 101; the commonest character (a space) is under a fifth of the text.
+    assert result.metrics["val_accuracy"] > 0.3, result.metrics
+    assert result.metrics["val_loss"] < 3.0, result.metrics
+    frame = result.metrics_dataframe
+    assert sorted(frame["rank"].unique()) == [0, 1] and len(frame) == 1200
+    best = [r for r in rows_text if "best" in r.split()[-3:]]
+    assert len(best) == 1 and len(rows_text) >= 12, rows_text
 
 
 def _finished_run(runs: Path, name: str, values: list[float]) -> None:

@@ -67,9 +67,10 @@ class Session(LiveAPI, RunAPI):
     Takes the options of ``%rtnb start`` as keyword arguments (see
     :class:`SessionConfig`), or a ready ``config``. ``replay=True`` rebuilds the
     ranks' state from the journal of the run named ``name`` (a new kernel carrying
-    on a run). ``group_factory`` lets tests substitute the worker group;
-    ``failure_policy`` decides what follows a rank's death (default: retry
-    ``--max-failures`` times).
+    on a run). ``failure_policy`` decides what follows a rank's death (default:
+    retry ``--max-failures`` times); ``group_factory`` and ``connector`` replace how
+    the worker group is built and how Ray is reached (``rtnb.sweep`` hands its
+    trials groups from one pool this way).
     """
 
     is_trial = detached = False  # a sweep's trial (see _sweep_values); detached: __new__
@@ -127,68 +128,6 @@ class Session(LiveAPI, RunAPI):
         # The line of the last time an elastic group grew back (None: it did not).
         self.last_growth: str | None = None
         _LIVE.add(self)
-
-    # ---- what the controller holds --------------------------------------------------------
-    @property
-    def config(self) -> SessionConfig:
-        """The options in force (frozen; ``scale`` puts a resized copy in force)."""
-        return self._controller.config
-
-    @property
-    def connection(self) -> ClusterConnection | None:
-        return self._controller.connection
-
-    @property
-    def last_start(self) -> StartReport | None:
-        """Seconds per phase of the last start."""
-        return self._controller.last_start
-
-    @property
-    def last_replay(self) -> ReplayReport | None:
-        """Of the last start/restart --replay or scale."""
-        return self._controller.last_replay
-
-    @property
-    def last_recovery(self) -> RecoveryOutcome | None:
-        return self._controller.last_recovery
-
-    @property
-    def group(self) -> RankGroup | None:
-        """The running worker group (None while there is none)."""
-        return self._controller.group
-
-    @property
-    def state(self) -> GroupState:
-        return self._controller.state
-
-    @property
-    def started(self) -> bool:
-        """A group exists or is being made (a second start is refused)."""
-        return self.state in ACTIVE
-
-    def on_state_change(self, callback: Callable[[StateChange], None]) -> Callable[[], None]:
-        return self._controller.state_machine.subscribe(callback)
-
-    @property
-    def failures(self) -> int:
-        """Group rebuilds spent on --max-failures so far."""
-        return self.policy.failures
-
-    @property
-    def ray_lost(self) -> str | None:
-        """One line on the Ray this session used being gone, once it is."""
-        return self._controller.ray_lost
-
-    @property
-    def world_size(self) -> int:
-        """How many ranks the group has (1 in local mode, ``--workers 0``; an
-        elastic group's current size)."""
-        return self._controller.world_size
-
-    @property
-    def size_reason(self) -> str | None:
-        """Why an elastic group has its size ("elastic 2-4: 3 ranks (...)")."""
-        return self._controller.size_reason
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> Session:
@@ -361,6 +300,68 @@ class Session(LiveAPI, RunAPI):
         return (
             f"<rtnb.Session run={self.run_name!r} state={self.state} workers={self.config.workers}>"
         )
+
+    # ---- what the controller holds --------------------------------------------------------
+    @property
+    def config(self) -> SessionConfig:
+        """The options in force (frozen; ``scale`` puts a resized copy in force)."""
+        return self._controller.config
+
+    @property
+    def connection(self) -> ClusterConnection | None:
+        return self._controller.connection
+
+    @property
+    def last_start(self) -> StartReport | None:
+        """Seconds per phase of the last start."""
+        return self._controller.last_start
+
+    @property
+    def last_replay(self) -> ReplayReport | None:
+        """Of the last start/restart --replay or scale."""
+        return self._controller.last_replay
+
+    @property
+    def last_recovery(self) -> RecoveryOutcome | None:
+        return self._controller.last_recovery
+
+    @property
+    def group(self) -> RankGroup | None:
+        """The running worker group (None while there is none)."""
+        return self._controller.group
+
+    @property
+    def state(self) -> GroupState:
+        return self._controller.state
+
+    @property
+    def started(self) -> bool:
+        """A group exists or is being made (a second start is refused)."""
+        return self.state in ACTIVE
+
+    def on_state_change(self, callback: Callable[[StateChange], None]) -> Callable[[], None]:
+        return self._controller.state_machine.subscribe(callback)
+
+    @property
+    def failures(self) -> int:
+        """Group rebuilds spent on --max-failures so far."""
+        return self.policy.failures
+
+    @property
+    def ray_lost(self) -> str | None:
+        """One line on the Ray this session used being gone, once it is."""
+        return self._controller.ray_lost
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the group has (1 in local mode, ``--workers 0``; an
+        elastic group's current size)."""
+        return self._controller.world_size
+
+    @property
+    def size_reason(self) -> str | None:
+        """Why an elastic group has its size ("elastic 2-4: 3 ranks (...)")."""
+        return self._controller.size_reason
 
 
 def _config_of(config: SessionConfig | None, options: dict[str, Any]) -> SessionConfig:

@@ -285,7 +285,9 @@ try:
 except ImportError:  # built without a C compiler: the Python path records the same
     pass
 else:
-    report = make_report(
+    # Rebound through globals() so that static readers (the API reference, IDEs) see
+    # the documented function above, while callers get the builtin with its docstring.
+    globals()["report"] = make_report(
         report_in_python,
         vars(_rank),
         "report(metrics, checkpoint=None, checkpoint_dir_name=None, checkpoint_upload_mode=None, "
