@@ -617,8 +617,15 @@ class RtnbMagics(Magics):
         self.last_view = None  # the widget of the latest cell, for inspection
         self.last_sweep: Sweep | None = None
         self._unwatch_sweeps = Sweep.on_start(self._show_sweep)
+        # A plain cell reading a name only the ranks have gets a note saying how to
+        # bring it over; another extension's NameError handler is left in place.
+        self._hints_names = shell is not None and not shell.custom_exceptions
+        if self._hints_names:
+            shell.set_custom_exc((NameError,), self._name_of_the_ranks_hinted)
 
     def shutdown(self) -> None:
+        if self._hints_names:
+            self.shell.set_custom_exc((), None)
         self._unwatch_sweeps()
         if self.session is not None:
             # A detached group outlives this kernel on purpose: let go, leave it running.
@@ -1308,9 +1315,25 @@ class RtnbMagics(Magics):
                 exc.hint = (
                     f"`{name}` is a variable of this notebook, not of the ranks: send it with "
                     f"`%rtnb push {name}` before this cell (a papermill parameter is the "
-                    "notebook's too)"
+                    f"notebook's too; in a magic's line, `${name}` reads the notebook's value)"
                 )
             raise
+
+    def _name_of_the_ranks_hinted(self, shell, etype, value, tb, tb_offset=None) -> None:
+        """The notebook's NameError as IPython shows it, with a note when the ranks
+        have the name (a newcomer reads a cell's variable in a plain cell)."""
+        name = getattr(value, "name", None)
+        session = self.session
+        try:
+            on_ranks = bool(name) and session is not None and name in session.names_on_ranks()
+        except Exception:  # noqa: BLE001 - a hint never stands in the way of the error
+            on_ranks = False
+        if on_ranks and not any(name in note for note in getattr(value, "__notes__", ())):
+            value.add_note(
+                f"`{name}` is a variable of the ranks, not of this notebook: `{name} = "
+                f"%rtnb pull {name}` brings each rank's value (a list in rank order)"
+            )
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     def _cell_label(self) -> str | None:
         """The running cell's In [N] as the notebook shows it. IPython 9 counts the

@@ -21,6 +21,8 @@ from tests._kernel import Kernel, new_notebook
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 RTNB = [sys.executable, "-m", "rtnb.batch.cli"]
+# Where a GPU is, `--gpu` starts a group rather than failing (GPU tests cover it).
+_HAS_GPU = __import__("torch").cuda.is_available()
 
 # ---- %rtnb / %%rtrain / %rtrain in a kernel ----------------------------------------------
 BEFORE_START = [
@@ -35,6 +37,7 @@ BEFORE_START = [
     ("%rtnb start --strategy DIAGONAL", "--strategy 'DIAGONAL' is not one of"),
     ("%rtnb start --backend mpi", "--backend 'mpi' is not one of"),
     ("%rtnb start --backend nccl", "needs GPUs"),
+    *([] if _HAS_GPU else [("%rtnb start --gpu", "--gpu needs one GPU per worker (2)")]),
     ("%rtnb start --address nohost", "is not 'auto', HOST:PORT"),
     ("%rtnb start --address 127.0.0.1:1", "cannot reach a Ray cluster at 127.0.0.1:1"),
     ("%rtnb start --name ../x", "must start with a letter or digit"),
@@ -140,7 +143,7 @@ def _mistakes(kernel, table) -> list[tuple[str, str]]:
 def test_magic_mistakes_get_one_clear_line(kernel):
     failures = _mistakes(kernel, BEFORE_START)
     run = kernel.execute("%rtnb start --stop-grace 1")
-    assert run.status == "ok", run.text
+    assert run.status == "ok", "\n".join(f"{c!r}: {s[:300]}" for c, s in failures)
     failures += _mistakes(kernel, AFTER_START)
     assert not failures, "\n\n".join(f"{c!r}:\n{s}" for c, s in failures)
     # A notebook variable (a papermill parameter) used in a cell: the failure says how
@@ -152,9 +155,22 @@ def test_magic_mistakes_get_one_clear_line(kernel):
     assert "`%rtnb push steps` before this cell" in shown, shown
     shown = "\n".join(kernel.execute("%%rtrain\nnowhere_defined + 1").traceback)
     assert "NameError" in shown and "%rtnb push" not in shown, shown
+    # The other way round: a plain cell reading a name only the ranks have is told
+    # how to bring it over; a name nobody defined gets no such note.
+    assert kernel.execute("%rtrain on_ranks_only = 7").status == "ok"
+    shown = "\n".join(kernel.execute("print(on_ranks_only)").traceback)
+    assert "NameError" in shown, shown
+    assert "`on_ranks_only = %rtnb pull on_ranks_only` brings each rank's value" in shown, shown
+    shown = "\n".join(kernel.execute("print(nowhere_at_all)").traceback)
+    assert "NameError" in shown and "%rtnb pull" not in shown, shown
     # nothing above broke the group, and the refused scale kept the ranks' state
     assert kernel.execute("%rtrain kept = 5").status == "ok"
     assert "[5, 5]" in kernel.execute("%rtnb pull kept").results[-1]["text/plain"]
+    # A start naming another cluster after a stop goes there, not to the Ray this
+    # kernel joined before (as after the failed `--gpu` start above).
+    assert kernel.execute("%rtnb stop").status == "ok"
+    shown = _one_line_error(kernel.execute("%rtnb start --address 127.0.0.1:1"))
+    assert "cannot reach a Ray cluster at 127.0.0.1:1" in shown, shown
 
 
 # ---- the command line ----------------------------------------------------------------------

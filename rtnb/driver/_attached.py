@@ -71,6 +71,7 @@ _FORWARDED = frozenset(
         "status",
         "pull",
         "push",
+        "names_on_ranks",
         "list_checkpoints",
         "stacks",
         "set_controls",

@@ -211,6 +211,9 @@ class ClusterConnection:
     # Ray's settings: Ray then ends the process ~60 s after its GCS went away.
     driver_outlives_ray: bool = True
     watch: RayWatch | None = field(default=None, repr=False)
+    # Counted in _JOINED.open while open: a Ray rtnb joined is left for another
+    # address only when no connection to it is open.
+    joined: bool = field(default=False, repr=False)
 
     @property
     def lost(self) -> str | None:
@@ -223,6 +226,9 @@ class ClusterConnection:
     def shutdown(self) -> None:
         import ray
 
+        if self.joined:
+            self.joined = False
+            _JOINED.open -= 1
         if self.watch is not None:
             self.watch.close()
             if self.watch.lost is not None:
@@ -234,6 +240,63 @@ class ClusterConnection:
         if self.owned and ray.is_initialized():
             ray.shutdown()
             as_the_environment_says()
+
+
+@dataclass
+class _JoinedRay:
+    """The cluster address rtnb joined this process's Ray driver with (None: the
+    driver is the user's own ``ray.init()``, or an embedded or warm Ray), and how many
+    connections to it are open."""
+
+    target: str | None = None
+    gcs: str | None = None  # the GCS it reached: a later ray.init() elsewhere is not rtnb's
+    open: int = 0
+
+
+_JOINED = _JoinedRay()
+
+
+def _opened(connection: ClusterConnection) -> ClusterConnection:
+    connection.joined = True
+    _JOINED.open += 1
+    return connection
+
+
+def _same_cluster(target: str, gcs_address: str) -> bool:
+    """Whether ``target`` (an --address) names the Ray this process is joined to."""
+    if target == "auto" or target == _JOINED.target:
+        return True
+    if target.startswith("ray://"):
+        return False  # a Ray Client address is never a GCS's: only the same text is
+    try:
+        host, port = _split_host_port(target.split("://", 1)[-1])
+        gcs_host, gcs_port = _split_host_port(gcs_address)
+        return port == gcs_port and socket.gethostbyname(host) == socket.gethostbyname(gcs_host)
+    except (ValueError, OSError):
+        return False
+
+
+def _leave_for(ray, address: str) -> None:
+    """``%rtnb start --address`` naming another cluster than the one this process is
+    joined to: leave the old one when rtnb joined it and nothing uses it (a failed
+    or stopped start's), else say why not in one line."""
+    current = ray.get_runtime_context().gcs_address
+    if _JOINED.gcs != current:
+        _JOINED.target = None  # the user's own driver since rtnb's join
+    if _JOINED.target is None or _JOINED.open > 0:
+        whose = "ray.init()" if _JOINED.target is None else "a group of this kernel"
+        raise ClusterError(
+            f"this kernel is already connected to the Ray at {current} ({whose}); "
+            f"--address {redact_uri(address)} names another: "
+            + (
+                "call ray.shutdown() first, or drop --address to use that Ray"
+                if _JOINED.target is None
+                else "`%rtnb stop` the group first, or drop --address"
+            )
+        )
+    ray.shutdown()
+    as_the_environment_says()
+    _JOINED.target = None
 
 
 def _watch(connection: ClusterConnection, what: str) -> ClusterConnection:
@@ -291,13 +354,18 @@ def connect(
 
     _quiet_ray_logging()
     quiet_rank_machinery()
+    if ray.is_initialized() and address and not _in_client_mode():
+        if not _same_cluster(address, ray.get_runtime_context().gcs_address):
+            _leave_for(ray, address)
     if ray.is_initialized():
         return _watch(
-            ClusterConnection(
-                address=address or "existing",
-                owned=False,
-                client_mode=_in_client_mode(),
-                driver_outlives_ray=_RECONNECT_ENV in os.environ,
+            _opened(
+                ClusterConnection(
+                    address=address or "existing",
+                    owned=False,
+                    client_mode=_in_client_mode(),
+                    driver_outlives_ray=_RECONNECT_ENV in os.environ,
+                )
             ),
             "the Ray this process uses",
         )
@@ -338,8 +406,11 @@ def connect(
     client_mode = _in_client_mode()
     if client_mode:
         _mute_client_log_stream()
+    _JOINED.target = target
+    with contextlib.suppress(Exception):  # a Ray Client driver has no GCS address here
+        _JOINED.gcs = ray.get_runtime_context().gcs_address
     return _watch(
-        ClusterConnection(address=target, owned=False, client_mode=client_mode),
+        _opened(ClusterConnection(address=target, owned=False, client_mode=client_mode)),
         f"the Ray at {redact_uri(target)}",
     )
 

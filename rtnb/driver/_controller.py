@@ -243,9 +243,10 @@ class Controller:
                 prepare()
                 built = self._builder.connect_and_build(self._config, steps)
             except BaseException as exc:
-                # A start that fails stops the embedded Ray it started (RankGroup.start
-                # already freed its placement group and actors).
-                self._builder.drop_owned()
+                # A start that fails stops the embedded Ray it started and lets go of a
+                # cluster it joined (RankGroup.start already freed its placement group
+                # and actors).
+                self._builder.drop_connection()
                 self.state_machine.to(GroupState.FAILED, one_line(exc))
                 if isinstance(exc, KeyboardInterrupt):
                     raise SessionError(

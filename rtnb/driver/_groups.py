@@ -165,11 +165,12 @@ class GroupBuilder:
             connection.shutdown()
         return True
 
-    def drop_owned(self) -> None:
-        """After a failed start: stop the embedded Ray this builder started."""
-        connection = self.connection
-        if connection is not None and connection.owned:
-            self.connection = None
+    def drop_connection(self) -> None:
+        """After a failed start: stop the embedded Ray this builder started, and let
+        go of a cluster it joined (the process stays joined to it, unused, so that a
+        start naming another ``--address`` may leave it)."""
+        connection, self.connection = self.connection, None
+        if connection is not None:
             try:
                 connection.shutdown()
             except Exception:  # noqa: BLE001 - already failing; the first error is the news

@@ -22,6 +22,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 
+from rtnb.core._names import names_bound
 from rtnb.errors import ConfigError
 
 __all__ = ["TrainScript", "read_train_script"]
@@ -220,13 +221,12 @@ class _ScriptValues:
         self._path = path
         self._sources: dict[str, str] = {}
         self.notes: list[str] = []
-        self._module_names = _module_names(tree)
+        self._module_names = names_bound(tree)  # what the script defines itself
         self._function = next(
             (
                 node
                 for node in ast.walk(tree)
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.body is scope
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body is scope
             ),
             None,
         )
@@ -287,9 +287,7 @@ class _ScriptValues:
         definitions = "\n".join(["def _script_config():", *lines, f"    return {text}"])
         return definitions, "_script_config()"
 
-    def _bindings(
-        self, node: ast.expr, seen: set[str] | None = None
-    ) -> list[tuple[str, ast.expr]]:
+    def _bindings(self, node: ast.expr, seen: set[str] | None = None) -> list[tuple[str, ast.expr]]:
         """(name, value) for each name ``node`` reads from the driver code, those a
         value reads first; LookupError(name) for one that cannot be worked out."""
         seen = set() if seen is None else seen
@@ -361,20 +359,6 @@ def _free_names(node: ast.AST) -> set[str]:
     return {
         n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
     } - set(dir(builtins))
-
-
-def _module_names(tree: ast.Module) -> set[str]:
-    """What the cell defines itself: the module's functions, classes, imports and
-    names assigned at module level."""
-    names: set[str] = set()
-    for statement in tree.body:
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(statement.name)
-        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in statement.names}
-        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            names |= _bound(statement)
-    return names
 
 
 def _argparse_default(tree: ast.Module, value: ast.expr) -> tuple[str, ast.expr] | None:

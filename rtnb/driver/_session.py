@@ -69,8 +69,7 @@ class Session(LiveAPI, RunAPI):
     ranks' state from the journal of the run named ``name`` (a new kernel carrying
     on a run). ``failure_policy`` decides what follows a rank's death (default:
     retry ``--max-failures`` times); ``group_factory`` and ``connector`` replace how
-    the worker group is built and how Ray is reached (``rtnb.sweep`` hands its
-    trials groups from one pool this way).
+    the group is built and Ray reached (``rtnb.sweep``'s trials share a pool so).
     """
 
     is_trial = detached = False  # a sweep's trial (see _sweep_values); detached: __new__

@@ -9,11 +9,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rtnb.core._messages import SAVE_TRIGGER
+from rtnb.core._names import names_bound
 from rtnb.core._profile import ProfileReport
 from rtnb.core._stacks import GroupStacks
+from rtnb.storage._journal import EntryKind
 
 if TYPE_CHECKING:
     from rtnb.driver._cells import CellFlow
+    from rtnb.storage._journal import Journal
 
 __all__ = ["LiveAPI"]
 
@@ -23,6 +26,7 @@ class LiveAPI:
     one step; looks into it."""
 
     _cells: CellFlow
+    journal: Journal
 
     def set_datasets(
         self, datasets: Mapping[str, Any] | None = None, dataset_config: Any = None, **named: Any
@@ -51,6 +55,28 @@ class LiveAPI:
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
         """The value of ``name`` on each rank, in rank order (``%rtnb pull``)."""
         return self._cells.pull(name, ranks)
+
+    def names_on_ranks(self) -> set[str]:
+        """The names this run's cells and pushes bound in the ranks' namespaces since
+        the group last started fresh, as the journal records them (what a replay
+        rebuilds, and ``--once`` cells): what the notebook can ``%rtnb pull``. A name
+        bound inside a function of a cell is not one.
+
+        Example::
+
+            In [5]: "model" in session.names_on_ranks()
+            Out[5]: True
+        """
+        names: set[str] = set()
+        for step in self.journal.replay_plan():
+            entry = step.entry
+            if step.skipped and not entry.once:
+                continue  # a cell that failed or never ended: what it bound is unknown
+            if entry.kind is EntryKind.PUSH:
+                names.update(entry.names)
+            elif entry.kind is EntryKind.CELL and entry.code:
+                names |= names_bound(entry.code)
+        return names
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | str | None = None) -> None:
         """Set each ``name: value`` in the namespace of every rank (``%rtnb push``).
