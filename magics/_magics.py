@@ -602,6 +602,17 @@ SUBCOMMANDS = [
         _attach_args,
     ),
 ]
+
+
+def _shown_storage(storage: str) -> str:
+    """A storage path as a title shows it: under the working directory, relative to
+    it (``./rtnb_runs``, not the machine's whole path); a URI without its secrets."""
+    if "://" in storage:
+        return redact_uri(storage)
+    relative = os.path.relpath(storage, os.getcwd())
+    return storage if relative.startswith("..") else f"./{relative}"
+
+
 _SUBCOMMANDS = tuple(sub.name for sub in SUBCOMMANDS)
 _BY_NAME = {s.name: s for s in SUBCOMMANDS}
 
@@ -1065,7 +1076,7 @@ class RtnbMagics(Magics):
         def load(name: str) -> MetricsStore:
             return self._metrics_of(name, args.storage)
 
-        title = f"runs in {redact_uri(storage)}"
+        title = f"runs in {_shown_storage(storage)}"
         if not table.runs:
             print(f"rtnb: no rtnb runs in {redact_uri(storage)}")
             return None

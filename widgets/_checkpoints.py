@@ -226,20 +226,21 @@ class CheckpointBrowser(w.VBox):
         if c.id == self._latest:
             marks.append("latest")
         if c.id == self._best:
-            marks.append("best")
+            marks.append("★ best")
         return " · ".join(marks)
 
     def _render_rows(self, rows, metrics: list[str]) -> None:
         now = time.time()
-        columns = ["line", "id", "step", "age", *metrics, "size", "ranks", "status"]
-        numeric = {"step", "age", "size", *metrics}
+        # A checkpoint is named by its step (what `%rtnb resume STEP` takes); its line
+        # tells two of one step apart. The zero-padded folder name stays out of sight.
+        columns = ["line", "checkpoint", "age", *metrics, "size", "ranks", "status"]
+        numeric = {"age", "size", *metrics}
         table = [columns]
         for c in rows:
             table.append(
                 [
                     _line_name(c),
-                    c.id,
-                    str(c.step),
+                    f"step {c.step}",
                     _age(now - c.time) if c.time else "-",
                     *[_number(c.all_metrics.get(m)) for m in metrics],
                     _size(c.size) if c.files else "-",

@@ -359,6 +359,7 @@ class RunsDashboard(w.VBox):
                 for shown, fresh in zip(self.figure.data, drawn.data):
                     shown.x, shown.y = fresh.x, fresh.y
                 self.figure.layout.yaxis.update(drawn.layout.yaxis.to_plotly_json())
+                self.figure.layout.title.text = drawn.layout.title.text  # the metric's name
             return
         old, self.figure = self.figure, go.FigureWidget(drawn)
         self.plot.children = (self.figure,)
