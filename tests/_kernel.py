@@ -105,7 +105,11 @@ class Kernel:
                 timer.cancel()
         result.status = self._reply_to(msg_id)["content"]["status"]
         result.elapsed_s = time.monotonic() - start
-        waited(f"a kernel cell ({code.splitlines()[0][:50] if code else ''})", result.elapsed_s, timeout)
+        waited(
+            f"a kernel cell ({code.splitlines()[0][:50] if code else ''})",
+            result.elapsed_s,
+            timeout,
+        )
         return result
 
     @staticmethod

@@ -73,7 +73,11 @@ def pytest_runtest_protocol(item, nextitem):
     began = time.monotonic()
     yield
     marker = item.get_closest_marker("timeout")
-    bound = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    bound = (
+        float(marker.args[0])
+        if marker and marker.args
+        else float(item.config.getini("timeout") or 0)
+    )
     _margins.waited("the whole test (pytest-timeout)", time.monotonic() - began, bound)
 
 
@@ -83,9 +87,13 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     write = terminalreporter.write_line
     write("")
-    write(f"waits that used over {_margins.CLOSE:.0%} of their bound (a slower machine fails them):")
+    write(
+        f"waits that used over {_margins.CLOSE:.0%} of their bound (a slower machine fails them):"
+    )
     for wait in sorted(close, key=lambda w: -w.used):
-        write(f"  {wait.used:4.0%}  {wait.took_s:6.1f} s of {wait.bound_s:g} s  {wait.what}  ({wait.test})")
+        write(
+            f"  {wait.used:4.0%}  {wait.took_s:6.1f} s of {wait.bound_s:g} s  {wait.what}  ({wait.test})"
+        )
 
 
 def require(module: str, why: str):

@@ -44,7 +44,9 @@ def test_a_real_benchmark_run_through_the_runner_is_judged_and_recorded(tmp_path
     assert figure["min"] <= figure["median"] <= figure["max"]
     assert figure["verdict"] == ("MET" if figure["median"] <= 1.1 else "MISSED")
     assert done.returncode == (0 if figure["verdict"] == "MET" else 1), done.stdout
-    assert "local-mode training cell / exec()" in done.stdout and "exec() of the same" in done.stdout
+    assert (
+        "local-mode training cell / exec()" in done.stdout and "exec() of the same" in done.stdout
+    )
     assert result["machine"]["cpus"] and result["commit"]
     table = runner.markdown(result)
     assert "| local_overhead | local-mode training cell / exec() | ≤ 1.10x |" in table
@@ -77,5 +79,5 @@ def test_every_benchmark_has_its_peer_named_and_ray_train_is_tuned_in_one_place(
     assert all(runner.PEERS.get(b.name) for b in runner.BENCHMARKS)
     for name in scripts:
         text = (REPO / "benchmarks" / f"{name}.py").read_text()
-        assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S\"" not in text, f"{name} tunes Ray Train itself"
+        assert 'RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"' not in text, f"{name} tunes Ray Train itself"
         assert "emit(" in text, f"{name} prints no FIGURES line"

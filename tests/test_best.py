@@ -88,7 +88,7 @@ def test_the_browser_stars_the_best_checkpoint_by_the_rule_it_names(
         for c, symbol in zip(_rows(data), trace.marker.symbol)
         if symbol == "star"
     ]
-    badged = [v for label, v in browser._rows.options if "best" in label.split()[-3:]]
+    badged = [row["id"] for row in browser.table.rows if ["★ best", "best"] in row["badges"]]
     expected = [] if best_step is None else [f"step-{best_step:09d}"]
     assert starred == expected and badged == expected, case
     assert browser._metric.value == timeline, "the timeline starts on the rule's (or first) metric"

@@ -229,20 +229,30 @@ def test_checkpoint_browser_timeline_rows_and_buttons_act_on_the_selected_checkp
     ]
     assert browser.selected is None, "nothing is selected until the user selects"
     assert all(b.disabled for b in browser._buttons.values()), "no button acts on nothing"
-    labels = [label for label, _v in browser._rows.options]
-    assert labels[3].startswith("branch 1") and "latest" in labels[3], "committed last = latest"
-    assert "best" in labels[1] and "2.0 KB" in labels[2] and "incomplete" in labels[0]
-    header = browser._head.value.split('rtnb-ckpt-head">')[1].split("</div>")[0]
-    end = header.index("loss") + len("loss")
-    assert (labels[1][end - 1], labels[2][end - 1]) == ("1", "3"), "numbers right-aligned"
+    shown = {row["id"]: row for row in browser.table.rows}
+    badges = {cid: [label for label, _tone in row["badges"]] for cid, row in shown.items()}
+    assert badges["step-000000002-b1"] == ["latest"], "committed last = latest"
+    assert shown["step-000000002-b1"]["group"] == "branch 1"
+    assert badges["step-000000002"] == ["★ best"] and badges["step-000000003"] == ["incomplete"]
+    assert shown["step-000000001"]["cells"]["size"] == "2.0 KB"
+    assert shown["step-000000002"]["cells"]["step"] == "step 2", "named by its step"
+    assert [c["key"] for c in browser.table.columns if c["numeric"]] == ["age", "loss", "size"]
     # The timeline: one marker trace per line, the best a star, the latest bigger.
     lines = [t for t in browser.timeline.data if t.mode == "lines+markers"]
     assert [t.name for t in lines] == ["main", "branch 1"]
     assert list(lines[0].x) == [1, 2] and list(lines[0].y) == [3.0, 1.0]
     assert list(lines[0].marker.symbol) == ["circle", "star"]
-    browser._sort.value = "loss"
-    assert browser._descending.value is False, "by a metric, lowest (best loss) first"
-    assert [c.id for c in browser.rows()][:2] == ["step-000000002", "step-000000001"]
+    # A click on the loss header sorts lowest (the best loss) first, the page and
+    # the kernel alike; an incomplete checkpoint (no loss) last of its line.
+    loss = next(c for c in browser.table.columns if c["key"] == "loss")
+    assert loss["descending_first"] is False
+    browser.table.sort_by, browser.table.descending = "loss", False
+    assert [c.id for c in browser.rows()] == [
+        "step-000000002",
+        "step-000000001",
+        "step-000000003",
+        "step-000000002-b1",
+    ]
     browser.select("step-000000003")
     assert browser.selected is None, "an incomplete checkpoint cannot be selected"
     # Clicking a marker selects its checkpoint.

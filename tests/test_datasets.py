@@ -139,8 +139,7 @@ def test_split_train_only_in_a_notebook_and_rank_0_alone_reads_the_validation_se
     kernel = Kernel(cwd=str(tmp_path))
     try:
         cells = [
-            "%load_ext rtnb\n"
-            f"%rtnb start --cpus-per-worker 0.5 --storage {tmp_path} --name split",
+            f"%load_ext rtnb\n%rtnb start --cpus-per-worker 0.5 --storage {tmp_path} --name split",
             "import ray\ntrain_ds = ray.data.range(40)\nval_ds = ray.data.range(6)",
             "%%rtrain --datasets train=train_ds,val=val_ds --split train\n"
             "import ray.train\n"

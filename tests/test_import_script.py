@@ -11,7 +11,7 @@ import pytest
 import rtnb
 from rtnb.driver._import import read_train_script
 
-DOCS_SHAPE = '''
+DOCS_SHAPE = """
 import argparse
 import ray
 import ray.train
@@ -51,7 +51,7 @@ if __name__ == "__main__":
     args, _ = parser.parse_known_args()
     ray.init(address=args.address, num_cpus=4)
     train_fashion_mnist(num_workers=args.num_workers, use_gpu=args.use_gpu, epochs=args.epochs)
-'''
+"""
 
 
 def _config_of(code: str) -> dict:
@@ -135,6 +135,4 @@ def test_a_script_that_hands_datasets_says_exactly_what_to_hand_and_how(tmp_path
     note = next(n for n in plan.notes if "hands the ranks" in n)
     assert "hands the ranks train, validation" in note, note
     assert "train = train_dataset, validation = val_dataset" in note, note
-    assert note.endswith(
-        "%rtnb datasets train=train validation=validation --split train"
-    ), note
+    assert note.endswith("%rtnb datasets train=train validation=validation --split train"), note

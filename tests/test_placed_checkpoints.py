@@ -39,9 +39,7 @@ rtnb.report({"loss": 0.2}, step=3, checkpoint_upload_fn=my_upload, checkpoint_up
 def test_files_committed_where_they_are_are_vouched_for_and_never_deleted(ray_cluster, tmp_path):
     kept = tmp_path / "kept"
     runs = tmp_path / "runs"
-    with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=str(runs), name="placed"
-    ) as session:
+    with rtnb.Session(workers=2, cpus_per_worker=0.5, storage=str(runs), name="placed") as session:
         session.push({"KEPT": str(kept)})
         session.run(CELL)
         listed = session.list_checkpoints()

@@ -62,11 +62,14 @@ def test_dashboard_rows_and_overlaid_curves_are_the_runs_metrics_records(tmp_pat
             assert rows[name]["last"] == means[-1] and rows[name]["best"] == min(means), name
         assert rows["fast"]["steps"] == 4 and rows["fast"]["ranks"] == 2
         assert "score=loss(min)" in rows["fast"]["config"]
-        view.sort.value = "best"
-        view.descending.value = False
+        best = next(c for c in view.table.columns if c["key"] == "best")
+        assert best["label"] == "best loss" and best["descending_first"] is False
+        view.table.sort_by, view.table.descending = "best", False  # a click on its header
         assert [r["run"] for r in view.rows()] == ["fast", "slow", "now"], "lowest best first"
-        assert view.table.value == ("now",), "the selection survives a re-sort"
-        view.table.value = ("fast", "slow")
+        assert view.picked == ["now"], "the first listed is drawn; a re-sort keeps the ticks"
+        states = {row["id"]: row["badges"] for row in view.table.rows}
+        assert states["slow"] == [["failed", "bad"]] and states["now"] == [["live", "busy"]]
+        view.pick("fast", "slow")
         curves = {t.name: list(t.y) for t in view.figure.data}
         assert curves == {"fast": [5.0, 3.0, 2.0, 2.0], "slow": [5.0, 4.0]}
         view.band.value = True
@@ -172,7 +175,7 @@ def test_a_live_run_says_when_its_curves_were_last_read(tmp_path):
     _run(tmp_path, "now", {0: [9.0, 8.0]}, "running", 300.0)
     view = RunsDashboard(lambda: list_runs(storage), load, refresh_s=30, title="runs")
     try:
-        assert view.title.value.startswith("<b>runs</b> <span class=\"rtnb-runs-read\">")
+        assert view.title.value.startswith('<b>runs</b> <span class="rtnb-runs-read">')
         assert "live: now, re-read every 30 s, last at " in view.title.value
         _run(tmp_path, "now", {0: [9.0, 8.0, 7.0]}, "stopped", 400.0)
         view.refresh()

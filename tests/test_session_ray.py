@@ -192,10 +192,14 @@ def test_ray_train_submodules_as_attributes_the_form_of_rays_examples(group):
         "try:\n    rt.no_such_name\nexcept AttributeError as exc:\n    missing = str(exc)\n"
         "(type(model).__name__, callback.__module__, missing)"
     )
-    assert value[0] == value[1] == (
-        "DistributedDataParallel",
-        "rtnb.worker._hf",
-        "module 'ray.train' has no attribute 'no_such_name'",
+    assert (
+        value[0]
+        == value[1]
+        == (
+            "DistributedDataParallel",
+            "rtnb.worker._hf",
+            "module 'ray.train' has no attribute 'no_such_name'",
+        )
     )
 
 

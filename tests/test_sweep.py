@@ -323,6 +323,8 @@ def test_the_live_view_draws_every_trials_reports_in_a_real_kernel(ray_cluster, 
             "drawn = [list(t.y) for t in view.figure.data[:-1]]\n"
             "assert drawn == [t.values for t in sweep.trials], (drawn, sweep.trials)\n"
             "assert all(len(v) == 12 for v in drawn)\n"
+            "stars = [r['id'] for r in view.table.rows if ['★ best', 'best'] in r['badges']]\n"
+            "assert stars == [str(sweep.best_trial().index)], stars\n"
             "print(view.redraws, type(view).__name__)\n"
         )
         assert check.status == "ok", check.text + check.evalue + "".join(check.traceback)

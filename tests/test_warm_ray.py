@@ -56,6 +56,7 @@ def _kernel(tmp_path: Path, how: str, env: dict[str, str]) -> dict:
 def _wait_for_spares(home: Path, count: int, timeout_s: float) -> None:
     """Until the warm Ray's pool has ``count`` spare ranks again (it makes them a few
     seconds after a claim, at low priority)."""
+
     def spares() -> int:
         return json.loads(next((home / "warm-ray").glob("*.json")).read_text()).get("spares", 0)
 

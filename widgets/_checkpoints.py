@@ -1,4 +1,4 @@
-"""``CheckpointBrowser``: a run's checkpoints on a timeline and in a table of rows,
+"""``CheckpointBrowser``: a run's checkpoints on a timeline and in a sortable table,
 with Resume, Load and Delete for the one selected."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import see_through
+from rtnb.widgets._table import Column, DataTable, Row
 from rtnb.widgets._theme import follow_theme
 
-from rtnb.core._score import NO_BEST, score_rule
-from rtnb.core._text import align_rows
+from rtnb.core._score import NO_BEST, direction_of, score_rule
 
 __all__ = ["CheckpointBrowser"]
 
@@ -24,21 +24,17 @@ _COLORS = {
     "selected": "#d62728",
     "writing": "#8c8c8c",
 }
-_ROWS_CSS = (
-    "<style>.rtnb-ckpt-rows select{font-family:var(--jp-code-font-family,monospace);"
-    "font-size:12px}.rtnb-ckpt-head{font-family:var(--jp-code-font-family,monospace);"
-    "font-size:12px;white-space:pre;margin:0 0 0 2px}</style>"
-)
 
 
 class CheckpointBrowser(w.VBox):
     """A run's checkpoints: a timeline (the score metric over steps, each
     checkpoint a marker: committed, best by the score, latest, selected, being
-    written; one line of markers per branch) above the rows (line, id, step, age,
-    metrics, size, ranks, status), grouped by the line of training that wrote them.
-    Clicking a marker or a row selects it; Resume, Load and Delete act on the
-    selection and are disabled without one. Delete asks twice and is never offered
-    for the latest checkpoint.
+    written; one line of markers per branch) above a table (the checkpoint by its
+    step with its badges, age, metrics, size, ranks), grouped by the line of
+    training that wrote them, sorted by a click on a column's header. Clicking a
+    marker or a row selects it; Resume, Load and Delete act on the selection and
+    are disabled without one. Delete asks twice and is never offered for the
+    latest checkpoint.
 
     ``list_checkpoints()`` returns :class:`rtnb.CheckpointInfo` rows; ``latest()``
     the id a recovery would restart from (default: the one committed last);
@@ -68,23 +64,17 @@ class CheckpointBrowser(w.VBox):
         self._score, self._mode = score, mode
         self._actions = {"Resume": resume, "Load": load, "Delete": delete}
         self._title = w.HTML(f"<b>{html.escape(title)}</b>" if title else "")
-        self._sort = w.Dropdown(
-            options=[("step", "step")],
-            value="step",
-            description="sort by",
-            layout=w.Layout(width="220px"),
-        )
-        self._descending = w.Checkbox(value=True, description="descending", indent=False)
         self._metric = w.Dropdown(
             options=[("step", None)],
             value=None,
             description="timeline",
             layout=w.Layout(width="220px"),
         )
-        self._head = w.HTML()
         self.rule_line = w.HTML()
-        self._rows = w.Select(options=[], value=None, rows=8, layout=w.Layout(width="100%"))
-        self._rows.add_class("rtnb-ckpt-rows")
+        # Newest first until a header is clicked.
+        self.table = DataTable(sort_by="step", descending=True)
+        self.table.add_class("rtnb-ckpt-rows")
+        self._table_rows: list[Row] = []
         self._buttons = {name: w.Button(description=name, disabled=True) for name in self._actions}
         # Delete asks twice: the first click names what would go and arms the button.
         self._armed: str | None = None
@@ -93,22 +83,18 @@ class CheckpointBrowser(w.VBox):
         self._best: str | None = None
         self._shown: list = []
         self.timeline = _timeline_figure()
-        self._rows.observe(self._on_row, names="value")
+        self.table.observe(self._on_row, names="selected")
         self.message = w.HTML()
         self.activity = w.Box(layout=w.Layout(flex_flow="column"))
         for name, button in self._buttons.items():
             button.on_click(lambda _b, name=name: self._act(name))
-        self._sort.observe(self._on_sort, names="value")
-        self._descending.observe(lambda _c: self.refresh(), names="value")
         self._metric.observe(lambda _c: None if self._refreshing else self.refresh(), names="value")
         super().__init__(
             [
                 self._title,
                 self.timeline,
-                w.HBox([self._metric, self._sort, self._descending]),
-                self.rule_line,
-                self._head,
-                self._rows,
+                w.HBox([self._metric, self.rule_line], layout=w.Layout(align_items="center")),
+                self.table,
                 w.HBox(list(self._buttons.values())),
                 self.message,
                 self.activity,
@@ -123,19 +109,17 @@ class CheckpointBrowser(w.VBox):
     # ---- selection ---------------------------------------------------------------------
     @property
     def selected(self) -> str | None:
-        value = self._rows.value
-        return value if value and not value.startswith("\0") else None
+        return self.table.selected[0] if self.table.selected else None
 
     def select(self, cid: str | None) -> None:
-        """Select checkpoint ``cid`` (what a click on its marker or row does)."""
-        if cid is not None and cid not in {v for _label, v in self._rows.options}:
-            return
-        self._rows.value = cid
+        """Select checkpoint ``cid`` (what a click on its marker or row does); an
+        incomplete checkpoint cannot be acted on, so it is not selected."""
+        if cid is None:
+            self.table.selected = []
+        elif any(row.id == cid and row.selectable for row in self._table_rows):
+            self.table.selected = [cid]
 
-    def _on_row(self, change) -> None:
-        if change["new"] and change["new"].startswith("\0"):
-            self._rows.value = None  # an incomplete checkpoint cannot be acted on
-            return
+    def _on_row(self, _change) -> None:
         if not self._refreshing:
             self._update_buttons()
             self._draw_timeline()
@@ -143,13 +127,6 @@ class CheckpointBrowser(w.VBox):
     def _on_marker(self, trace, points, _state) -> None:
         if points.point_inds:
             self.select(trace.customdata[points.point_inds[0]][0])
-
-    def _on_sort(self, change) -> None:
-        if self._refreshing:
-            return  # the options were renewed, not chosen by the user
-        # Newest first by step; lowest first by a metric (a loss: the best on top).
-        self._descending.value = change["new"] == "step"
-        self.refresh()
 
     def _update_buttons(self) -> None:
         chosen = self.selected
@@ -172,21 +149,15 @@ class CheckpointBrowser(w.VBox):
 
     # ---- content -----------------------------------------------------------------------
     def rows(self):
-        """The rows in table order: grouped by line (the first line, then each
-        branch), sorted inside a group by step or by the chosen metric."""
-        rows = self._list()
-        key = self._sort.value
-        reverse = self._descending.value
-        if key == "step":
-            ordered = sorted(rows, key=lambda c: c.step, reverse=reverse)
-        else:
-            present = [c for c in rows if isinstance(c.all_metrics.get(key), (int, float))]
-            missing = [c for c in rows if c not in present]
-            ordered = sorted(present, key=lambda c: c.all_metrics[key], reverse=reverse) + missing
-        return sorted(ordered, key=_line_of)  # stable: keeps the order inside a line
+        """The checkpoints in the table's order: grouped by line (the first line,
+        then each branch), sorted inside a group by the column whose header was
+        clicked last (at first: newest step first)."""
+        by_id = {c.id: c for c in self._shown}
+        return [by_id[row.id] for row in self.table.ordered(self._table_rows)]
 
     def refresh(self) -> None:
-        rows = self.rows()
+        # Lines in order (the first, then each branch); inside one, by step.
+        rows = sorted(self._list(), key=lambda c: (_line_of(c), c.step))
         metrics = list(dict.fromkeys(k for c in rows for k in c.all_metrics))
         committed = [c for c in rows if c.status == "committed"]
         self._latest = self._latest_of() if self._latest_of is not None else None
@@ -203,63 +174,71 @@ class CheckpointBrowser(w.VBox):
         first_plotted = rule.metric if rule is not None and rule.metric in metrics else None
         self._refreshing = True
         try:
-            options = [("step", "step")] + [(m, m) for m in sorted(metrics)]
-            if list(self._sort.options) != options:
-                current = self._sort.value
-                self._sort.options = options
-                self._sort.value = current if current in dict(options).values() else "step"
             plot_options = [(m, m) for m in metrics] or [("step", None)]
             if list(self._metric.options) != plot_options:
                 current = self._metric.value
                 self._metric.options = plot_options
                 values = [v for _l, v in plot_options]
                 self._metric.value = current if current in values else (first_plotted or values[0])
-            self._render_rows(rows, sorted(metrics))
+            self._shown = rows
+            self._render_rows(rows, metrics)
         finally:
             self._refreshing = False
-        self._shown = rows
         self._update_buttons()
         self._draw_timeline()
 
-    def _status(self, c) -> str:
-        marks = [c.shown_status]
-        if c.id == self._latest:
-            marks.append("latest")
+    def _badges(self, c) -> tuple:
+        badges = []
         if c.id == self._best:
-            marks.append("★ best")
-        return " · ".join(marks)
+            badges.append(("★ best", "best"))
+        if c.id == self._latest:
+            badges.append(("latest", "latest"))
+        if c.status != "committed":
+            badges.append((c.shown_status, "busy" if c.status == "writing" else "muted"))
+        elif c.shown_status != "committed":  # how its validation stands
+            badges.append((c.shown_status.removeprefix("committed, "), "muted"))
+        return tuple(badges)
 
     def _render_rows(self, rows, metrics: list[str]) -> None:
         now = time.time()
         # A checkpoint is named by its step (what `%rtnb resume STEP` takes); its line
-        # tells two of one step apart. The zero-padded folder name stays out of sight.
-        columns = ["line", "checkpoint", "age", *metrics, "size", "ranks", "status"]
-        numeric = {"age", "size", *metrics}
-        table = [columns]
-        for c in rows:
-            table.append(
-                [
-                    _line_name(c),
-                    f"step {c.step}",
-                    _age(now - c.time) if c.time else "-",
-                    *[_number(c.all_metrics.get(m)) for m in metrics],
-                    _size(c.size) if c.files else "-",
-                    _ranks(c.ranks),
-                    self._status(c),
-                ]
-            )
-        head, *lines = align_rows(table, right=numeric)
-        self._head.value = _ROWS_CSS + f'<div class="rtnb-ckpt-head">{html.escape(head)}</div>'
-
-        chosen = self._rows.value
-        # Rows of incomplete checkpoints are listed too; selecting one does nothing.
-        options = [
-            (text, c.id if c.status == "committed" else f"\0{c.id}") for c, text in zip(rows, lines)
+        # tells two of one step apart. The zero-padded folder name is its tooltip.
+        columns = [
+            Column("step", "checkpoint", numeric=False, descending_first=True, badges=True),
+            Column("age", "age", numeric=True),
+            *[
+                Column(m, m, numeric=True, descending_first=direction_of(m) == "max")
+                for m in metrics
+            ],
+            Column("size", "size", numeric=True, descending_first=True),
+            Column("ranks", "ranks"),
         ]
-        self._rows.options = options
-        self._rows.rows = max(3, min(12, len(options)))
-        valid = {v for _l, v in options}
-        self._rows.value = chosen if chosen in valid else None
+        self._table_rows = [
+            Row(
+                id=c.id,
+                cells={
+                    "step": f"step {c.step}",
+                    "age": _age(now - c.time) if c.time else "-",
+                    **{m: _number(c.all_metrics.get(m)) for m in metrics},
+                    "size": _size(c.size) if c.files else "-",
+                    "ranks": _ranks(c.ranks),
+                },
+                keys={
+                    "step": c.step,
+                    "age": now - c.time if c.time else None,
+                    **{m: _sortable(c.all_metrics.get(m)) for m in metrics},
+                    "size": c.size if c.files else None,
+                    "ranks": len(c.ranks),
+                },
+                badges=self._badges(c),
+                # An incomplete checkpoint is listed but cannot be acted on.
+                selectable=c.status == "committed",
+                group=_line_name(c),
+                tooltip=f"{c.id} in {_line_name(c)}",
+            )
+            for c in rows
+        ]
+        self.table.show(columns, self._table_rows)
 
     def _draw_timeline(self) -> None:
         import plotly.graph_objects as go
@@ -397,6 +376,10 @@ def _y(c, metric: str | None):
 
 def _number(value) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else ""
+
+
+def _sortable(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value == value else None
 
 
 def _ranks(ranks: list[int]) -> str:

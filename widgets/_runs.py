@@ -1,7 +1,8 @@
 """``RunsDashboard``: every run in a storage location, compared.
 
-A sortable table of runs (status, start, duration, steps, ranks, checkpoints,
-the last and best value of a chosen metric, key config) with multi-select; the
+A table of runs sorted by a click on a column's header (the run with its state,
+start, duration, steps, ranks, checkpoints, the last and best value of a chosen
+metric, key config), each row ticked or not for the plot; the
 selected runs' curves overlaid in one plot (the mean over ranks per run, an
 optional min-max band, x by step or wall time, EMA, log y); a button opens a
 run's checkpoint browser. It reads run directories through the callables it is
@@ -19,18 +20,17 @@ import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import RANK_COLORS, hover, robust_range, see_through, smooth
+from rtnb.widgets._table import Column, DataTable, Row, Tone
 from rtnb.widgets._theme import follow_theme
 
-from rtnb.metrics._compare import format_rows, run_curve, runs_rows
+from rtnb.core._score import direction_of
+from rtnb.metrics._compare import format_rows, run_cells, run_curve, runs_rows
 
 __all__ = ["RunsDashboard", "runs_bundle", "runs_figure"]
 
-_SORTS = ("updated", "run", "status", "started", "duration", "steps", "last", "best")
-_CSS = (
-    "<style>.rtnb-runs-rows select{font-family:var(--jp-code-font-family,monospace);"
-    "font-size:12px}.rtnb-runs-head{font-family:var(--jp-code-font-family,monospace);"
-    "font-size:12px;white-space:pre;margin:0 0 0 2px}</style>"
-)
+_TIGHT = {"description_width": "initial"}
+# A run's state as a badge's colour.
+_STATE_TONES: dict[str, Tone] = {"live": "busy", "finished": "good", "failed": "bad"}
 
 
 def runs_figure(
@@ -164,31 +164,42 @@ class RunsDashboard(w.VBox):
         self._title = f"<b>{html.escape(title)}</b>" if title else ""
         self._refresh_s = refresh_s
         self.title = w.HTML(self._title)
-        self.metric = w.Dropdown(options=[], description="metric", layout=w.Layout(width="220px"))
-        self.sort = w.Dropdown(
-            options=list(_SORTS),
-            value="updated",
-            description="sort by",
-            layout=w.Layout(width="200px"),
+        self.metric = w.Dropdown(
+            options=[], description="metric", style=_TIGHT, layout=w.Layout(width="auto")
         )
-        self.descending = w.Checkbox(value=True, description="descending", indent=False)
-        self.head = w.HTML()
-        self.table = w.SelectMultiple(options=[], rows=6, layout=w.Layout(width="100%"))
+        # The run written to last first, until a header is clicked.
+        self.table = DataTable(sort_by="updated", descending=True, multiple=True)
         self.table.add_class("rtnb-runs-rows")
+        self._table_rows: list[Row] = []
         self.x_axis = w.Dropdown(
             options=[("step", "step"), ("wall time", "time")],
             value="step",
             description="x",
-            layout=w.Layout(width="160px"),
+            style=_TIGHT,
+            layout=w.Layout(width="auto"),
         )
-        self.smoothing = w.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="EMA")
-        self.log_y = w.Checkbox(value=False, description="log y", indent=False)
-        self.band = w.Checkbox(value=False, description="min–max band", indent=False)
-        self.outliers = w.Checkbox(value=True, description="ignore outliers", indent=False)
+        self.smoothing = w.FloatSlider(
+            value=0.0,
+            min=0.0,
+            max=0.99,
+            step=0.01,
+            description="EMA",
+            style=_TIGHT,
+            layout=w.Layout(width="230px"),
+        )
+        self.log_y = w.Checkbox(
+            value=False, description="log y", indent=False, layout=w.Layout(width="auto")
+        )
+        self.band = w.Checkbox(
+            value=False, description="min–max band", indent=False, layout=w.Layout(width="auto")
+        )
+        self.outliers = w.Checkbox(
+            value=True, description="ignore outliers", indent=False, layout=w.Layout(width="auto")
+        )
         self.open_button = w.Button(
             description="checkpoints",
             disabled=True,
-            tooltip="open the first selected run's checkpoints",
+            tooltip="open the first ticked run's checkpoints",
             layout=w.Layout(width="auto"),  # the run's whole name on it
         )
         self.plot = w.Box(layout=w.Layout(width="100%", display="block"))
@@ -201,32 +212,31 @@ class RunsDashboard(w.VBox):
             self.log_y,
             self.band,
             self.outliers,
-            self.table,
         ):
             control.observe(lambda _c: self._draw(), names="value")
         self.metric.observe(lambda _c: self._on_metric(), names="value")
-        self.sort.observe(lambda _c: self._render_table(), names="value")
-        self.descending.observe(lambda _c: self._render_table(), names="value")
-        self.table.observe(lambda _c: self._update_open(), names="value")
+        self.table.observe(lambda _c: self._on_pick(), names="selected")
         self.open_button.on_click(lambda _b: self._show_checkpoints())
         super().__init__(
             [
                 self.title,
-                w.HBox([self.metric, self.sort, self.descending]),
-                self.head,
                 self.table,
+                self.plot,
+                # What is drawn and how, under the curves they change.
                 w.HBox(
                     [
+                        self.metric,
                         self.x_axis,
                         self.smoothing,
                         self.log_y,
                         self.band,
                         self.outliers,
-                        self.open_button,
                     ],
-                    layout=w.Layout(flex_flow="row wrap"),
+                    layout=w.Layout(
+                        flex_flow="row wrap", align_items="center", grid_gap="4px 18px"
+                    ),
                 ),
-                self.plot,
+                self.open_button,
                 self.message,
                 self.detail,
             ],
@@ -308,41 +318,81 @@ class RunsDashboard(w.VBox):
         if not self._busy:
             self._render_table()
 
+    @property
+    def picked(self) -> list[str]:
+        """The runs ticked for the plot, in the order they were ticked."""
+        return list(self.table.selected)
+
+    def pick(self, *names: str) -> None:
+        """Tick these runs (and only these), as clicks on their rows do."""
+        self.table.selected = [n for n in names if any(r.id == n for r in self._table_rows)]
+
     def rows(self) -> list[dict]:
-        rows = runs_rows(self._runs, self._stores, self.metric.value)
-        key = self.sort.value
-        present = [r for r in rows if r.get(key) is not None]
-        missing = [r for r in rows if r.get(key) is None]
-        return sorted(present, key=lambda r: r[key], reverse=self.descending.value) + missing
+        """The runs' rows (numbers unformatted) in the table's order: by the column
+        whose header was clicked last (at first: the run written to last first)."""
+        by_name = {r["run"]: r for r in self._rows}
+        return [by_name[row.id] for row in self.table.ordered(self._table_rows)]
 
     def _render_table(self) -> None:
-        rows = self.rows()
+        rows = runs_rows(self._runs, self._stores, self.metric.value)
         self._rows = rows
-        head, lines = format_rows(rows, self.metric.value)
-        self.head.value = _CSS + f'<div class="rtnb-runs-head">{html.escape(head)}</div>'
-        chosen = tuple(self.table.value)
+        metric = self.metric.value
+        better_high = bool(metric) and direction_of(metric) == "max"
+        columns = [
+            Column("run", "run", badges=True),
+            Column("started", "started", descending_first=True),
+            Column("duration", "duration", numeric=True, descending_first=True),
+            Column("steps", "steps", numeric=True, descending_first=True),
+            Column("ranks", "ranks", numeric=True, descending_first=True),
+            Column("checkpoints", "ckpts", numeric=True, descending_first=True),
+        ]
+        if metric:
+            columns += [
+                Column("last", f"last {metric}", numeric=True, descending_first=better_high),
+                Column("best", f"best {metric}", numeric=True, descending_first=better_high),
+            ]
+        columns.append(Column("config", "config"))
+        if any(r.get("mlflow") for r in rows):
+            columns.append(Column("mlflow", "mlflow run"))
+        self._table_rows = [
+            Row(
+                id=r["run"],
+                cells=run_cells(r),
+                keys={key: r.get(key) for key in (*r, "updated")},
+                badges=((r["status"], _STATE_TONES.get(r["status"].split(",")[0], "muted")),),
+                tooltip=r["config"],
+            )
+            for r in rows
+        ]
         self._busy = True
         try:
-            self.table.options = [(line, r["run"]) for line, r in zip(lines, rows)]
-            self.table.rows = max(3, min(10, len(rows)))
-            names = [r["run"] for r in rows]
-            self.table.value = tuple(n for n in chosen if n in names) or tuple(names[:1])
+            self.table.show(columns, self._table_rows)
+            if not self.table.selected and rows:
+                # The run the table lists first is drawn until the user picks.
+                self.table.selected = [self.table.ordered(self._table_rows)[0].id]
         finally:
             self._busy = False
         self._update_open()
         self._draw()
 
+    def _on_pick(self) -> None:
+        if self._busy:
+            return
+        self._update_open()
+        self._draw()
+
     def _update_open(self) -> None:
-        self.open_button.disabled = self._open_checkpoints is None or not self.table.value
-        if self.table.value:
-            self.open_button.description = f"checkpoints of {self.table.value[0]}"
+        picked = self.picked
+        self.open_button.disabled = self._open_checkpoints is None or not picked
+        if picked:
+            self.open_button.description = f"checkpoints of {picked[0]}"
 
     def _draw(self) -> None:
         if self._busy or not self.metric.value:
             return
         drawn = runs_figure(
             self._stores,
-            list(self.table.value),
+            self.picked,
             self.metric.value,
             x_axis=self.x_axis.value,
             weight=self.smoothing.value,
@@ -367,9 +417,9 @@ class RunsDashboard(w.VBox):
             close_tree(old)
 
     def _show_checkpoints(self) -> None:
-        if self._open_checkpoints is None or not self.table.value:
+        if self._open_checkpoints is None or not self.picked:
             return
-        name = self.table.value[0]
+        name = self.picked[0]
         try:
             view = self._open_checkpoints(name)
         except Exception as exc:  # noqa: BLE001 - shown to the user, one line

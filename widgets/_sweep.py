@@ -3,8 +3,8 @@
 Every trial's curve of the sweep's metric (what the scheduler saw: the mean over the
 ranks per step) is overlaid in one figure, a colour per trial; trials stopped early
 end in a cross where they stopped, the best trial is drawn thick. Below, a table of
-configs, state, iterations and scores, sortable; rows picked there are the only
-curves shown. A Resume button carries the picked (or best) trial on in the
+trials (state, iterations, scores, config) sorted by a click on a column's header,
+the best starred; the rows ticked there are the only curves shown. A Resume button carries the picked (or best) trial on in the
 notebook's own group, through the callback the magics give (a view never calls Ray).
 At the sweep's end the widget gives way to a static figure and the table as text,
 which a saved notebook keeps.
@@ -19,24 +19,21 @@ from collections.abc import Callable
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
 from rtnb.widgets._plot import RANK_COLORS, see_through
+from rtnb.widgets._table import Column, DataTable, Row, Tone
 from rtnb.widgets._theme import follow_theme, redraw_when_theme_known
 
 from rtnb.core._text import align_rows
 
 __all__ = ["SweepProgress", "SweepResume", "SweepView", "sweep_bundle", "sweep_table"]
 
-_CSS = (
-    "<style>.rtnb-sweep-rows select{font-family:var(--jp-code-font-family,monospace);"
-    "font-size:12px}.rtnb-sweep-head{font-family:var(--jp-code-font-family,monospace);"
-    "font-size:12px;white-space:pre;margin:0 0 0 2px}</style>"
-)
-_SORTS = [
-    ("trial", "trial"),
-    ("score (last)", "last"),
-    ("score (best)", "best"),
-    ("iterations", "iterations"),
-    ("state", "state"),
-]
+# A trial's state as a badge's colour.
+_STATE_TONES: dict[str, Tone] = {
+    "running": "busy",
+    "terminated": "good",
+    "error": "bad",
+    "stopped": "muted",
+    "pending": "muted",
+}
 _ERROR_STYLE = "color:var(--jp-error-color1, #d32f2f)"
 
 
@@ -168,12 +165,8 @@ class SweepView(w.VBox):
         self._period = 1.0 / max_hz
         self._header = w.HTML()
         self._plot_box = w.Box(layout=w.Layout(width="100%", display="block"))
-        self._sort = w.Dropdown(
-            options=_SORTS, value="trial", description="sort by", layout=w.Layout(width="220px")
-        )
-        self._head = w.HTML()
-        self._rows = w.SelectMultiple(options=[], value=(), rows=4, layout=w.Layout(width="100%"))
-        self._rows.add_class("rtnb-sweep-rows")
+        self.table = DataTable(sort_by="trial", multiple=True)
+        self.table.add_class("rtnb-sweep-rows")
         self._button = w.Button(
             description="Resume best",
             disabled=resume is None,
@@ -185,9 +178,8 @@ class SweepView(w.VBox):
             [
                 self._header,
                 self._plot_box,
-                w.HBox([self._sort, self._button]),
-                self._head,
-                self._rows,
+                self.table,
+                self._button,
                 self.message,
                 self.activity,
             ],
@@ -207,8 +199,7 @@ class SweepView(w.VBox):
         self._left = False
         self.redraws = 0
         follow_theme(self, lambda: [self.figure], self._lock)
-        self._sort.observe(lambda _c: self._redraw_now(), names="value")
-        self._rows.observe(self._on_rows, names="value")
+        self.table.observe(self._on_rows, names="selected")
         self._button.on_click(lambda _b: self._act())
         self._unsubscribe = sweep.subscribe(self._on_event)
         self.redraw()
@@ -232,7 +223,7 @@ class SweepView(w.VBox):
     def _on_rows(self, change) -> None:
         if self._setting:
             return
-        self._shown = set(change["new"])
+        self._shown = {int(index) for index in change["new"]}
         self._button.description = "Resume picked" if len(self._shown) == 1 else "Resume best"
         self._redraw_now()
 
@@ -296,18 +287,52 @@ class SweepView(w.VBox):
         self.redraws += 1
 
     def _draw_table(self, trials) -> None:
-        head, *lines = sweep_table(self.sweep, trials, self._sort.value)
-        self._head.value = _CSS + f'<div class="rtnb-sweep-head">{html.escape(head)}</div>'
-        order = sort_trials(trials, self._sort.value, self.sweep.mode)
-        options = [(text, t.index) for t, text in zip(order, lines)]
-        if options != list(self._rows.options):
-            self._setting = True
-            try:
-                self._rows.options = options
-                self._rows.rows = max(3, min(12, len(options)))
-                self._rows.value = tuple(i for i in self._shown if i in {v for _l, v in options})
-            finally:
-                self._setting = False
+        sweep = self.sweep
+        best = sweep.best_trial()
+        better_high = sweep.mode == "max"
+        columns = [
+            Column("trial", "trial", numeric=False, badges=True),
+            Column("iterations", "iters", numeric=True, descending_first=True),
+            Column("last", f"last {sweep.metric}", numeric=True, descending_first=better_high),
+            Column("best", f"best {sweep.metric}", numeric=True, descending_first=better_high),
+            Column("config", "config"),
+            Column("note", "note"),
+        ]
+        rows = []
+        for t in trials:
+            badges: list[tuple[str, Tone]] = []
+            if best is not None and t.index == best.index:
+                badges.append(("★ best", "best"))
+            badges.append((str(t.state), _STATE_TONES.get(str(t.state), "muted")))
+            last, top = t.score(sweep.mode, "last"), t.score(sweep.mode, "all")
+            rows.append(
+                Row(
+                    id=str(t.index),
+                    cells={
+                        "trial": f"trial {t.index}",
+                        "iterations": str(t.iterations),
+                        "last": _number(last),
+                        "best": _number(top),
+                        "config": _config_text(t.config),
+                        "note": t.note,
+                    },
+                    keys={
+                        "trial": t.index,
+                        "iterations": t.iterations,
+                        "last": last,
+                        "best": top,
+                        "config": _config_text(t.config),
+                        "note": t.note,
+                    },
+                    badges=tuple(badges),
+                    tooltip=_config_text(t.config),
+                )
+            )
+        self._setting = True
+        try:
+            self.table.show(columns, rows)
+        finally:
+            self._setting = False
 
     # ---- showing and the end ------------------------------------------------------------
     def show(self) -> SweepView:

@@ -9,7 +9,7 @@ import time
 from rtnb.core._score import score_rule
 from rtnb.core._text import align_rows, format_duration
 
-__all__ = ["format_rows", "run_curve", "runs_rows"]
+__all__ = ["format_rows", "run_cells", "run_curve", "runs_rows"]
 
 
 def run_curve(store, metric: str, x_axis: str = "step"):
@@ -94,32 +94,36 @@ def _when(t: float) -> str:
     return time.strftime("%m-%d %H:%M", time.localtime(t)) if t else "-"
 
 
+def run_cells(row: dict) -> dict[str, str]:
+    """A row of :func:`runs_rows` as the text each column shows, by the row's keys."""
+    return {
+        "run": row["run"],
+        "status": row["status"],
+        "started": _when(row["started"]),
+        "duration": format_duration(row["duration"]) if row["started"] else "-",
+        "steps": str(row["steps"]),
+        "ranks": str(row["ranks"]),
+        "checkpoints": str(row["checkpoints"]),
+        "last": _fmt_number(row["last"]),
+        "best": _fmt_number(row["best"]),
+        "config": row["config"],
+        "mlflow": row.get("mlflow") or "-",
+    }
+
+
 def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
     """(header, one line per row): aligned columns, numbers right-aligned."""
     columns = ["run", "status", "started", "duration", "steps", "ranks", "ckpts"]
+    keys = ["run", "status", "started", "duration", "steps", "ranks", "checkpoints"]
     if metric:
         columns += [f"last {metric}", f"best {metric}"]
+        keys += ["last", "best"]
     columns.append("config")
-    linked = any(r.get("mlflow") for r in rows)
-    if linked:
+    keys.append("config")
+    if any(r.get("mlflow") for r in rows):
         columns.append("mlflow run")
+        keys.append("mlflow")
     numeric = {"duration", "steps", "ranks", "ckpts"} | set(columns[7:9] if metric else ())
-    table = [columns]
-    for r in rows:
-        cells = [
-            r["run"],
-            r["status"],
-            _when(r["started"]),
-            format_duration(r["duration"]) if r["started"] else "-",
-            str(r["steps"]),
-            str(r["ranks"]),
-            str(r["checkpoints"]),
-        ]
-        if metric:
-            cells += [_fmt_number(r["last"]), _fmt_number(r["best"])]
-        cells.append(r["config"])
-        if linked:
-            cells.append(r.get("mlflow") or "-")
-        table.append(cells)
+    table = [columns] + [[run_cells(r)[key] for key in keys] for r in rows]
     head, *lines = align_rows(table, right=numeric)
     return head, lines
