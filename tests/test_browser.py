@@ -181,6 +181,13 @@ def _opened(url: str, name: str, tmp_path: Path, noise: list[str] | None = None)
             first = page.locator(".jp-Cell").first
             prompt = first.locator(".jp-InputPrompt")
             for attempt in range(4):
+                dialog = page.locator(".jp-Dialog")
+                if dialog.count():
+                    # JupyterLab asked something while the kernel settled (which
+                    # kernel, a lost connection): take its default, as a user would.
+                    page.screenshot(path=str(tmp_path / f"dialog_{attempt}.png"), full_page=True)
+                    dialog.locator(".jp-mod-accept").first.click()
+                    dialog.wait_for(state="detached", timeout=30_000)
                 first.click()
                 page.keyboard.press("Escape")
                 page.keyboard.press("Shift+Enter")  # start the group
@@ -313,6 +320,36 @@ def _assert_readable(colours: dict, theme: str) -> None:
     for text in set(colours["texts"]):
         ratio = _contrast(text, background)
         assert ratio >= 4.5, f"{theme}: figure text {text} on {background} is {ratio:.2f}:1"
+
+
+# Each text of the tables (headers, cells, badges) with the colour it is painted on:
+# the page's background with every see-through background above it laid over.
+_TABLE_TEXTS = """() => {
+  const rgba = (c) => { const m = c.match(/[\\d.]+/g).map(Number);
+    return [m[0], m[1], m[2], m.length > 3 ? m[3] : 1]; };
+  const over = (top, under) => top.map((v, i) => i < 3 ? v * top[3] + under[i] * (1 - top[3]) : 1);
+  const probe = document.createElement('div');
+  probe.style.background = 'var(--jp-layout-color0)'; document.body.appendChild(probe);
+  const page = rgba(getComputedStyle(probe).backgroundColor); probe.remove();
+  return [...document.querySelectorAll('.rtnb-table th, .rtnb-table td > span, .rtnb-badge')]
+    .filter((el) => el.textContent.trim())
+    .map((el) => {
+      const layers = [];
+      for (let at = el; at; at = at.parentElement) layers.push(rgba(getComputedStyle(at).backgroundColor));
+      const ground = layers.reverse().reduce((under, top) => top[3] ? over(top, under) : under, page);
+      const ink = over(rgba(getComputedStyle(el).color), ground);
+      return {text: el.textContent.trim(), ink: `rgb(${ink.slice(0, 3).join(',')})`,
+              ground: `rgb(${ground.slice(0, 3).join(',')})`};
+    });
+}"""
+
+
+def _assert_tables_readable(page, theme: str) -> None:
+    texts = page.evaluate(_TABLE_TEXTS)
+    assert texts, "no table text on the page"
+    for item in texts:
+        ratio = _contrast(item["ink"], item["ground"])
+        assert ratio >= 4.5, f"{theme}: table text {item} is {ratio:.2f}:1"
 
 
 def _lag_sample(page, cell: int) -> dict:
@@ -687,6 +724,7 @@ def test_the_demo_trains_in_jupyterlab_and_gives_the_manuals_pictures(lab, tmp_p
         browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
         browser_widget.wait_for(timeout=150_000)
         rows_text = _row_texts(browser_widget)
+        _assert_tables_readable(page, "light")
         _doc_picture(browser_widget, "checkpoints.png")
         page.keyboard.press("Shift+Enter")  # the runs dashboard
         _tick_rows(page.locator(".rtnb-runs-rows"), {0})
@@ -834,8 +872,7 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
         root,
         [
             f"%load_ext rtnb\n%rtnb start --cpus-per-worker 0.5 --storage {runs} --name nb",
-            "from ray import tune\n"
-            "space = {'lr': tune.grid_search([0.01, 0.0003]), 'steps': 40}",
+            "from ray import tune\nspace = {'lr': tune.grid_search([0.01, 0.0003]), 'steps': 40}",
             "%%rtnb sweep space --metric loss --mode min --cpus-per-worker 0.5 --name watched\n"
             + trial,
             "%rtnb wait\n%rtnb pull lr",

@@ -218,10 +218,10 @@ _CSS = """
 .rtnb-table table { border-collapse: collapse; width: 100%; }
 .rtnb-table th { position: sticky; top: 0; z-index: 1; text-align: left; cursor: pointer;
   padding: 6px 10px; font-weight: 600; font-size: var(--jp-ui-font-size0, 11px);
-  letter-spacing: .02em; color: var(--jp-ui-font-color2, #616161); white-space: nowrap;
+  letter-spacing: .02em; color: var(--jp-ui-font-color1, #212121); white-space: nowrap;
   user-select: none; background: var(--jp-layout-color2, #eee);
   border-bottom: 1px solid var(--jp-border-color1, #bdbdbd); }
-.rtnb-table th:hover { color: var(--jp-ui-font-color0, #000); }
+.rtnb-table th:hover { color: var(--jp-brand-color1, #1976d2); }
 .rtnb-table th.rtnb-asc::after { content: " \\25B2"; font-size: 9px; }
 .rtnb-table th.rtnb-desc::after { content: " \\25BC"; font-size: 9px; }
 .rtnb-table td { padding: 5px 10px; white-space: nowrap; cursor: pointer;
@@ -233,23 +233,23 @@ _CSS = """
   box-shadow: inset 3px 0 0 #d4a017; }
 .rtnb-table tr.rtnb-selected, .rtnb-table tr.rtnb-selected:hover {
   background: rgba(33, 150, 243, .20); box-shadow: inset 3px 0 0 var(--jp-brand-color1, #1976d2); }
-.rtnb-table tr.rtnb-inert td { cursor: default; color: var(--jp-ui-font-color3, #9e9e9e);
+.rtnb-table tr.rtnb-inert td { cursor: default; color: var(--jp-ui-font-color2, #616161);
   font-style: italic; }
 .rtnb-table td.rtnb-group { cursor: default; padding: 8px 10px 3px; font-weight: 600;
-  font-size: var(--jp-ui-font-size0, 11px); color: var(--jp-ui-font-color2, #616161);
+  font-size: var(--jp-ui-font-size0, 11px); color: var(--jp-ui-font-color1, #212121);
   background: transparent; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0); }
 .rtnb-table .rtnb-pick { width: 18px; padding-right: 0; }
 .rtnb-table .rtnb-pick input { margin: 0; pointer-events: none; }
 .rtnb-badge { display: inline-block; margin-left: 6px; padding: 0 7px; border-radius: 9px;
   font-size: var(--jp-ui-font-size0, 11px); font-weight: 600; font-style: normal;
   line-height: 17px; vertical-align: 1px; }
-.rtnb-badge.rtnb-best { background: rgba(212, 160, 23, .22); color: #8a6100; }
-.rtnb-badge.rtnb-latest { background: rgba(46, 160, 67, .18); color: #1b6e2c; }
-.rtnb-badge.rtnb-good { background: rgba(46, 160, 67, .18); color: #1b6e2c; }
-.rtnb-badge.rtnb-bad { background: rgba(211, 47, 47, .16); color: #b71c1c; }
-.rtnb-badge.rtnb-busy { background: rgba(33, 150, 243, .18); color: #0d5aa7; }
+.rtnb-badge.rtnb-best { background: rgba(212, 160, 23, .22); color: #6b4a00; }
+.rtnb-badge.rtnb-latest { background: rgba(46, 160, 67, .18); color: #145a23; }
+.rtnb-badge.rtnb-good { background: rgba(46, 160, 67, .18); color: #145a23; }
+.rtnb-badge.rtnb-bad { background: rgba(211, 47, 47, .16); color: #9a1414; }
+.rtnb-badge.rtnb-busy { background: rgba(33, 150, 243, .18); color: #0b4a8a; }
 .rtnb-badge.rtnb-muted { background: rgba(128, 128, 128, .18);
-  color: var(--jp-ui-font-color2, #616161); }
+  color: var(--jp-ui-font-color1, #212121); }
 body[data-jp-theme-light="false"] .rtnb-badge.rtnb-best { color: #f2c744; }
 body[data-jp-theme-light="false"] .rtnb-badge.rtnb-latest,
 body[data-jp-theme-light="false"] .rtnb-badge.rtnb-good { color: #6fd88a; }

@@ -73,7 +73,9 @@ def _versions() -> str:
     from rtnb.core._installed import versions_here
 
     found = versions_here()
-    return f"rtnb {__version__} (Python {found['python']}, Ray {found['ray']}, torch {found['torch']})"
+    return (
+        f"rtnb {__version__} (Python {found['python']}, Ray {found['ray']}, torch {found['torch']})"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -560,7 +560,7 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {inputs_name!
             data_lines += f"        dataset_config=ray.train.DataConfig(datasets_to_split={datasets_to_split!r}),\n"
     workers_text = "0" if workers == 0 else f"0 if UNDER_TORCHRUN else {workers}"
     data_init = (
-        "    if not UNDER_TORCHRUN and not os.environ.get(\"RAY_ADDRESS\"):\n"
+        '    if not UNDER_TORCHRUN and not os.environ.get("RAY_ADDRESS"):\n'
         f"        ray.init(num_cpus=(os.cpu_count() or 1) + {DATA_CPUS})  # a CPU for Ray Data\n"
         if datasets
         else ""
