@@ -66,6 +66,9 @@ def in_order(rtnb_side: str, *peer_sides: str) -> list[str]:
     return [*peer_sides, rtnb_side] if peer_first() else [rtnb_side, *peer_sides]
 
 
-def emit(**figures: float | None) -> None:
-    """This round's figures, on the one line ``run.py`` reads."""
-    print("FIGURES " + json.dumps(figures), flush=True)
+def emit(peer_failed: dict[str, str] | None = None, **figures: float | None) -> None:
+    """This round's figures, on the one line ``run.py`` reads. ``peer_failed`` names
+    the figures whose peer failed this round (a timeout, an error, a retry), each with
+    why: ``run.py`` counts those rounds as the peer's failures, never as its time."""
+    line = {**figures, **({"peer_failed": peer_failed} if peer_failed else {})}
+    print("FIGURES " + json.dumps(line), flush=True)

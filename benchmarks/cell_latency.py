@@ -130,7 +130,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", default=None)
     parser.add_argument("--arg", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="fewer cells; no Ray Train defaults row")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer cells; no Ray Train defaults row"
+    )
     parser.add_argument(
         "--trivial-only",
         type=int,
@@ -184,7 +186,9 @@ def main() -> None:
     )
     # (b) is not a loop speed-up: both run the same loop at the same speed; a fit()
     # also starts and stops its workers, which a live group does once.
-    print(f"(b) lifecycle cost: the 20-step DDP loop re-run in a live group {r['loop_s'] * 1e3:7.1f} ms")
+    print(
+        f"(b) lifecycle cost: the 20-step DDP loop re-run in a live group {r['loop_s'] * 1e3:7.1f} ms"
+    )
     if default is not None:
         print(
             f"    a warm TorchTrainer.fit() of it, Ray Train defaults   {default['warm_fit_s']:7.2f} s "

@@ -78,9 +78,7 @@ def main() -> None:
                     )
                 )
                 rtnb_load.append(timed("back = rtnb.get_checkpoint().load_state()"))
-                rtnb_full.append(
-                    timed("back = rtnb.get_checkpoint().load_state(full_verify=True)")
-                )
+                rtnb_full.append(timed("back = rtnb.get_checkpoint().load_state(full_verify=True)"))
     checked = session.run(
         "bool(back['w'].equal(state['w'])) if back['rank'] == dist.get_rank() else 'shard of another rank'",
         output=quiet,

@@ -441,17 +441,38 @@ def main() -> None:
     embedded = median("embedded", "total_s")
     nbd = median("nbdistributed", "total_s")
     rows = (
-        ("cold: a Jupyter server launched, then its first notebook (clock from the launch)",
-         rtnb_cold, jd_cold, "jupyter-distributed + its gloo group"),
-        ("warm: a kernel on a running server (rtnb: its next kernel, spares ready)",
-         rtnb_warm, jd_warm, "jupyter-distributed + its gloo group"),
+        (
+            "cold: a Jupyter server launched, then its first notebook (clock from the launch)",
+            rtnb_cold,
+            jd_cold,
+            "jupyter-distributed + its gloo group",
+        ),
+        (
+            "warm: a kernel on a running server (rtnb: its next kernel, spares ready)",
+            rtnb_warm,
+            jd_warm,
+            "jupyter-distributed + its gloo group",
+        ),
         ("cold: no server (rtnb: Ray embedded in the kernel)", embedded, nbd, "nbdistributed"),
     )
     for label, ours, theirs, peer in rows:
         shown = "failed" if theirs is None else f"{theirs:.2f} s"
         verdict = "" if theirs is None else f" = {ours / theirs:.2f}x"
         print(f"{label}: rtnb {ours:.2f} s vs {peer} {shown}{verdict}")
+    # A peer that failed or needed a retry this round is a failed round of the peer,
+    # not a slow one (its retries' time is in its total).
+    peer_failed = {}
+    nbd_failures = [r.get("outcome") for r in runs["nbdistributed"] if r.get("outcome") != "ok"]
+    if nbd_failures:
+        peer_failed["cold_no_server_ratio"] = f"nbdistributed: {', '.join(nbd_failures)}"
+    jd_failures = [
+        r.get("outcome") for r in runs["jupyter_distributed"] if r.get("outcome") != "ok"
+    ]
+    if jd_failures:
+        why = f"jupyter-distributed: {', '.join(map(str, jd_failures))}"
+        peer_failed.update(cold_server_ratio=why, warm_server_ratio=why)
     emit(
+        peer_failed,
         cold_server_ratio=ratio(rtnb_cold, jd_cold),
         warm_server_ratio=ratio(rtnb_warm, jd_warm),
         cold_no_server_ratio=ratio(embedded, nbd),

@@ -8,8 +8,11 @@ side goes first (``RTNB_BENCH_PEER_FIRST``), so the machine's drift over a run h
 both alike. A round prints its figures on one ``FIGURES {json}`` line; this runner
 keeps every round's value and prints, per figure: its goal, min / median / max over
 the rounds, MET or MISSED (judged on the median), and what the peer was and how it
-was tuned (``peers.py``). ``--check`` exits 1 when a goal is missed or a benchmark
-failed. ``--json`` writes all of it, with the machine and the commit, for the docs.
+was tuned (``peers.py``). A round whose peer failed (its line names the figures in
+``peer_failed``) is counted as that, "peer failed N of M", never as the peer's
+time; a goal with fewer than 3 good rounds is UNJUDGED. ``--check`` exits 1 when a
+goal is missed, unjudged or a benchmark failed. ``--json`` writes all of it, with
+the machine and the commit, for the docs.
 
 ``--quick``: 3 rounds of smaller sizes (~36 minutes on 2 cores; the goal, 15, is
 missed: see docs/benchmarks.md); otherwise 5
@@ -44,6 +47,9 @@ class Figure:
     lower_is_better: bool = True
     # Measured only by the full run (--quick leaves out what it measures).
     full_only: bool = False
+    # Judged only by the full run: --quick measures it at a size where the goal
+    # cannot be missed, so its quick figure is shown, never counted as met.
+    quick_unjudged: bool = False
 
     def met(self, value: float | None) -> bool | None:
         if self.goal is None or value is None:
@@ -99,7 +105,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             Figure("kernel_us_per_report", "kernel CPU per report at ~10 kHz", "us", 2.0),
             Figure("reports_per_s", "sustained reports/s per rank", "/s", 200_000, False),
             Figure("p95_ms", "report -> driver latency p95 at 100/s", "ms", 150),
-            _x("ray_train_per_call", "Ray Train report() per call / rtnb's"),
+            _x(
+                "ray_train_per_call",
+                "Ray Train report() per call (synchronous: a barrier) / rtnb's (an append)",
+            ),
         ),
         quick_args=("--quick",),
         timeout_s=400,
@@ -138,10 +147,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "checkpoint_async",
         (
-            _x(
+            Figure(
                 "async_ratio_s3",
                 "loop saving 100 MB a rank (10 quick) every 10 steps, ASYNC to S3 / none",
+                "x",
                 1.10,
+                quick_unjudged=True,
             ),
             _x("sync_ratio_s3", "the same loop, SYNC to S3 / none"),
             Figure(
@@ -311,6 +322,12 @@ class Round:
     values: dict[str, float | None] = field(default_factory=dict)
     error: str = ""
     output: str = ""  # the round's printed lines (its tail), for reading a figure's cause
+    # Figures whose peer failed this round, with why: no value of theirs counts.
+    peer_failed: dict[str, str] = field(default_factory=dict)
+
+
+# A goal is judged on at least this many good rounds (neither side failed).
+MIN_JUDGED_ROUNDS = 3
 
 
 def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
@@ -346,7 +363,9 @@ def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
     output = "\n".join(
         x for x in proc.stdout.splitlines() if not x.startswith(("FIGURES ", "RESULT "))
     )
-    return Round(peer_first, took, json.loads(lines[-1][len("FIGURES ") :]), output=output[-6000:])
+    values = json.loads(lines[-1][len("FIGURES ") :])
+    peer_failed = values.pop("peer_failed", None) or {}
+    return Round(peer_first, took, values, output=output[-6000:], peer_failed=peer_failed)
 
 
 @dataclass
@@ -360,8 +379,9 @@ class Row:
     min: float | None
     median: float | None
     max: float | None
-    verdict: str  # MET, MISSED, "" (no goal), FAILED
+    verdict: str  # MET, MISSED, "" (no goal), FAILED, UNJUDGED (too few good rounds)
     peer: str
+    note: str = ""  # e.g. "peer failed 2 of 3"
 
 
 def summarise(bench: Benchmark, rounds: list[Round], quick: bool = False) -> list[Row]:
@@ -370,11 +390,25 @@ def summarise(bench: Benchmark, rounds: list[Round], quick: bool = False) -> lis
     for fig in bench.figures:
         if quick and fig.full_only:
             continue
-        values = [r.values[fig.key] for r in rounds if r.values.get(fig.key) is not None]
+        peer_failures = [r for r in rounds if fig.key in r.peer_failed]
+        values = [
+            r.values[fig.key]
+            for r in rounds
+            if r.values.get(fig.key) is not None and fig.key not in r.peer_failed
+        ]
         median = statistics.median(values) if values else None
         met = fig.met(median)
-        if failed or median is None:
-            verdict = "FAILED" if fig.goal is not None or failed else ""
+        note = f"peer failed {len(peer_failures)} of {len(rounds)}" if peer_failures else ""
+        if failed:
+            verdict = "FAILED"
+        elif quick and fig.quick_unjudged:
+            verdict, note = "", "judged by the full run only"
+        elif fig.goal is not None and len(values) < MIN_JUDGED_ROUNDS:
+            # A peer's failure is never its time, and two rounds are not a median.
+            verdict = "UNJUDGED"
+            note = note or f"{len(values)} good rounds"
+        elif median is None:
+            verdict = "FAILED" if fig.goal is not None else ""
         else:
             verdict = "" if met is None else ("MET" if met else "MISSED")
         rows.append(
@@ -390,6 +424,7 @@ def summarise(bench: Benchmark, rounds: list[Round], quick: bool = False) -> lis
                 max(values) if values else None,
                 verdict,
                 PEERS.get(bench.name, ""),
+                note,
             )
         )
     return rows
@@ -432,7 +467,7 @@ def print_table(rows: list[Row], out=sys.stdout) -> None:
             _fmt(r.min, r.unit),
             _fmt(r.median, r.unit),
             _fmt(r.max, r.unit),
-            r.verdict,
+            _verdict(asdict(r)),
         )
         for r in rows
     ]
@@ -468,7 +503,7 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {row['benchmark']}{'*' if 'measured' in bench else ''} | {row['label']} | {row['goal'].replace('<=', '≤').replace('>=', '≥')} "
                 f"| {_fmt(row['min'], unit)} | {_fmt(row['median'], unit)} | {_fmt(row['max'], unit)} "
-                f"| {row['verdict']} |"
+                f"| {_verdict(row)} |"
             )
         failed = [r["error"] for r in bench["rounds"] if r["error"]]
         if failed:
@@ -484,17 +519,31 @@ README = HERE.parent / "README.md"
 README_BEGIN, README_END = "<!-- run.py headline: begin -->", "<!-- run.py headline: end -->"
 
 
+def _verdict(row: dict) -> str:
+    """A row's verdict with its note (results written before notes have none)."""
+    if not row.get("note"):
+        return row["verdict"]
+    return f"{row['verdict']} ({row['note']})" if row["verdict"] else f"({row['note']})"
+
+
 def readme_markdown(result: dict) -> str:
     """The README's few lines of one ``--json`` result: each benchmark's first judged
     figure, then every other missed one (the docs have them all)."""
     rows = [row for bench in result["benchmarks"] for row in bench["figures"]]
     judged = [row for row in rows if row["verdict"] in ("MET", "MISSED", "FAILED")]
+    unjudged = [row for row in rows if row["verdict"] == "UNJUDGED"]
     met = sum(row["verdict"] == "MET" for row in judged)
     lines = [
         f"`benchmarks/run.py{' --quick' if result['quick'] else ''}`, medians of "
         f"{result['rounds']} rounds, {result['date'][:10]}, commit `{result['commit']}`, "
         f"{result['machine']['cpus']} CPUs: {met} of {len(judged)} goals met, "
-        f"{result['minutes']} min in all.",
+        + (
+            f"{len(unjudged)} not judged (a peer that failed, or under "
+            f"{MIN_JUDGED_ROUNDS} good rounds), "
+            if unjudged
+            else ""
+        )
+        + f"{result['minutes']} min in all.",
         "",
         "| figure | median | goal | |",
         "| --- | --- | --- | --- |",
@@ -503,13 +552,13 @@ def readme_markdown(result: dict) -> str:
     for bench in result["benchmarks"]:
         first = next((r for r in bench["figures"] if r["verdict"] != ""), None)
         shown += [first] if first else []
-    shown += [r for r in judged if r["verdict"] != "MET" and r not in shown]
+    shown += [r for r in judged + unjudged if r["verdict"] != "MET" and r not in shown]
     later = {r["benchmark"] for b in result["benchmarks"] if "measured" in b for r in b["figures"]}
     for row in shown:
         goal = row["goal"].replace("<=", "≤").replace(">=", "≥")
         star = "*" if row["benchmark"] in later else ""
         lines.append(
-            f"| {row['label']}{star} | {_fmt(row['median'], row['unit'])} | {goal} | {row['verdict']} |"
+            f"| {row['label']}{star} | {_fmt(row['median'], row['unit'])} | {goal} | {_verdict(row)} |"
         )
     return "\n".join(lines + _later_runs(result))
 
@@ -549,6 +598,19 @@ def write_docs(result: dict) -> None:
     _replace_between(README, README_BEGIN, README_END, readme_markdown(result))
 
 
+def rejudged(result: dict) -> dict:
+    """``result`` with every figure judged again from its recorded rounds by the
+    current rules (goals, labels, peer failures, the least good rounds)."""
+    known = {b.name: b for b in BENCHMARKS}
+    for entry in result["benchmarks"]:
+        bench = known.get(entry["benchmark"])
+        if bench is None:
+            continue
+        rounds = [Round(**r) for r in entry["rounds"]]
+        entry["figures"] = [asdict(r) for r in summarise(bench, rounds, result["quick"])]
+    return result
+
+
 def _merged(base: dict, run: dict) -> dict:
     """``base`` with ``run``'s benchmarks in place of its own (in run.py's order),
     each stamped with when and at which commit it was measured."""
@@ -563,7 +625,9 @@ def _merged(base: dict, run: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of smaller sizes")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when a goal is missed or unjudged"
+    )
     parser.add_argument("--only", default="", help="comma-separated benchmark names")
     parser.add_argument("--json", default="", help="write the results here")
     parser.add_argument(
@@ -586,7 +650,21 @@ def main() -> int:
         metavar="FILE",
         help="write docs/benchmarks.md's table and README's headline from a --json FILE",
     )
+    parser.add_argument(
+        "--rejudge",
+        default="",
+        metavar="FILE",
+        help="judge a --json FILE's rounds again by the current rules; write with --json / --docs",
+    )
     args = parser.parse_args()
+    if args.rejudge:
+        result = rejudged(json.loads(Path(args.rejudge).read_text()))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        if args.docs:
+            write_docs(result)
+        print(markdown(result))
+        return 0
     if args.render:
         print(markdown(json.loads(Path(args.render).read_text())))
         return 0
@@ -629,9 +707,11 @@ def main() -> int:
     print()
     print_table(rows)
     missed = [r for r in rows if r.verdict in ("MISSED", "FAILED")]
+    unjudged = [r for r in rows if r.verdict == "UNJUDGED"]
     print(
         f"\n{len(rows)} figures, {sum(r.verdict == 'MET' for r in rows)} goals met, "
-        f"{len(missed)} missed or failed; {rounds} rounds{' (quick)' if args.quick else ''}, "
+        f"{len(missed)} missed or failed, {len(unjudged)} not judged; "
+        f"{rounds} rounds{' (quick)' if args.quick else ''}, "
         f"{total / 60:.1f} min"
     )
     result = {
@@ -649,7 +729,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.docs:
         write_docs(result)
-    return 1 if args.check and missed else 0
+    return 1 if args.check and (missed or unjudged) else 0
 
 
 if __name__ == "__main__":
