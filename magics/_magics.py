@@ -653,26 +653,7 @@ class RtnbMagics(Magics):
 
         Subcommands::
 
-            %rtnb start [--workers N] [--gpu] [--cpus-per-worker C]
-                        [--strategy PACK|SPREAD|STRICT_PACK|STRICT_SPREAD]
-                        [--address auto|HOST:PORT|ray://HOST:PORT] [--storage PATH]
-                        [--name RUN] [--backend gloo|nccl] [--max-failures K]
-                        [--replay]   (with --name: rebuild that run's ranks from its journal)
-            %rtnb status            ranks, nodes, pids, devices, state
-            %rtnb stop              free every actor and the placement group
-            %rtnb restart [--replay]   a fresh group (--replay: keep the ranks' state)
-            %rtnb scale N           a group of N ranks holding the same state (journal replay)
-            %rtnb wait [--timeout S]   the result of the last --background cell
-            %rtnb pull NAME [--ranks 0,1]   a rank variable -> list in the notebook
-            %rtnb push NAME [NAME ...]      notebook variables -> every rank
-            %rtnb runs [STORAGE]    runs found in the storage path
-            %rtnb result            the run so far as an rtnb.Result (metrics, dataframe)
-            %rtnb checkpoints [RUN] the checkpoint browser (Resume / Load / Delete)
-            %rtnb resume [latest|ID] [--run RUN]   re-run the last training cell from it
-            %rtnb load [latest|ID] [--run RUN]     rtnb.get_checkpoint() returns it on every rank
-            %rtnb warm [stop [--force]]   the warm Ray: kernels, spare ranks, idle timeout
-            %%rtnb sweep SPACE --metric M --mode min|max [--num-samples N] [--scheduler asha]
-                                    a Tune search; the cell is each trial's training code
+            (every subcommand with its flags: written in from the parsers at import)
 
         Example::
 
