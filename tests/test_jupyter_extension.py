@@ -122,7 +122,9 @@ class ServerKernel:
         server.wait_for(connection.exists, 60, "the kernel's connection file")
         self.client = BlockingKernelClient(connection_file=str(connection))
         self.client.load_connection_file()
-        self.client.start_channels()
+        # No heartbeat: the server owns the process, and a heartbeat missed for a
+        # second (a kernel starting on a busy machine) read as "the kernel died".
+        self.client.start_channels(hb=False)
         self.client.wait_for_ready(timeout=60)
 
     def execute(self, code: str, timeout: float = 120.0) -> Execution:
