@@ -44,20 +44,6 @@ from rtnb.widgets import (
     stop_asking,
 )
 
-from rtnb import (
-    CellError,
-    CheckpointInfo,
-    MetricsStore,
-    RunAccess,
-    Session,
-    Sweep,
-    attach,
-    list_runs,
-    open_run,
-    stop_warm_ray,
-    sweep,
-    warm_ray_status,
-)
 from rtnb.core._changes import control_value
 from rtnb.core._config import (
     BACKENDS,
@@ -69,7 +55,19 @@ from rtnb.core._config import (
 )
 from rtnb.core._output import print_sink
 from rtnb.core._redact import redact_uri
-from rtnb.errors import ConfigError, SessionError
+from rtnb.driver import (
+    RunAccess,
+    Session,
+    Sweep,
+    attach,
+    open_run,
+    stop_warm_ray,
+    sweep,
+    warm_ray_status,
+)
+from rtnb.errors import CellError, ConfigError, SessionError
+from rtnb.metrics._store import MetricsStore
+from rtnb.storage import CheckpointInfo, list_runs
 
 __all__ = ["SUBCOMMANDS", "RtnbMagics", "completer", "reference"]
 

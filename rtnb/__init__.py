@@ -21,8 +21,9 @@ code, ipywidgets or plotly; the magics and widgets live in ``rtnb.magics`` and
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rtnb.core._faces import lazy_face
 
 __version__ = "0.1.0"
 
@@ -173,13 +174,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rtnb' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
+__getattr__ = lazy_face(globals(), _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -194,11 +195,11 @@ def test_each_part_imports_only_what_it_may(part):
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every import cycle a depth-first search closes, each as a path a -> ... -> a.
-    A package __init__ importing its own submodules is not an edge."""
+    A package's face importing its own submodules is an edge like any other: a
+    submodule that imports the face back (``rtnb`` -> ``rtnb.magics`` -> ``from rtnb
+    import``) closes a cycle."""
     edges = {
-        module: sorted(
-            t for t in targets if t in graph and t != module and not t.startswith(module + ".")
-        )
+        module: sorted(t for t in targets if t in graph and t != module)
         for module, targets in graph.items()
     }
     cycles: list[list[str]] = []
@@ -225,6 +226,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_cycle_finder_reports_the_path():
     graph = {"rtnb.a": {"rtnb.b"}, "rtnb.b": {"rtnb.c"}, "rtnb.c": {"rtnb.a"}, "rtnb": {"rtnb.a"}}
     assert _cycles(graph) == [["rtnb.a", "rtnb.b", "rtnb.c", "rtnb.a"]]
+    # Through a package's face: the root loads a subpackage that imports the root.
+    face = {"rtnb": {"rtnb.magics"}, "rtnb.magics": {"rtnb.magics._m"}, "rtnb.magics._m": {"rtnb"}}
+    assert _cycles(face) == [["rtnb", "rtnb.magics", "rtnb.magics._m", "rtnb"]]
 
 
 def test_no_import_cycles_between_engine_modules():
@@ -250,8 +254,10 @@ def test_no_import_cycles_among_the_engine_the_magics_and_the_widgets():
 
 
 def test_the_magics_reach_the_engine_only_through_its_public_face():
-    """The magics bind to rtnb's public names (rtnb.Session and the rest), never to a
-    private driver or storage module: what a magic does is a public call."""
+    """The magics bind to the driver's and storage's faces (``from rtnb.driver import
+    Session``), never to a private driver or storage module: what a magic does is a
+    public call. (Not the package root: it loads the magics, which would close a
+    cycle.)"""
     modules = {**_engine_modules(), **_front_modules()}
     for name, path in _front_modules().items():
         if not name.startswith("rtnb.magics"):
@@ -259,9 +265,20 @@ def test_the_magics_reach_the_engine_only_through_its_public_face():
         private = sorted(
             target
             for target in _rtnb_imports(name, path, modules, True)
-            if target.startswith(("rtnb.driver", "rtnb.storage"))
+            if target.startswith(("rtnb.driver.", "rtnb.storage.")) or target == "rtnb"
         )
         assert not private, f"{name} imports {private}"
+
+
+@pytest.mark.parametrize("package", ["rtnb", "rtnb.driver", "rtnb.storage"])
+def test_each_face_names_what_it_exports_and_loads_it_on_first_use(package):
+    face = importlib.import_module(package)
+    table = face._EXPORTS if package == "rtnb" else face._FACE
+    assert set(face.__all__) >= set(table), set(table) - set(face.__all__)
+    for name in table:
+        assert getattr(face, name) is getattr(importlib.import_module(table[name]), name)
+    with pytest.raises(AttributeError, match=f"module {package!r} has no attribute 'nope'"):
+        face.nope  # noqa: B018 - the lookup is the test
 
 
 def test_a_rank_using_the_public_face_loads_no_driver_or_batch_code():
