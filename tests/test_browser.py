@@ -409,10 +409,14 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             f"while not os.path.exists({str(tmp_path / 'seen')!r}) and s < 5000:\n"
             "    s += 1\n    rtnb.report(demo_step())\n    time.sleep(0.03)",
             # The same in the background: the kernel stays free to answer a reload.
+            # A checkpoint every 100 steps, for the browser's table in the dark theme.
             f"%%rtrain --steps 5000 --background\ns = 0\n"
             f"while not os.path.exists({str(tmp_path / 'seen-again')!r}) and s < 5000:\n"
-            "    s += 1\n    rtnb.report(demo_step())\n    time.sleep(0.03)",
-            "%rtnb wait\n%rtnb stop",
+            "    s += 1\n"
+            "    saved = rtnb.Checkpoint.from_state({'s': s}) if s % 100 == 1 else None\n"
+            "    rtnb.report(demo_step(), checkpoint=saved)\n    time.sleep(0.03)",
+            "%rtnb wait\n%rtnb checkpoints",
+            "%rtnb stop",
         ],
     )
     noise: list[str] = []
@@ -477,7 +481,11 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         (tmp_path / "seen-again").write_text("stop")
         page.locator(".jp-Cell").nth(3).click()
         page.keyboard.press("Escape")
-        page.keyboard.press("Shift+Enter")  # %rtnb wait, %rtnb stop
+        page.keyboard.press("Shift+Enter")  # %rtnb wait, %rtnb checkpoints
+        page.locator(".rtnb-ckpt-rows tbody tr[data-id]").first.wait_for(timeout=240_000)
+        _wait_idle(page)
+        _assert_tables_readable(page, "dark")
+        page.keyboard.press("Shift+Enter")  # %rtnb stop
         _wait_idle(page)
     assert look["theme"] == "JupyterLab Dark" and look["light"] == "false", look
     assert look["paper"] in ("rgba(0, 0, 0, 0)", "transparent"), f"a white box: {look}"
