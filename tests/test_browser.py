@@ -478,6 +478,18 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         finally:
             page.screenshot(path=str(tmp_path / "reloaded.png"), full_page=True)
         after_reload = _seen_growing(page, 60, cell=2)
+        # The background cell leaves the kernel free: a click on rank 1's chip takes
+        # its traces off the plot, a second brings them back.
+        traced = (
+            "() => { const p = document.querySelectorAll('.jp-Cell')[2]"
+            ".querySelector('.js-plotly-plot');"
+            " return p && p.data ? p.data.some(t => t.name === 'rank 1') : null; }"
+        )
+        chip = page.locator(".jp-Cell").nth(2).locator(".rtnb-chip:text-is('1')")
+        chip.click()
+        page.wait_for_function(f"() => ({traced})() === false", timeout=150_000)
+        chip.click()
+        page.wait_for_function(f"() => ({traced})() === true", timeout=150_000)
         (tmp_path / "seen-again").write_text("stop")
         page.locator(".jp-Cell").nth(3).click()
         page.keyboard.press("Escape")

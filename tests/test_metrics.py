@@ -262,6 +262,7 @@ def test_records_written_one_report_per_line_are_still_read(tmp_path):
 
 def test_many_ranks_are_drawn_as_mean_band_and_outliers_with_any_rank_selectable(tmp_path):
     from rtnb.widgets import LiveMetrics
+    from rtnb.widgets._plot import RANK_COLORS
 
     store, _ = _store(tmp_path, "run-wide")
     ranks = list(range(12))
@@ -281,8 +282,9 @@ def test_many_ranks_are_drawn_as_mean_band_and_outliers_with_any_rank_selectable
         names = [t.name for t in view.figure.data]
         assert names == ["min–max over ranks"] * 2 + ["rank 0", "rank 5", "rank 7", "mean"]
         assert view.figure.data[1].fill == "tonexty"
-        assert list(view._ranks.options) == ranks and view._ranks.value == ()
-        view._ranks.value = (2,)  # the user adds a rank of their choice
+        assert list(view._ranks.options) == ranks and view._ranks.value == []
+        assert view._ranks.colors[5] == RANK_COLORS[5], "each chip in its trace's colour"
+        view._ranks.value = [2]  # the user adds a rank of their choice (a chip)
         view.redraw()
         shown = [t.name for t in view.figure.data][2:]
         assert shown == ["rank 0", "rank 2", "rank 5", "rank 7", "mean"]

@@ -10,10 +10,12 @@ from collections import deque
 
 import ipywidgets as w
 import numpy as np
+from rtnb.widgets._chips import RankChips
 from rtnb.widgets._comms import close_tree
 from rtnb.widgets._header import format_header
 from rtnb.widgets._plot import (
     BAND_FROM_RANKS,
+    RANK_COLORS,
     build_figure,
     robust_range,
     series_xy,
@@ -123,9 +125,7 @@ class LiveMetrics(w.VBox):
         self._log_y = w.Checkbox(
             value=False, description="log y", indent=False, layout=w.Layout(width="80px")
         )
-        self._ranks = w.SelectMultiple(
-            options=[], description="ranks", rows=2, layout=w.Layout(width="180px")
-        )
+        self._ranks = RankChips()
         self._outliers = w.Checkbox(
             value=True,
             description="ignore outliers",
@@ -437,11 +437,13 @@ class LiveMetrics(w.VBox):
             self._setting_ranks = True
             try:
                 if list(self._ranks.options) != ranks:
+                    # The chips' colours are the traces' (a legend to click).
+                    self._ranks.colors = [RANK_COLORS[r % len(RANK_COLORS)] for r in ranks]
                     self._ranks.options = ranks
                     self._log_filter.options = [("all ranks", -1)] + [
                         (f"rank {r}", r) for r in ranks
                     ]
-                self._ranks.value = tuple(drawn)
+                self._ranks.value = list(drawn)
             finally:
                 self._setting_ranks = False
         if store.generation == self._drawn_generation and not self._dirty_controls:
