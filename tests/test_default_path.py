@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -95,7 +96,9 @@ def test_a_ray_data_cell_reads_every_row_once_and_says_what_it_did(kernel):
     assert [len(s) for s in shards] == [100, 100]
     # Ray 2.40's Data stats keep no row count: the line then says "rows read".
     counted = "200 rows" if _ray_at_least(2, 60) else "rows"
-    assert f"Ray Data 'train': {counted} read in" in run.text, run.text
+    # The time is left out when Ray's stats hold no end for the read (seen once in a
+    # fresh-clone run): the line is still whole.
+    assert re.search(rf"Ray Data 'train': {counted} read( in \d+\.\d s)?\n", run.text), run.text
     assert "Running Dataset" not in run.text, "no progress bars in the cell"
 
 
