@@ -24,7 +24,14 @@ from rtnb.widgets._table import Column, DataTable, Row, Tone
 from rtnb.widgets._theme import follow_theme
 
 from rtnb.core._score import direction_of
-from rtnb.metrics._compare import format_rows, run_cells, run_curve, runs_rows
+from rtnb.metrics._compare import (
+    NUMERIC_RUN_COLUMNS,
+    format_rows,
+    run_cells,
+    run_columns,
+    run_curve,
+    runs_rows,
+)
 
 __all__ = ["RunsDashboard", "runs_bundle", "runs_figure"]
 
@@ -338,22 +345,20 @@ class RunsDashboard(w.VBox):
         self._rows = rows
         metric = self.metric.value
         better_high = bool(metric) and direction_of(metric) == "max"
+        # The state is the run's badge, not a column of its own.
         columns = [
-            Column("run", "run", badges=True),
-            Column("started", "started", descending_first=True),
-            Column("duration", "duration", numeric=True, descending_first=True),
-            Column("steps", "steps", numeric=True, descending_first=True),
-            Column("ranks", "ranks", numeric=True, descending_first=True),
-            Column("checkpoints", "ckpts", numeric=True, descending_first=True),
+            Column(
+                key,
+                label,
+                numeric=key in NUMERIC_RUN_COLUMNS,
+                descending_first=better_high
+                if key in ("last", "best")
+                else key in NUMERIC_RUN_COLUMNS or key == "started",
+                badges=key == "run",
+            )
+            for key, label in run_columns(rows, metric)
+            if key != "status"
         ]
-        if metric:
-            columns += [
-                Column("last", f"last {metric}", numeric=True, descending_first=better_high),
-                Column("best", f"best {metric}", numeric=True, descending_first=better_high),
-            ]
-        columns.append(Column("config", "config"))
-        if any(r.get("mlflow") for r in rows):
-            columns.append(Column("mlflow", "mlflow run"))
         self._table_rows = [
             Row(
                 id=r["run"],

@@ -9,7 +9,14 @@ import time
 from rtnb.core._score import score_rule
 from rtnb.core._text import align_rows, format_duration
 
-__all__ = ["format_rows", "run_cells", "run_curve", "runs_rows"]
+__all__ = [
+    "NUMERIC_RUN_COLUMNS",
+    "format_rows",
+    "run_cells",
+    "run_columns",
+    "run_curve",
+    "runs_rows",
+]
 
 
 def run_curve(store, metric: str, x_axis: str = "step"):
@@ -111,19 +118,36 @@ def run_cells(row: dict) -> dict[str, str]:
     }
 
 
+# The runs table's numeric columns (right-aligned; in the dashboard, sorted largest
+# first unless they are the metric's, which follow its direction).
+NUMERIC_RUN_COLUMNS = frozenset({"duration", "steps", "ranks", "checkpoints", "last", "best"})
+
+
+def run_columns(rows: list[dict], metric: str | None) -> list[tuple[str, str]]:
+    """(key in :func:`run_cells`, label) of each column the runs table shows, in
+    order: the metric's last and best with a metric, the MLflow link when a run has one."""
+    columns = [
+        ("run", "run"),
+        ("status", "status"),
+        ("started", "started"),
+        ("duration", "duration"),
+        ("steps", "steps"),
+        ("ranks", "ranks"),
+        ("checkpoints", "ckpts"),
+    ]
+    if metric:
+        columns += [("last", f"last {metric}"), ("best", f"best {metric}")]
+    columns.append(("config", "config"))
+    if any(r.get("mlflow") for r in rows):
+        columns.append(("mlflow", "mlflow run"))
+    return columns
+
+
 def format_rows(rows: list[dict], metric: str | None) -> tuple[str, list[str]]:
     """(header, one line per row): aligned columns, numbers right-aligned."""
-    columns = ["run", "status", "started", "duration", "steps", "ranks", "ckpts"]
-    keys = ["run", "status", "started", "duration", "steps", "ranks", "checkpoints"]
-    if metric:
-        columns += [f"last {metric}", f"best {metric}"]
-        keys += ["last", "best"]
-    columns.append("config")
-    keys.append("config")
-    if any(r.get("mlflow") for r in rows):
-        columns.append("mlflow run")
-        keys.append("mlflow")
-    numeric = {"duration", "steps", "ranks", "ckpts"} | set(columns[7:9] if metric else ())
-    table = [columns] + [[run_cells(r)[key] for key in keys] for r in rows]
+    columns = run_columns(rows, metric)
+    numeric = {label for key, label in columns if key in NUMERIC_RUN_COLUMNS}
+    table = [[label for _key, label in columns]]
+    table += [[run_cells(r)[key] for key, _label in columns] for r in rows]
     head, *lines = align_rows(table, right=numeric)
     return head, lines
