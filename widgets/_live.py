@@ -17,9 +17,11 @@ from rtnb.widgets._plot import (
     BAND_FROM_RANKS,
     RANK_COLORS,
     build_figure,
+    ema_control,
     robust_range,
     series_xy,
     trace_keys,
+    x_axis_control,
 )
 from rtnb.widgets._subshell import answer_while_busy
 from rtnb.widgets._theme import follow_theme
@@ -107,21 +109,8 @@ class LiveMetrics(w.VBox):
         self._set_said = w.HTML(value="")
         self._controls_box = w.HBox([], layout=w.Layout(flex_flow="row wrap"))
         self._controls_box.add_class("rtnb-controls")
-        self._x_axis = w.Dropdown(
-            options=[("step", "step"), ("wall time", "time")],
-            value="step",
-            description="x",
-            layout=w.Layout(width="160px"),
-        )
-        self._smoothing = w.FloatSlider(
-            value=0.0,
-            min=0.0,
-            max=0.99,
-            step=0.01,
-            description="EMA",
-            readout_format=".2f",
-            layout=w.Layout(width="240px"),
-        )
+        self._x_axis = x_axis_control(layout=w.Layout(width="160px"))
+        self._smoothing = ema_control(layout=w.Layout(width="240px"))
         self._log_y = w.Checkbox(
             value=False, description="log y", indent=False, layout=w.Layout(width="80px")
         )

@@ -138,6 +138,25 @@ def hover(label: str, x_axis: str, metric: str) -> str:
     return f"{label}<br>{x_name} %{{x}}<br>{html_escape(metric)} %{{y:.6g}}<extra></extra>"
 
 
+def x_axis_control(**look):
+    """The x-axis picker of the live view and the runs dashboard: by step or by wall
+    time (the values ``series_xy``/``run_curve`` take)."""
+    import ipywidgets as w
+
+    return w.Dropdown(
+        options=[("step", "step"), ("wall time", "time")], value="step", description="x", **look
+    )
+
+
+def ema_control(**look):
+    """The EMA slider of the live view and the runs dashboard: :func:`smooth`'s weight."""
+    import ipywidgets as w
+
+    return w.FloatSlider(
+        value=0.0, min=0.0, max=0.99, step=0.01, description="EMA", readout_format=".2f", **look
+    )
+
+
 def smooth(values: list[float], weight: float) -> list[float]:
     """Exponential moving average (TensorBoard's smoothing slider), debiased."""
     if weight <= 0 or not values:

@@ -19,7 +19,15 @@ import time
 import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._comms import close_tree, close_view
-from rtnb.widgets._plot import RANK_COLORS, hover, robust_range, see_through, smooth
+from rtnb.widgets._plot import (
+    RANK_COLORS,
+    ema_control,
+    hover,
+    robust_range,
+    see_through,
+    smooth,
+    x_axis_control,
+)
 from rtnb.widgets._table import Column, DataTable, Row, Tone
 from rtnb.widgets._theme import follow_theme
 
@@ -178,22 +186,8 @@ class RunsDashboard(w.VBox):
         self.table = DataTable(sort_by="updated", descending=True, multiple=True)
         self.table.add_class("rtnb-runs-rows")
         self._table_rows: list[Row] = []
-        self.x_axis = w.Dropdown(
-            options=[("step", "step"), ("wall time", "time")],
-            value="step",
-            description="x",
-            style=_TIGHT,
-            layout=w.Layout(width="auto"),
-        )
-        self.smoothing = w.FloatSlider(
-            value=0.0,
-            min=0.0,
-            max=0.99,
-            step=0.01,
-            description="EMA",
-            style=_TIGHT,
-            layout=w.Layout(width="230px"),
-        )
+        self.x_axis = x_axis_control(style=_TIGHT, layout=w.Layout(width="auto"))
+        self.smoothing = ema_control(style=_TIGHT, layout=w.Layout(width="230px"))
         self.log_y = w.Checkbox(
             value=False, description="log y", indent=False, layout=w.Layout(width="auto")
         )
