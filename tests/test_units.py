@@ -615,3 +615,25 @@ def test_ranks_linking_the_same_file_name_into_a_checkpoint_never_leave_it_missi
     watcher.join()
     assert not problems, f"{len(problems)} times: {sorted(set(problems))}"
     assert sorted(p.name for p in dst.parent.iterdir()) == ["model.pt"], "no spare names left"
+
+
+# ---- a rank's debugger channel --------------------------------------------------------
+def test_an_answered_debugger_prompt_is_never_asked_again_before_pdb_reads_it():
+    """The driver polls right after sending a line; pdb's thread may not have woken
+    to read it yet (a busy machine). That poll must not show the answered prompt
+    again: the notebook would open a second input box nobody answers, and hang."""
+    from rtnb.worker._debug import DebugChannel
+
+    cond = threading.Condition()
+    channel = DebugChannel(1, cond, stopping=lambda: False)
+    channel.open("cell [3] line 2")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(channel.readline()), daemon=True)
+    reader.start()
+    assert channel.poll(30.0).prompt == "(Pdb rank 1) "
+    with cond:  # pdb's thread cannot take the line while this holds the lock
+        channel.give("c")
+        state = channel.poll(0.0)
+    assert state.prompt is None and state.active
+    reader.join(30.0)
+    assert lines == ["c\n"]

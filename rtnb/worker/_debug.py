@@ -105,6 +105,9 @@ class DebugChannel:
     def give(self, line: str) -> None:
         with self._cond:
             self._lines.append(line)
+            # This prompt is answered now, not when pdb's thread wakes to read the
+            # line: a poll in between would otherwise ask the user a second time.
+            self.prompt = None
             self._cond.notify_all()
 
     def poll(self, wait_s: float) -> DebugState:
