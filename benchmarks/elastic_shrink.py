@@ -261,7 +261,7 @@ def main() -> None:
     )
     storage = str(temp / "runs")
     try:
-        from rtnb.driver._cluster import connect
+        from rtnb.driver.cluster._connect import connect
 
         deadline = time.monotonic() + 60
         while True:  # the head's GCS port opens once it started

@@ -49,7 +49,7 @@ def main() -> None:
     from _common import embedded_ray, emit, peer_first, quiet
 
     import rtnb
-    from rtnb.driver._folder_sync import FolderSync, kernel_roots
+    from rtnb.driver.ranks._folder_sync import FolderSync, kernel_roots
 
     folder = Path(tempfile.mkdtemp(prefix="rtnb-bench-files-"))
     _project(folder)

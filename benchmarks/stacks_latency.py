@@ -52,7 +52,7 @@ def main() -> None:
     quick = "--quick" in sys.argv
 
     import rtnb
-    from rtnb.driver._doctor import py_spy_path
+    from rtnb.driver.tools._hang_doctor import py_spy_path
 
     embedded_ray()
     session = rtnb.Session(workers=2, storage=tempfile.mkdtemp(prefix="rtnb-bench-")).start()

@@ -187,39 +187,36 @@ def _site(node: ast.AST, assigned: dict[str, ast.expr], where: str) -> RaiseSite
 # first prefix that matches); the page groups the messages under these.
 ACTIVITIES = (
     ("Typing a magic's line", ("magics.",)),
-    ("Sweeps", ("rtnb.driver._sweep",)),
+    ("Sweeps", ("rtnb.driver.tuning.",)),
     (
         "Batch runs, Ray Jobs, export and import",
-        ("rtnb.batch.", "rtnb.driver._export", "rtnb.driver._import"),
+        ("rtnb.batch.", "rtnb.driver.scripts."),
     ),
     (
         "Training that outlives the notebook (detached, attach)",
-        ("rtnb.driver._attached", "rtnb.driver._detached"),
+        ("rtnb.driver.detached.",),
     ),
-    ("Ray Data", ("rtnb.driver._datasets",)),
+    ("Ray Data", ("rtnb.driver.ranks._datasets",)),
     (
         "Checkpoints, runs and tracking",
         (
             "rtnb.storage.",
             "rtnb.metrics.",
-            "rtnb.driver._commits",
-            "rtnb.driver._run_access",
-            "rtnb.driver._session_runs",
-            "rtnb.driver._tracking",
-            "rtnb.driver._resume",
+            "rtnb.driver.cells._commits",
+            "rtnb.driver.session._run_access",
+            "rtnb.driver.session._runs",
+            "rtnb.driver.session._tracking",
+            "rtnb.driver.cells._resume",
         ),
     ),
     (
         "Starting a group and reaching Ray",
         (
             "rtnb.core.",
-            "rtnb.driver._cluster",
-            "rtnb.driver._group",
-            "rtnb.driver._versions",
-            "rtnb.driver._warm",
-            "rtnb.driver._local",
-            "rtnb.driver._session",
-            "rtnb.driver._embedded",
+            "rtnb.driver.cluster.",
+            "rtnb.driver.ranks._group",
+            "rtnb.driver.ranks._local",
+            "rtnb.driver.session._session",
         ),
     ),
     ("Running cells (the ranks' API included)", ("rtnb.",)),
@@ -332,7 +329,7 @@ def cli_reference() -> str:
 def state_table() -> str:
     """The worker group's states and the transitions its state machine allows (the
     table ``StateMachine.to`` checks every change against)."""
-    from rtnb.driver._state import _ALLOWED, GroupState
+    from rtnb.driver.lifecycle._states import _ALLOWED, GroupState
 
     lines = ["| state | may become |", "| --- | --- |"]
     for state in GroupState:
@@ -386,8 +383,8 @@ def _edge(a: tuple[int, int], b: tuple[int, int]) -> str:
 
 def state_diagram() -> str:
     """The controller's states and every transition its table allows, as an inline
-    SVG drawn from the same table ``StateMachine.to`` checks (``_state.py``)."""
-    from rtnb.driver._state import _ALLOWED, GroupState
+    SVG drawn from the same table ``StateMachine.to`` checks (``lifecycle/_states.py``)."""
+    from rtnb.driver.lifecycle._states import _ALLOWED, GroupState
 
     missing = {str(state) for state in GroupState} - set(_STATE_PLACES)
     if missing:

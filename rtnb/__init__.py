@@ -36,31 +36,31 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # driver side (the notebook)
-    "Session": "rtnb.driver._session",
-    "Sweep": "rtnb.driver._sweep",
-    "SweepTrial": "rtnb.driver._sweep",
-    "TrialState": "rtnb.driver._sweep",
-    "sweep": "rtnb.driver._sweep_runner",
-    "CellHandle": "rtnb.driver._cell",
-    "Failure": "rtnb.driver._policy",
-    "FailurePolicy": "rtnb.driver._policy",
-    "Raise": "rtnb.driver._policy",
-    "Retry": "rtnb.driver._policy",
-    "Shrink": "rtnb.driver._policy",
-    "GroupState": "rtnb.driver._state",
-    "StateChange": "rtnb.driver._state",
-    "GroupStatus": "rtnb.driver._status",
+    "Session": "rtnb.driver.session._session",
+    "Sweep": "rtnb.driver.tuning._sweep",
+    "SweepTrial": "rtnb.driver.tuning._sweep",
+    "TrialState": "rtnb.driver.tuning._sweep",
+    "sweep": "rtnb.driver.tuning._runner",
+    "CellHandle": "rtnb.driver.cells._handle",
+    "Failure": "rtnb.driver.lifecycle._policies",
+    "FailurePolicy": "rtnb.driver.lifecycle._policies",
+    "Raise": "rtnb.driver.lifecycle._policies",
+    "Retry": "rtnb.driver.lifecycle._policies",
+    "Shrink": "rtnb.driver.lifecycle._policies",
+    "GroupState": "rtnb.driver.lifecycle._states",
+    "StateChange": "rtnb.driver.lifecycle._states",
+    "GroupStatus": "rtnb.driver.session._status",
     "SessionConfig": "rtnb.core._config",
-    "RunAccess": "rtnb.driver._run_access",
-    "open_run": "rtnb.driver._run_access",
-    "WarmRayStatus": "rtnb.driver._warmctl",
-    "stop_warm_ray": "rtnb.driver._warmctl",
-    "warm_ray_status": "rtnb.driver._warmctl",
-    "attach": "rtnb.driver._attached",
-    "detached_groups": "rtnb.driver._attached",
-    "stop_detached": "rtnb.driver._attached",
-    "DetachedSession": "rtnb.driver._attached",
-    "DetachedGroup": "rtnb.driver._detached",
+    "RunAccess": "rtnb.driver.session._run_access",
+    "open_run": "rtnb.driver.session._run_access",
+    "WarmRayStatus": "rtnb.driver.cluster._warm_commands",
+    "stop_warm_ray": "rtnb.driver.cluster._warm_commands",
+    "warm_ray_status": "rtnb.driver.cluster._warm_commands",
+    "attach": "rtnb.driver.detached._client",
+    "detached_groups": "rtnb.driver.detached._client",
+    "stop_detached": "rtnb.driver.detached._client",
+    "DetachedSession": "rtnb.driver.detached._client",
+    "DetachedGroup": "rtnb.driver.detached._host",
     "PerRank": "rtnb.core._values",
     "MetricsStore": "rtnb.metrics._store",
     "Progress": "rtnb.metrics._store",
@@ -197,17 +197,17 @@ def unload_ipython_extension(ipython) -> None:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from rtnb.core._config import SessionConfig
     from rtnb.core._values import PerRank
-    from rtnb.driver._attached import DetachedSession, attach, detached_groups, stop_detached
-    from rtnb.driver._cell import CellHandle
-    from rtnb.driver._detached import DetachedGroup
-    from rtnb.driver._policy import Failure, FailurePolicy, Raise, Retry, Shrink
-    from rtnb.driver._run_access import RunAccess, open_run
-    from rtnb.driver._session import Session
-    from rtnb.driver._state import GroupState, StateChange
-    from rtnb.driver._status import GroupStatus
-    from rtnb.driver._sweep import Sweep, SweepTrial, TrialState
-    from rtnb.driver._sweep_runner import sweep
-    from rtnb.driver._warmctl import WarmRayStatus, stop_warm_ray, warm_ray_status
+    from rtnb.driver.cells._handle import CellHandle
+    from rtnb.driver.cluster._warm_commands import WarmRayStatus, stop_warm_ray, warm_ray_status
+    from rtnb.driver.detached._client import DetachedSession, attach, detached_groups, stop_detached
+    from rtnb.driver.detached._host import DetachedGroup
+    from rtnb.driver.lifecycle._policies import Failure, FailurePolicy, Raise, Retry, Shrink
+    from rtnb.driver.lifecycle._states import GroupState, StateChange
+    from rtnb.driver.session._run_access import RunAccess, open_run
+    from rtnb.driver.session._session import Session
+    from rtnb.driver.session._status import GroupStatus
+    from rtnb.driver.tuning._runner import sweep
+    from rtnb.driver.tuning._sweep import Sweep, SweepTrial, TrialState
     from rtnb.errors import (
         CellError,
         CellInterrupted,

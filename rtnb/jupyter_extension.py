@@ -10,7 +10,7 @@ that start overlaps the kernel's own and the user's typing.
 Enabled by the ``jupyter_server_config.d/rtnb.json`` file the package installs;
 ``RTNB_WARM_RAY=0`` in the server's environment turns it off (as it keeps kernels
 off the warm Ray), or ``jupyter server extension disable rtnb``. The server never
-imports Ray: the warm Ray is a process of its own (:mod:`rtnb.driver._warmhost`)
+imports Ray: the warm Ray is a process of its own (:mod:`rtnb.driver.cluster._warm_host`)
 that outlives the server until its idle time-out, like one a kernel started.
 """
 
@@ -36,7 +36,7 @@ def warm_in_background(log: Any, why: str) -> threading.Thread | None:
         return None
 
     def run() -> None:
-        from rtnb.driver._warm import ensure_running
+        from rtnb.driver.cluster._warm_client import ensure_running
 
         started = time.perf_counter()
         try:
@@ -77,7 +77,7 @@ def _runs_this_python(argv0: str) -> bool:
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:
-    from rtnb.driver._warm import switched_off
+    from rtnb.driver.cluster._warm_client import switched_off
 
     log = serverapp.log
     if switched_off():

@@ -299,7 +299,7 @@ def ray_head():
 @pytest.fixture(scope="session")
 def ray_cluster(ray_head):
     """This test process connected to the session's cluster."""
-    from rtnb.driver._cluster import connect
+    from rtnb.driver.cluster._connect import connect
 
     connect(ray_head.address)
     return ray_head

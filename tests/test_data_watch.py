@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rtnb.driver._datasets import DataWatch, wait_for_data_room
+from rtnb.driver.ranks._datasets import DataWatch, wait_for_data_room
 from rtnb.errors import ClusterError
 
 

@@ -172,7 +172,7 @@ def test_a_rank_waiting_on_a_split_another_rank_does_not_read_is_told_why(ray_cl
     and the fix, within 30 s; once rank 1 reads its part too, the cell ends."""
     import ray
 
-    from rtnb.driver._datasets import SPLIT_WAIT_NOTE_S
+    from rtnb.driver.ranks._datasets import SPLIT_WAIT_NOTE_S
     from tests._margins import until
 
     gate = tmp_path / "rank-1-reads-now"

@@ -99,7 +99,7 @@ def test_troubleshooting_lists_every_message_rtnb_raises(site):
 
 
 def test_the_architecture_page_draws_every_state_and_transition_of_the_controller(site):
-    from rtnb.driver._state import _ALLOWED, GroupState
+    from rtnb.driver.lifecycle._states import _ALLOWED, GroupState
 
     page = (site / "architecture.html").read_text()
     start = page.index('<svg class="rtnb-states"')

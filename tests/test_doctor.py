@@ -100,7 +100,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_the_cell_line_each_rank_w
 
 
 def test_a_rank_stuck_in_native_code_holding_the_gil_is_read_with_py_spy(session, tmp_path):
-    from rtnb.driver._doctor import py_spy_path
+    from rtnb.driver.tools._hang_doctor import py_spy_path
 
     if py_spy_path() is None:
         pytest.skip("py-spy is not installed here")

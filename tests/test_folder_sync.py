@@ -19,7 +19,7 @@ import pytest
 
 from rtnb.core._folder import FolderChanges
 from rtnb.core._messages import CellRequest
-from rtnb.driver._folder_sync import FolderSync
+from rtnb.driver.ranks._folder_sync import FolderSync
 from rtnb.worker._folder import RankFolder
 
 
@@ -201,7 +201,7 @@ def test_code_loaded_from_a_file_by_path_is_not_a_local_package(notebook_folder,
     spec.loader.exec_module(module)
     sys.modules["c2xk4generated"] = module
     try:
-        from rtnb.driver._folder_sync import kernel_roots
+        from rtnb.driver.ranks._folder_sync import kernel_roots
 
         assert not [r for r in kernel_roots() if "c2xk4generated" in r.key]
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import rtnb
-from rtnb.driver._import import read_train_script
+from rtnb.driver.scripts._import import read_train_script
 
 DOCS_SHAPE = """
 import argparse

@@ -263,7 +263,7 @@ def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(
 ):
     import _thread
 
-    from rtnb.driver._group import WorkerGroup
+    from rtnb.driver.ranks._group import WorkerGroup
 
     class InterruptedAfterActorsExist(WorkerGroup):
         # A real group; the "Ctrl-C" lands once its placement group and actors exist.

@@ -176,8 +176,8 @@ def test_the_import_graph_sees_every_kind_of_import():
     assert "rtnb.worker._compat" in graph["rtnb.worker._actor"]  # from pkg import submodule
     assert "rtnb.storage._checkpoint" in graph["rtnb.worker._runtime"]  # inside a function
     typed = _import_graph(type_checking=True)
-    assert "rtnb.driver._session" not in graph["rtnb"]  # under TYPE_CHECKING ...
-    assert "rtnb.driver._session" in typed["rtnb"]  # ... which the cycle rule counts
+    assert "rtnb.driver.session._session" not in graph["rtnb"]  # under TYPE_CHECKING ...
+    assert "rtnb.driver.session._session" in typed["rtnb"]  # ... which the cycle rule counts
     assert not {t for t in graph["rtnb"] if t.startswith("rtnb.driver")}  # the lazy face
 
 
@@ -294,14 +294,14 @@ def test_a_rank_using_the_public_face_loads_no_driver_or_batch_code():
 # Ray's own pool, and a detached group's host and its followers (which call the host,
 # never a rank). Everything else in the driver calls ranks through WorkerGroup.
 _ACTOR_HOLDERS = {
-    "rtnb/driver/_group.py",
-    "rtnb/driver/_warm.py",
-    "rtnb/driver/_warmhost.py",
-    "rtnb/driver/_attached.py",
+    "rtnb/driver/ranks/_group.py",
+    "rtnb/driver/cluster/_warm_client.py",
+    "rtnb/driver/cluster/_warm_host.py",
+    "rtnb/driver/detached/_client.py",
 }
 # The modules that start Ray tasks of their own, on no rank: a checkpoint's validation,
 # and the question of which versions a cluster's nodes run.
-_TASK_STARTERS = {"rtnb/driver/_validation.py", "rtnb/driver/_versions.py"}
+_TASK_STARTERS = {"rtnb/driver/tools/_validation.py", "rtnb/driver/cluster/_versions.py"}
 
 
 def test_only_the_worker_group_modules_call_a_rank():
@@ -328,7 +328,11 @@ _CELL_PROTOCOL = {
     "set_stop_target",
     "interrupt",
 }
-_PROTOCOL_OWNERS = {"rtnb/driver/_execution.py", "rtnb/driver/_group.py", "rtnb/driver/_local.py"}
+_PROTOCOL_OWNERS = {
+    "rtnb/driver/ranks/_execution.py",
+    "rtnb/driver/ranks/_group.py",
+    "rtnb/driver/ranks/_local.py",
+}
 
 
 def _protocol_calls(tree: ast.AST) -> list[str]:
@@ -345,7 +349,7 @@ def _protocol_calls(tree: ast.AST) -> list[str]:
 
 def test_only_a_cells_execution_sequences_the_rank_protocol():
     callers = []
-    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+    for path in sorted((REPO / "rtnb" / "driver").rglob("*.py")):
         relative = str(path.relative_to(REPO))
         if relative not in _PROTOCOL_OWNERS:
             callers += [f"{relative}:{hit}" for hit in _protocol_calls(ast.parse(path.read_text()))]
@@ -369,9 +373,9 @@ def _journal_writes(tree: ast.AST) -> list[str]:
 
 
 def test_only_the_controller_and_its_cell_flow_write_the_journal():
-    owners = {"rtnb/driver/_controller.py", "rtnb/driver/_cells.py"}
+    owners = {"rtnb/driver/control/_controller.py", "rtnb/driver/cells/_flow.py"}
     writers = []
-    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+    for path in sorted((REPO / "rtnb" / "driver").rglob("*.py")):
         relative = str(path.relative_to(REPO))
         if relative not in owners:
             writers += [f"{relative}:{hit}" for hit in _journal_writes(ast.parse(path.read_text()))]
@@ -392,12 +396,13 @@ def _class_sizes(tree: ast.AST) -> dict[str, int]:
 
 def test_no_driver_class_over_500_lines_and_the_session_within_300():
     sizes = {}
-    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+    for path in sorted((REPO / "rtnb" / "driver").rglob("*.py")):
         for name, size in _class_sizes(ast.parse(path.read_text())).items():
-            sizes[f"{path.name}:{name}"] = size
+            sizes[f"{path.relative_to(REPO / 'rtnb' / 'driver')}:{name}"] = size
     over = {name: size for name, size in sizes.items() if size > 500}
     assert over == {}, f"driver classes over 500 lines: {over}"
-    assert sizes["_session.py:Session"] <= 300, sizes["_session.py:Session"]
+    assert sizes["session/_session.py:Session"] <= 300, sizes["session/_session.py:Session"]
+    assert len(sizes) > 80, "the rule sees every driver class"
     assert _class_sizes(ast.parse("class A:\n    x = 1\n    y = 2\n")) == {"A": 3}
 
 
@@ -425,7 +430,7 @@ def _private_reaches(tree: ast.AST) -> list[str]:
 
 def test_no_driver_object_touches_another_ones_private_attributes():
     offenders = []
-    for path in sorted((REPO / "rtnb" / "driver").glob("*.py")):
+    for path in sorted((REPO / "rtnb" / "driver").rglob("*.py")):
         relative = str(path.relative_to(REPO))
         offenders += [f"{relative}:{hit}" for hit in _private_reaches(ast.parse(path.read_text()))]
     assert offenders == [], f"private attributes reached from outside their class: {offenders}"
@@ -498,3 +503,98 @@ def test_one_output_adapter_decides_live_widget_or_lasting_output(monkeypatch):
     for forced, expected in (("1", "widget"), ("0", "text")):
         monkeypatch.setenv("RTNB_LIVE", forced)
         assert output.show(live=lambda: "widget", lasting=lambda: "text") == expected
+
+
+# ---- the driver's rooms (docs/architecture.md, "The driver's sub-packages") ---------
+#
+# Lowest first: a sub-package may import only those before it, and another
+# sub-package only through its face (its __init__), never a private module of it.
+DRIVER_ROOMS = [
+    "cluster",
+    "lifecycle",
+    "ranks",
+    "tools",
+    "cells",
+    "control",
+    "scripts",
+    "detached",
+    "session",
+    "tuning",
+]
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["rtnb", "driver"] else None
+
+
+def _room_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        room = _room(module)
+        if room is None or module == f"rtnb.driver.{room}":
+            continue
+        for target in sorted(targets):
+            other = _room(target)
+            if other is None or other == room:
+                continue
+            if DRIVER_ROOMS.index(other) > DRIVER_ROOMS.index(room):
+                found.append(f"{module} -> {target} (up: {room} is below {other})")
+            elif target != f"rtnb.driver.{other}":
+                found.append(f"{module} -> {target} (past the face of {other})")
+    return found
+
+
+def test_the_driver_is_rooms_by_concern_each_importing_only_those_below_through_their_faces():
+    rooms = sorted(
+        p.name for p in (REPO / "rtnb" / "driver").iterdir() if (p / "__init__.py").is_file()
+    )
+    assert rooms == sorted(DRIVER_ROOMS), "a room of the driver missing from the rule"
+    loose = [p.name for p in (REPO / "rtnb" / "driver").glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], "a driver module outside a room"
+    for room in DRIVER_ROOMS:
+        doc = ast.get_docstring(
+            ast.parse((REPO / "rtnb" / "driver" / room / "__init__.py").read_text())
+        )
+        assert doc and doc.count(". ") == 0, f"rtnb.driver.{room} says in one line what it holds"
+    bad = _room_violations(_import_graph(type_checking=True))
+    assert not bad, "driver rooms:\n" + "\n".join("  " + line for line in bad)
+    planted = {
+        "rtnb.driver.ranks._group": {"rtnb.driver.cells._handle", "rtnb.driver.cluster"},
+        "rtnb.driver.cells._flow": {"rtnb.driver.ranks._group", "rtnb.driver.cells._handle"},
+    }
+    assert _room_violations(planted) == [
+        "rtnb.driver.cells._flow -> rtnb.driver.ranks._group (past the face of ranks)",
+        "rtnb.driver.ranks._group -> rtnb.driver.cells._handle (up: ranks is below cells)",
+    ]
+
+
+def _near_names(stems: list[str]) -> list[tuple[str, str]]:
+    """Module names one of which is the other plus a suffix (``_cell``/``_cells``,
+    ``_warm``/``_warmhost``): a reader cannot tell them apart."""
+    return [(a, b) for a in stems for b in stems if a != b and b.startswith(a)]
+
+
+def test_no_two_driver_modules_differ_by_a_plural_or_a_suffix():
+    stems = sorted(
+        {p.stem for p in (REPO / "rtnb" / "driver").rglob("_*.py") if p.name != "__init__.py"}
+    )
+    assert _near_names(stems) == []
+    assert _near_names(["_cell", "_cells", "_warm", "_warmhost", "_flow"]) == [
+        ("_cell", "_cells"),
+        ("_warm", "_warmhost"),
+    ]
+
+
+def test_every_engine_package_is_in_the_wheel():
+    """pyproject lists the packages by name: a new folder left out of that list is
+    missing from the wheel a team installs (and only a fresh venv would show it)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {
+        _module_name(p) for p in ENGINE.rglob("__init__.py") if "_lazy_imports" not in p.parts
+    }
+    assert folders - listed == set()

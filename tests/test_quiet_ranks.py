@@ -87,7 +87,7 @@ def test_a_recovery_and_a_stop_print_only_what_the_user_printed(ray_cluster, tmp
 
 
 def test_the_filter_drops_store_traces_and_dead_rank_reports_only():
-    from rtnb.driver import _ray_output
+    from rtnb.driver.cluster import _ray_output
 
     _ray_output.watch_ranks([4242])
     warning = (

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 import rtnb
-from rtnb.driver._execution import Execution
+from rtnb.driver.ranks._execution import Execution
 from rtnb.worker._actor import RELAY_FROM_RANKS
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 

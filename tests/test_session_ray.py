@@ -218,7 +218,7 @@ def test_the_driver_takes_a_finished_poll_without_waiting_for_the_others(ray_clu
     import ray
 
     from rtnb.core._config import SessionConfig
-    from rtnb.driver._group import WorkerGroup
+    from rtnb.driver.ranks._group import WorkerGroup
 
     release = tmp_path / "release"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import rtnb
-from rtnb.driver._sweep import on_sweep_start
+from rtnb.driver.tuning._sweep import on_sweep_start
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._result import list_runs, read_run_metrics
 from tests.conftest import wait_for_free_cpus

@@ -13,7 +13,7 @@ from rtnb.core._config import SessionConfig, parse_ranks
 from rtnb.core._messages import CellRequest, CellState, RankUpdate
 from rtnb.core._reports import ReportBatch
 from rtnb.core._values import PerRank, RemoteRepr, from_portable
-from rtnb.driver._state import GroupState, StateMachine
+from rtnb.driver.lifecycle._states import GroupState, StateMachine
 from rtnb.errors import CellError, CellInterrupted, ConfigError
 from rtnb.worker._runtime import RankContext, RankRuntime
 
@@ -256,7 +256,7 @@ def test_rank_api_outside_a_rank_says_where_to_call_it():
 
 
 def test_node_local_storage_is_refused_for_ranks_on_several_nodes():
-    from rtnb.driver._group import check_storage_locality
+    from rtnb.driver.ranks._group import check_storage_locality
 
     check_storage_locality(1, "/data/runs", allowed=False)
     check_storage_locality(3, "s3://bucket/runs", allowed=False)
@@ -363,7 +363,7 @@ def test_workers_are_a_size_a_min_max_range_or_local_mode():
 
 
 def test_cells_are_written_in_ray_trains_names_with_their_comments_and_layout():
-    from rtnb.driver._export import to_ray_train
+    from rtnb.driver.scripts._export import to_ray_train
 
     known: tuple[set[str], dict[str, str]] = ({"rtnb"}, {})
     first, helpers = to_ray_train(
@@ -404,7 +404,7 @@ def test_cells_are_written_in_ray_trains_names_with_their_comments_and_layout():
 def test_a_sweeps_trials_come_from_tunes_variants_num_samples_times_over_the_grid():
     from ray import tune
 
-    from rtnb.driver._sweep_tune import Suggestions, check_space
+    from rtnb.driver.tuning._tune import Suggestions, check_space
 
     # As given to a TorchTrainer under a Tuner: the train_loop_config is the space.
     space = check_space(
@@ -421,7 +421,7 @@ def test_a_sweeps_trials_come_from_tunes_variants_num_samples_times_over_the_gri
 
 
 def test_a_sweeps_metric_check_reads_the_training_codes_reports():
-    from rtnb.driver._sweep_tune import check_reports
+    from rtnb.driver.tuning._tune import check_reports
 
     check_reports("rtnb.report({'loss': l, 'acc': a})", "acc")
     check_reports("metrics = {'acc': a}\nrtnb.report(metrics)", "acc")  # built at run time
@@ -433,7 +433,7 @@ def test_a_sweeps_metric_check_reads_the_training_codes_reports():
 def test_a_sweeps_table_sorts_by_score_with_the_best_marked():
     from rtnb.widgets._sweep import sort_trials, sweep_table
 
-    from rtnb.driver._sweep import SweepTrial, TrialState
+    from rtnb.driver.tuning._sweep import SweepTrial, TrialState
 
     trials = [
         SweepTrial(0, "a", {"lr": 0.1}, "s-t000", TrialState.TERMINATED, [0, 1], [3.0, 2.0]),
@@ -459,7 +459,7 @@ def test_a_sweeps_table_sorts_by_score_with_the_best_marked():
 
 
 def test_an_exported_trial_reads_its_config_from_the_loops_argument():
-    from rtnb.driver._export import to_ray_train
+    from rtnb.driver.scripts._export import to_ray_train
 
     code, _helpers = to_ray_train(
         "import rtnb\nlr = rtnb.get_config()['lr']\nrtnb.report({'lr': lr})"

@@ -24,14 +24,14 @@ KERNEL = r"""
 import json, os, sys, time
 os.environ["RTNB_TEST_VALUE"] = "set by the kernel"
 import rtnb
-from rtnb.driver import _warm
+from rtnb.driver.cluster import _warm_client as _warm
 s = rtnb.Session(workers=2, storage=sys.argv[1])
 s.start()
 s.run("import os, torch, rtnb\nseen = dict(cwd=os.getcwd(), value=os.environ.get('RTNB_TEST_VALUE'), "
       "first_only=os.environ.get('RTNB_FIRST_KERNEL_ONLY'), "
       "threads=torch.get_num_threads(), pid=os.getpid(), rank=rtnb.get_context().get_world_rank())")
 seen = s.pull("seen")
-warm = _warm.active()
+warm = _warm.active_warm_ray()
 print(json.dumps({"seen": list(seen), "launched": warm.launched, "host": warm.launcher_pid,
                   "ray_s": s.last_start.seconds("Ray")}), flush=True)
 if sys.argv[2] == "die":
@@ -139,9 +139,9 @@ s.stop()
 def test_a_warm_ray_whose_cpus_are_taken_is_left_to_its_kernel(tmp_path):
     """Two notebooks at once: the second embeds its own Ray instead of waiting for
     CPUs the first holds (as before the warm Ray existed)."""
-    from rtnb.driver import _warm
+    from rtnb.driver.cluster import _warm_client as _warm
 
-    assert _warm.wanted(None) is False, "the test process itself never joins one"
+    assert _warm.warm_ray_wanted(None) is False, "the test process itself never joins one"
     (tmp_path / "nb").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="2")
@@ -179,23 +179,23 @@ def test_a_warm_ray_whose_cpus_are_taken_is_left_to_its_kernel(tmp_path):
 
 
 def test_the_warm_ray_is_for_notebook_kernels_unless_asked(monkeypatch):
-    from rtnb.driver import _warm
+    from rtnb.driver.cluster import _warm_client as _warm
 
     monkeypatch.delenv("RTNB_WARM_RAY", raising=False)
     monkeypatch.delenv("RTNB_BATCH_RUNS_FILE", raising=False)
     monkeypatch.setitem(sys.modules, "ipykernel", sys)  # any module: "in a kernel"
-    assert _warm.wanted(None) and _warm.wanted("127.0.0.1")
-    assert not _warm.wanted("0.0.0.0"), "a Ray listening on the network is the user's own"
+    assert _warm.warm_ray_wanted(None) and _warm.warm_ray_wanted("127.0.0.1")
+    assert not _warm.warm_ray_wanted("0.0.0.0"), "a Ray listening on the network is the user's own"
     monkeypatch.setenv("RTNB_BATCH_RUNS_FILE", "/tmp/x")
-    assert not _warm.wanted(None), "rtnb run: a batch run leaves nothing behind"
+    assert not _warm.warm_ray_wanted(None), "rtnb run: a batch run leaves nothing behind"
     monkeypatch.setenv("RTNB_WARM_RAY", "1")
-    assert _warm.wanted(None)
+    assert _warm.warm_ray_wanted(None)
     monkeypatch.setenv("RTNB_WARM_RAY", "0")
     monkeypatch.delenv("RTNB_BATCH_RUNS_FILE")
-    assert not _warm.wanted(None)
+    assert not _warm.warm_ray_wanted(None)
     monkeypatch.delitem(sys.modules, "ipykernel")
     monkeypatch.delenv("RTNB_WARM_RAY")
-    assert not _warm.wanted(None), "a plain script embeds, as before"
+    assert not _warm.warm_ray_wanted(None), "a plain script embeds, as before"
 
 
 DYING = r"""

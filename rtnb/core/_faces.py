@@ -1,7 +1,7 @@
 """A package's face that loads lazily: each public name is imported from the module
 that defines it on first use (PEP 562), so importing one module of a package never
 loads the rest (a rank that calls ``rtnb.report`` holds no driver code; the server
-extension that imports ``rtnb.driver._warm`` does not load the session and Tune)."""
+extension that imports ``rtnb.driver.cluster._warm_client`` does not load the session and Tune)."""
 
 from __future__ import annotations
 

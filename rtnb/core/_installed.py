@@ -12,7 +12,7 @@ PACKAGES = ("ray", "torch", "rtnb")
 def versions_here() -> dict[str, str]:
     """This process's Python and :data:`PACKAGES`, from their metadata. Self-contained
     (no module-level name): a node runs a copy of it, sent by value
-    (``rtnb.driver._versions.check_cluster_versions``)."""
+    (``rtnb.driver.cluster._versions.check_cluster_versions``)."""
     import platform
     from importlib import metadata
 

@@ -34,7 +34,7 @@ def use_auth_token_if_present() -> None:
     # this process (Ray Jobs) a token sent to a dashboard without auth is ignored, so
     # opt in whenever a token is available. (Not for a driver joining a GCS: there a
     # cluster without auth refuses the actors of a driver in token mode; rtnb asks the
-    # GCS first, rtnb.driver._auth.users_token.)
+    # GCS first, rtnb.driver.cluster._auth.users_token.)
     if os.environ.get("RAY_AUTH_MODE"):
         return
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")

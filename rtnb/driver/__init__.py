@@ -16,14 +16,14 @@ from rtnb.core._startup import defer_unused_imports as _defer_unused_imports
 _defer_unused_imports()
 
 _FACE = {
-    "RunAccess": "rtnb.driver._run_access",
-    "Session": "rtnb.driver._session",
-    "Sweep": "rtnb.driver._sweep",
-    "attach": "rtnb.driver._attached",
-    "open_run": "rtnb.driver._run_access",
-    "stop_warm_ray": "rtnb.driver._warmctl",
-    "sweep": "rtnb.driver._sweep_runner",
-    "warm_ray_status": "rtnb.driver._warmctl",
+    "RunAccess": "rtnb.driver.session._run_access",
+    "Session": "rtnb.driver.session._session",
+    "Sweep": "rtnb.driver.tuning._sweep",
+    "attach": "rtnb.driver.detached._client",
+    "open_run": "rtnb.driver.session._run_access",
+    "stop_warm_ray": "rtnb.driver.cluster._warm_commands",
+    "sweep": "rtnb.driver.tuning._runner",
+    "warm_ray_status": "rtnb.driver.cluster._warm_commands",
 }
 __all__ = [
     "RunAccess",
@@ -38,9 +38,9 @@ __all__ = [
 __getattr__ = lazy_face(globals(), _FACE)
 
 if TYPE_CHECKING:  # what type checkers see
-    from rtnb.driver._attached import attach
-    from rtnb.driver._run_access import RunAccess, open_run
-    from rtnb.driver._session import Session
-    from rtnb.driver._sweep import Sweep
-    from rtnb.driver._sweep_runner import sweep
-    from rtnb.driver._warmctl import stop_warm_ray, warm_ray_status
+    from rtnb.driver.cluster._warm_commands import stop_warm_ray, warm_ray_status
+    from rtnb.driver.detached._client import attach
+    from rtnb.driver.session._run_access import RunAccess, open_run
+    from rtnb.driver.session._session import Session
+    from rtnb.driver.tuning._runner import sweep
+    from rtnb.driver.tuning._sweep import Sweep

@@ -1,0 +1,313 @@
+"""The per-user warm Ray: a loopback Ray that outlives one kernel, with rank processes
+that have already imported torch, so the next ``%rtnb start`` takes about a second.
+
+Runs as its own process (``python -m rtnb.driver.cluster._warm_host``), started by the first
+kernel that wants it (:mod:`rtnb.driver.cluster._warm_client`). That process is the Ray driver of
+the warm Ray; Ray's own processes die with it. One :class:`WarmPool` actor keeps
+the spare ranks and the leases:
+
+* a kernel attaches with its pid and detaches when its session stops; the pool
+  checks four times a second that each attached kernel is still alive (a zombie
+  is dead: a killed kernel's parent may reap it only minutes later), and kills
+  the ranks a dead kernel had claimed, so their CPUs are free at once;
+* with no kernel attached for ``idle_s`` (10 minutes unless ``RTNB_WARM_RAY_IDLE_S``
+  says otherwise), the pool says so and this process shuts the Ray down, removes
+  its state file and exits. A SIGTERM does the same at once.
+
+Spare ranks hold no CPU in Ray's accounting (``num_cpus=0``): the kernel that
+claims them reserves its CPUs with its own placement group, so capacity checks
+and "stop frees the CPUs" behave as for cold ranks. Spares are made again after
+each claim, importing torch in a thread at the lowest CPU priority, so a
+``restart`` or ``scale`` of the same size is warm too and the user's first cell
+does not wait for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["POOL_NAME", "POOL_NAMESPACE", "WarmPool", "kernel_alive", "main"]
+
+POOL_NAME = "rtnb-warm-pool"
+POOL_NAMESPACE = "rtnb-warm"
+# A claim's size is remembered as the number of spares to keep; more would hold
+# memory (a rank with torch imported is ~250 MB) for a size nobody asked for.
+MAX_SPARES = 8
+# After a claim, the user's first cells come first; spares are made after this.
+REFILL_DELAY_S = 3.0
+
+
+# How often the pool looks at the attached kernels: a dead kernel's ranks (busy in
+# its last cell, maybe) end within about this much.
+WATCH_S = 0.25
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (None if it is gone): with the pid, who it is."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def kernel_alive(pid: int, started: float | None) -> bool:
+    """Whether the kernel that attached as ``pid`` still runs.
+
+    A killed kernel stays a zombie until its parent (the Jupyter server, nbclient)
+    reaps it, which can take minutes; signal 0 still reaches a zombie, so the
+    process state is read instead. The start time tells a new process that took
+    the pid from the kernel."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (
+            started is None or proc.create_time() == started
+        )
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # another user's process: not ours to judge
+        return True
+
+
+class WarmPool:
+    """Spare rank actors and the kernels attached to this Ray (a Ray actor)."""
+
+    def __init__(self, idle_s: float, spares: int) -> None:
+        self._idle_s = idle_s
+        self._target = min(MAX_SPARES, max(0, spares))
+        self._lock = threading.Lock()
+        # Bumped on every change the state file shows, so the host rewrites it at once
+        # (a `rtnb warm stop` right after a kernel's `%rtnb stop` sees it detached).
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
+        self._spares: list[Any] = []
+        self._claimed: dict[int, list[Any]] = {}
+        self._leases: dict[int, float | None] = {}
+        self._detached: dict[int, str] = {}  # a detached group's host pid -> its run
+        self._idle_since = time.monotonic()
+        self._idle_since_wall = time.time()
+        self._idle = threading.Event()
+        self._refill(delay_s=0.0, background=False)
+        threading.Thread(target=self._watch, name="rtnb-warm-watchdog", daemon=True).start()
+
+    # ---- kernels ---------------------------------------------------------------------
+    def attach(self, pid: int, detached_run: str | None = None) -> None:
+        """A kernel (or a detached group's host, named by its run) uses this Ray."""
+        with self._lock:
+            self._leases.setdefault(pid, _started(pid))
+            if detached_run is not None:
+                self._detached[pid] = detached_run
+            self._bump()
+
+    def detach(self, pid: int) -> None:
+        with self._lock:
+            self._leases.pop(pid, None)
+            self._detached.pop(pid, None)
+            actors = self._claimed.pop(pid, [])
+            if not self._leases:
+                self._went_idle()
+            self._bump()
+        self._kill(actors)
+
+    def claim(self, pid: int, count: int) -> list[Any]:
+        """``count`` rank actors for the kernel ``pid``: the spares first, new ones for
+        the rest (made at once, since that kernel is waiting)."""
+        with self._lock:
+            self._leases.setdefault(pid, _started(pid))
+            taken, self._spares = self._spares[:count], self._spares[count:]
+            self._bump()
+            self._target = min(MAX_SPARES, max(self._target, count))
+        taken += [self._new_rank(background=False) for _ in range(count - len(taken))]
+        with self._lock:
+            self._claimed.setdefault(pid, []).extend(taken)
+            self._bump()
+        self._refill(delay_s=REFILL_DELAY_S, background=True)
+        return taken
+
+    def usage(self) -> dict[str, Any]:
+        """Who uses this Ray, for the state file (``%rtnb warm``, ``rtnb warm``)."""
+        with self._lock:
+            return self._usage()
+
+    def next_usage(self, seen_version: int, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        """The usage once it differs from ``seen_version``'s (or after ``timeout_s``)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != seen_version, timeout_s)
+            return self._version, self._usage()
+
+    def is_idle(self) -> bool:
+        """True once no kernel has been attached for the idle time."""
+        return self._idle.is_set()
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "kernels": sorted(pid for pid in self._leases if pid not in self._detached),
+            "detached": sorted(self._detached.values()),
+            "spares": len(self._spares),
+            "claimed": sum(len(a) for a in self._claimed.values()),
+            "idle_since": None if self._leases else round(self._idle_since_wall, 1),
+        }
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def _went_idle(self) -> None:
+        self._idle_since = time.monotonic()
+        self._idle_since_wall = time.time()
+
+    # ---- spares ----------------------------------------------------------------------
+    def _new_rank(self, background: bool) -> Any:
+        import ray
+
+        from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
+
+        actor = (
+            ray.remote(RankActor)
+            .options(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
+            .remote(None, {})
+        )
+        actor.warm_up.remote(background)
+        return actor
+
+    def _refill(self, delay_s: float, background: bool) -> None:
+        def refill() -> None:
+            if delay_s:
+                time.sleep(delay_s)
+            while True:
+                with self._lock:
+                    if len(self._spares) >= self._target:
+                        return
+                actor = self._new_rank(background)
+                with self._lock:
+                    self._spares.append(actor)
+                    self._bump()
+
+        if delay_s:
+            threading.Thread(target=refill, name="rtnb-warm-refill", daemon=True).start()
+        else:
+            refill()
+
+    # ---- leases ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._idle.is_set():
+            time.sleep(WATCH_S)
+            gone: list[Any] = []
+            with self._lock:
+                dead = [
+                    pid for pid, started in self._leases.items() if not kernel_alive(pid, started)
+                ]
+                for pid in dead:
+                    del self._leases[pid]
+                    self._detached.pop(pid, None)
+                    gone += self._claimed.pop(pid, [])
+                    if not self._leases:
+                        self._went_idle()
+                    self._bump()
+                idle = not self._leases and time.monotonic() - self._idle_since > self._idle_s
+                if idle:
+                    self._idle.set()
+                    self._bump()
+            self._kill(gone)
+
+    @staticmethod
+    def _kill(actors: list[Any]) -> None:
+        import ray
+
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rtnb.driver.cluster._warm_host")
+    parser.add_argument("--state", required=True, type=Path)
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--spares", type=int, default=2)
+    parser.add_argument("--idle-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    from rtnb.core._startup import defer_unused_imports
+
+    defer_unused_imports()
+    from rtnb.driver.cluster._embedded import start_embedded_ray
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # Leave the launching kernel's directory: this process outlives it.
+    os.chdir(args.state.parent)
+    import ray
+
+    # Fresh for each warm Ray (a dead Ray's files in a reused temp dir can make a
+    # later one wait for it), short (Ray's socket paths must fit 107 bytes), and
+    # apart from /tmp/ray, which is the user's Ray's.
+    private_dir = Path(tempfile.mkdtemp(prefix=f"rtnb-warm-{os.getuid()}-"))
+    start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir)
+    try:
+        pool = (
+            ray.remote(WarmPool)
+            .options(name=POOL_NAME, num_cpus=0, max_concurrency=16)
+            .remote(args.idle_s, args.spares)
+        )
+        state = {
+            "key": args.key,
+            "pid": os.getpid(),
+            "address": ray.get_runtime_context().gcs_address,
+            "cpus": args.cpus,
+            "started": time.time(),
+            "temp_dir": str(private_dir),
+            "idle_s": args.idle_s,
+            **ray.get(pool.usage.remote(), timeout=120),
+        }
+        _write_state(args.state, state)
+        print(f"warm Ray ready for {args.key} (pid {os.getpid()})", flush=True)
+        version = -1
+        while not stop.is_set():
+            try:
+                version, usage = ray.get(pool.next_usage.remote(version, 1.0), timeout=30)
+                if ray.get(pool.is_idle.remote(), timeout=30):
+                    print("no kernel attached for the idle time: shutting down", flush=True)
+                    break
+            except Exception as exc:  # noqa: BLE001 - the pool died: nothing to keep
+                print(f"warm pool gone ({exc}): shutting down", flush=True)
+                break
+            if any(state[name] != value for name, value in usage.items()) and not stop.is_set():
+                state.update(usage)
+                _write_state(args.state, state)
+    finally:
+        try:
+            current = json.loads(args.state.read_text())
+            if current.get("pid") == os.getpid():
+                args.state.unlink()
+        except (OSError, ValueError):
+            pass
+        ray.shutdown()
+        shutil.rmtree(private_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

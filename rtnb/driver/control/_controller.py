@@ -1,0 +1,632 @@
+"""The session's controller: one state machine over the group and its cells.
+
+:class:`Controller` is the only owner of the session's worker group, its size and its
+state, as Ray Train V2's ``TrainController``: it alone makes, replaces and removes
+the group (through a :class:`GroupBuilder`, ``ranks/_builder.py``), moves the
+:class:`StateMachine` (``lifecycle/_states.py``; every transition is in its table, drawn in
+``docs/architecture.md``) and writes the journal's group entries (start, restart,
+scale). What follows a failure it asks the :class:`FailurePolicy`; an elastic
+group's sizes, the :class:`ScalingPolicy` (``lifecycle/_policies.py``).
+
+Its transitions::
+
+    start(replay)      NEW|STOPPED|FAILED → STARTING → READY
+    a cell             READY → RUNNING → READY                 (the cell flow's begin/end)
+    recover(failure)   RUNNING → RECOVERING → RUNNING | READY  (rebuilt, replayed, or given up)
+    scale(workers)     READY → RESIZING → READY                (the size is the argument)
+    grow()             READY → RESIZING → READY                (an elastic group's room came back)
+    restart(replay)    READY|RUNNING|FAILED → RESTARTING → READY
+    stop()             … → STOPPING → STOPPED
+
+The options (:class:`SessionConfig`) are frozen: a transition that changes the
+group's size builds the new group from a resized copy and swaps it in only once the
+group runs, so a failed scale leaves the options as they were. The cells run
+through the :class:`CellFlow` the controller owns (``cells/_flow.py``), which asks it
+for the running group and hands it failures; the journal is replayed onto every new
+group that keeps the ranks' state by a :class:`Replayer` (``control/_replay.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from rtnb.core._config import SessionConfig
+from rtnb.driver.cells import CellFlow, CheckpointCoordinator
+from rtnb.driver.cluster import ClusterConnection, StartProgress, StartReport
+from rtnb.driver.control._replay import Replayer
+from rtnb.driver.lifecycle import (
+    ACTIVE,
+    BUSY,
+    DURING_REBUILD,
+    Decision,
+    Failure,
+    FailurePolicy,
+    GroupState,
+    Raise,
+    RankDied,
+    RecoveryOutcome,
+    ReplayReport,
+    ScalingPolicy,
+    Shrink,
+    StateChange,
+    StateMachine,
+)
+from rtnb.driver.ranks import (
+    Connector,
+    GroupBuilder,
+    GroupFactory,
+    RankGroup,
+    RankLost,
+    ray_lost_line,
+)
+from rtnb.errors import (
+    CellInterrupted,
+    ClusterError,
+    ConfigError,
+    RtnbError,
+    SessionError,
+    WorkerGroupError,
+    one_line,
+)
+from rtnb.metrics._store import MetricsStore
+from rtnb.metrics._tensorboard import TensorBoardExporter
+from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._journal import EntryKind, Journal
+from rtnb.storage._layout import (
+    SYSTEM_METRICS,
+    RunRecord,
+    read_run_record,
+    tensorboard_dir,
+    write_run_record,
+)
+from rtnb.storage._logs import RankLogs
+from rtnb.storage._metricslog import MetricsLog
+from rtnb.storage._rundir import RunDirectory
+
+__all__ = ["Controller"]
+
+
+class Controller:
+    """Owns the group, its size and its state; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        run_name: str,
+        run_dir: RunDirectory,
+        journal: Journal,
+        commits: CheckpointCoordinator,
+        checkpoints: CheckpointStore,
+        metrics: MetricsStore,
+        policy: FailurePolicy,
+        *,
+        scaling: ScalingPolicy,
+        group_factory: GroupFactory,
+        connector: Connector,
+        at_exit: Callable[[], None],
+        tracking_record: Callable[[], dict],
+    ) -> None:
+        self._config = config
+        self.run_name = run_name
+        self.run_dir = run_dir
+        self.journal = journal
+        self.commits = commits
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.policy = policy
+        self.scaling = scaling
+        self.state_machine = StateMachine()
+        self.group: RankGroup | None = None
+        self.logs: RankLogs | None = None  # every rank's output, in {run}/logs/
+        self.last_start: StartReport | None = None
+        self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
+        self.last_recovery: RecoveryOutcome | None = None
+        # Why the group has its size, when elastic ("elastic 2-4: 3 ranks (...)").
+        self.size_reason: str | None = None
+        # One lock for the group's changes and the cells' starts.
+        self.lock = threading.RLock()
+        self._ready = threading.Event()
+        self.state_machine.subscribe(self._track_ready)
+        self._lost: str | None = None  # set once the Ray under the group is gone
+        self._replaying: int | None = None  # the thread replaying onto a new group
+        self._record = RunRecorder(run_dir, run_name, commits, tracking_record)
+        self._builder = GroupBuilder(
+            run_name,
+            scaling,
+            group_factory=group_factory,
+            connector=connector,
+            at_exit=at_exit,
+            on_ray_lost=self._ray_went_away,
+        )
+        self.cells = CellFlow(self, journal, commits, checkpoints, metrics, policy)
+        self._replayer = Replayer(
+            journal,
+            lambda: self.world_size,
+            self.cells.send_values,
+            self.cells.run_replayed,
+            self.cells.hand_datasets,
+            self.cells.send_controls,
+        )
+
+    # ---- what it holds -------------------------------------------------------------------
+    @property
+    def config(self) -> SessionConfig:
+        """The options in force (a scale swaps in a resized copy)."""
+        return self._config
+
+    @property
+    def state(self) -> GroupState:
+        return self.state_machine.state
+
+    @property
+    def connection(self) -> ClusterConnection | None:
+        return self._builder.connection
+
+    @property
+    def world_size(self) -> int:
+        """The running group's ranks (an elastic group's current size), else the
+        configured size."""
+        group = self.group
+        return group.world_size if group is not None else self._config.world_size
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def _track_ready(self, change: StateChange) -> None:
+        if change.new in (GroupState.READY, GroupState.RUNNING):
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    def require_group(
+        self, wait_s: float = 0.0, state_text: Callable[[], str] | None = None
+    ) -> RankGroup:
+        """The running group. While it is being made or replaced (start, recovery,
+        scale, restart), wait up to ``wait_s`` for it, then say so (in
+        ``state_text()``'s words, only then asked); never "no worker group"."""
+        if self._lost is not None:
+            raise ClusterError(self._lost)
+        group = self.group
+        if group is not None and self._replaying == threading.get_ident():
+            return group  # the replay that makes the new group ready runs on it
+        if self.state in BUSY:
+            self._ready.wait(wait_s)
+        group, state = self.group, self.state
+        if group is not None and state in (GroupState.READY, GroupState.RUNNING):
+            return group
+        if state in BUSY:
+            raise SessionError(
+                f"the worker group is {state_text() if state_text else state}; "
+                "try again once it is ready (`%rtnb status`)"
+            )
+        raise SessionError(
+            "no worker group is running: start one with `%rtnb start` (or Session.start())"
+        )
+
+    def replacement(
+        self, lost: RankGroup, coming: Callable[[], bool], timeout_s: float
+    ) -> RankGroup | None:
+        """The group a recovery builds to replace ``lost``, once ready; None when
+        ``coming()`` says none is coming any more, or after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            group = self.group
+            if group is not None and group is not lost and self.is_ready:
+                return group
+            if not coming() and self.group is lost:
+                return None
+            time.sleep(0.05)
+        return None
+
+    def cell_started(self, name: str) -> None:
+        self.state_machine.to(GroupState.RUNNING, name)
+
+    def cell_ended(self, name: str) -> None:
+        if self.state is GroupState.RUNNING:
+            self.state_machine.to(GroupState.READY, f"{name} ended")
+
+    def check_fits(self, config: SessionConfig) -> None:
+        self._builder.check_fits(config)
+
+    # ---- start and stop ------------------------------------------------------------------
+    def start(self, steps: StartProgress, prepare: Callable[[], None], replay: bool) -> None:
+        """Connect to Ray, start the group and, with ``replay``, rebuild the ranks'
+        state from the journal; ``prepare`` runs first (inside the start, so its
+        failure fails the start with one line)."""
+        with self.lock:
+            if self.state in ACTIVE:
+                raise SessionError(
+                    f"the worker group of run {self.run_name!r} is already started; "
+                    "use `%rtnb restart` for a fresh one or `%rtnb stop` first"
+                )
+            self.state_machine.to(GroupState.STARTING)
+            try:
+                self.run_dir.ensure_writable()
+                self._attach_outputs()
+                prepare()
+                built = self._builder.connect_and_build(self._config, steps)
+            except BaseException as exc:
+                # A start that fails stops the embedded Ray it started and lets go of a
+                # cluster it joined (RankGroup.start already freed its placement group
+                # and actors).
+                self._builder.drop_connection()
+                self.state_machine.to(GroupState.FAILED, one_line(exc))
+                if isinstance(exc, KeyboardInterrupt):
+                    raise SessionError(
+                        "starting the worker group was interrupted; its placement group and "
+                        "actors were freed"
+                    ) from None
+                if isinstance(exc, RtnbError):
+                    raise
+                raise SessionError(f"starting the worker group failed: {one_line(exc)}") from None
+            self.group, self.size_reason = built.group, built.size_reason
+            self.last_start = steps.report
+            try:
+                self._record.carry_on()
+                self.continue_step_count()
+                self.journal.append(
+                    EntryKind.START, workers=self.world_size, keep=replay, reason=self.size_reason
+                )
+                if replay:
+                    self._replay("start --replay")
+            except BaseException as exc:
+                if self.state is GroupState.STARTING:
+                    self.state_machine.to(GroupState.FAILED, one_line(exc))
+                raise
+            self._ready_again("started")
+
+    def stop(self) -> None:
+        """Stop any running cell (the cooperative grace first), free every actor and
+        the placement group, close the run's outputs."""
+        clean = self._lost is None and self.cells.stop_active(
+            "stopped because the worker group is stopping"
+        )
+        with self.lock:
+            if self.state in (GroupState.NEW, GroupState.STOPPED):
+                return
+            self.state_machine.to(GroupState.STOPPING)
+            group, self.group = self.group, None
+            if group is not None and self._lost is None:
+                group.shutdown(graceful=clean, timeout_s=5.0 if clean else 1.0)
+            self._builder.close()
+            self.metrics.flush()
+            if self.metrics.exporter is not None:
+                self.metrics.exporter.close()
+                self.metrics.exporter = None
+            with contextlib.suppress(RtnbError):
+                self.journal.flush(timeout=10.0)
+            self.journal.close()
+            self.state_machine.to(GroupState.STOPPED)
+            try:
+                self.write_run_record()
+            except Exception:  # noqa: BLE001 - stopping must not fail on a storage hiccup
+                pass
+
+    def _attach_outputs(self) -> None:
+        if self.metrics.log is None:
+            self.metrics.log = MetricsLog(self.run_dir)
+            self.metrics.system_log = MetricsLog(self.run_dir, SYSTEM_METRICS)
+        if self.logs is None:
+            self.logs = RankLogs(self.run_dir)
+        if self._config.tensorboard and self.metrics.exporter is None:
+            if not self.run_dir.is_local:
+                raise ConfigError(
+                    "--tensorboard writes event files next to the run: it needs a local --storage"
+                )
+            self.metrics.exporter = TensorBoardExporter(tensorboard_dir(self.run_dir.path))
+
+    # ---- rebuilds that keep the state, or not ---------------------------------------------
+    def restart(self, replay: bool) -> None:
+        """A new group with the same options; the ranks' variables kept by a replay
+        of the journal, or dropped."""
+        self.cells.stop_active("stopped because the worker group restarts")
+        with self.lock:
+            self.state_machine.to(GroupState.RESTARTING, "restart requested")
+            self._rebuild("restart requested", self._config, fresh=not replay)
+            self.policy.reset()
+            if replay:
+                self._replay("restart --replay")
+            self._ready_again("restarted")
+
+    def resized(self, workers: int | tuple[int, int]) -> SessionConfig:
+        """The options at ``workers`` (checked: valid, and it fits the cluster when a
+        group runs): N ranks, ``(MIN, MAX)`` for an elastic group, 0 for local mode."""
+        config = self._config.resized(workers)
+        if self.group is not None:
+            self._builder.check_fits(config)  # before the group is taken down
+        return config
+
+    def scale(self, config: SessionConfig) -> None:
+        """A group at ``config``'s size (from :meth:`resized`) holding the same
+        variables: the journal is replayed onto it. Without a group, the options
+        the next start uses."""
+        if self.state in (GroupState.NEW, GroupState.STOPPED):
+            self._config = config
+            return
+        self.cells.stop_active(
+            f"stopped because the worker group scales to {config.workers_text} ranks"
+        )
+        with self.lock:
+            old = self.world_size
+            self.state_machine.to(GroupState.RESIZING, f"scale to {config.workers_text}")
+            self._rebuild(
+                f"scaling from {old} to {config.workers_text} ranks", config, kind=EntryKind.SCALE
+            )
+            self._config = config  # the group runs at this size now
+            self._replay(f"scale {old} → {self.world_size}")
+            self._ready_again("scaled")
+
+    def grow(self) -> str | None:
+        """An elastic group below MAX grows when the cluster has room again (never
+        in a cell: a rebuild with the journal replayed); the line saying so, or None
+        when it stays."""
+        config, group = self._config, self.group
+        if not config.elastic or group is None or self._lost is not None:
+            return None
+        old = group.world_size
+        try:
+            room = self._builder.room_for_ranks(config, held=old)
+        except Exception:  # noqa: BLE001 - no view of the cluster now: grow another time
+            return None
+        target = self.scaling.grow_to(config, old, room)
+        if target is None:
+            return None
+        with self.lock:
+            reason = f"elastic: the cluster has room for {target} ranks again"
+            self.state_machine.to(GroupState.RESIZING, reason)
+            self._rebuild(reason, config, kind=EntryKind.SCALE, expect=target)
+            report = self._replay(f"grow {old} → {self.world_size}")
+            self._ready_again("grew")
+        return (
+            f"[rtnb] elastic group grew from {old} to {self.world_size} ranks "
+            f"(resources came back); {report}\n"
+        )
+
+    def _ready_again(self, why: str) -> None:
+        self.state_machine.to(GroupState.READY, why)
+        self.write_run_record()
+
+    def _rebuild(
+        self,
+        reason: str,
+        config: SessionConfig,
+        *,
+        fresh: bool = False,
+        kind: EntryKind = EntryKind.RESTART,
+        expect: int | None = None,
+        lost: int = 0,
+    ) -> None:
+        """Replace the group by one of ``config``'s size, in the transition's state;
+        ``fresh`` records that the ranks' state is gone (the journal's replay starts
+        after it); ``expect``: the size an elastic group grows to; ``lost``: the
+        ranks a failure took (see ``GroupBuilder.build``). A failure moves to FAILED."""
+        if self.check_ray_lost():
+            raise ClusterError(self._lost)
+        with self.lock:
+            group, self.group = self.group, None
+            without = group.world_size - lost if group is not None and lost else None
+            if group is not None:
+                group.shutdown(graceful=False)
+            try:
+                self._builder.connect(config, StartProgress())  # local mode scaled out to Ray
+                built = self._builder.build(config, expect=expect, without=without)
+            except RtnbError as exc:
+                # A Ray that is shutting down (`rtnb warm stop --force`, a head's
+                # `ray stop`) kills the ranks and refuses new ones before its GCS
+                # closes: then the news is that Ray is gone, not the placement.
+                gone = self.check_ray_lost(settle_s=2.5)
+                if gone:
+                    raise ClusterError(gone) from None
+                self.state_machine.to(GroupState.FAILED, str(exc))
+                raise
+            self.group, self.size_reason = built.group, built.size_reason
+            self.journal.append(
+                kind, workers=self.world_size, keep=not fresh, reason=self.size_reason or reason
+            )
+            self.continue_step_count()
+
+    def _replay(self, why: str) -> ReplayReport:
+        """Rebuild the ranks' state on the new group from the journal (fails the
+        group with one line if a replayed cell fails)."""
+        try:
+            report = self._replay_journal()
+        except RankDied:
+            self.state_machine.to(GroupState.FAILED, "a rank died during the replay")
+            raise WorkerGroupError(
+                f"a rank died while the journal was replayed ({why}); start again"
+            ) from None
+        except RtnbError as exc:
+            self.state_machine.to(GroupState.FAILED, str(exc))
+            raise
+        finally:
+            self.checkpoints.cleanup_incomplete()
+        self.continue_step_count()
+        self.last_replay = report
+        return report
+
+    def _replay_journal(self, before: int | None = None) -> ReplayReport:
+        """Replay in this thread, which alone may use the group until it is ready."""
+        self._replaying = threading.get_ident()
+        try:
+            return self._replayer.replay(before)
+        finally:
+            self._replaying = None
+
+    # ---- after a failure -------------------------------------------------------------------
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
+        """What a failed cell does next: run again on a rebuilt group with the journal
+        replayed up to it (entry ``before``), or end with an error. A rank that dies
+        during the rebuild or replay is another failure, decided again."""
+        while True:
+            failure = dataclasses.replace(failure, world_size=self.world_size)
+            decision = self.policy.decide(failure)
+            if isinstance(decision, Raise) and not failure.dead and failure.error is not None:
+                return RecoveryOutcome(decision, keep_error=True)  # the group is sound
+            self._enter_recovering(failure.summary if failure.dead else failure.cell)
+            if isinstance(decision, Raise):
+                return self._give_up(failure, decision)
+            outcome = self._rebuild_and_replay(failure, decision, before)
+            if isinstance(outcome, RecoveryOutcome):
+                return outcome
+            failure = outcome
+
+    def _enter_recovering(self, why: str) -> None:
+        if self.state is not GroupState.RECOVERING:
+            self.state_machine.to(GroupState.RECOVERING, why)
+
+    def _rebuild_and_replay(
+        self, failure: Failure, decision: Decision, before: int | None
+    ) -> RecoveryOutcome | Failure:
+        # A policy that shrinks: the size is the rebuild's argument; the options
+        # change only once the smaller group runs.
+        config = (
+            self._config.resized(decision.workers) if isinstance(decision, Shrink) else self._config
+        )
+        try:
+            self._rebuild(
+                f"{failure.summary} ({decision.attempt})",
+                config,
+                lost=sum(1 for rank in failure.dead if rank >= 0),
+            )
+            self._config = config
+            # Files a dead rank left half-written never got a manifest: drop them.
+            self.checkpoints.drop_pending()
+            self.checkpoints.cleanup_incomplete()
+            report = self._replay_journal(before)
+            self.continue_step_count()
+            self.last_recovery = RecoveryOutcome(
+                decision,
+                report,
+                failure_summary=failure.summary,
+                world_size=self.world_size,
+                resized=self.size_reason if self.world_size < failure.world_size else None,
+            )
+            self.state_machine.to(GroupState.RUNNING, f"recovered: {failure.summary}")
+            return self.last_recovery
+        except (RankLost, WorkerGroupError, RankDied) as exc:
+            if self.state is GroupState.FAILED:
+                self.state_machine.to(GroupState.RECOVERING, "retrying after a failed rebuild")
+            what = "a rank died during replay" if isinstance(exc, RankDied) else one_line(exc)
+            return Failure(failure.cell, {DURING_REBUILD: what})
+        except RtnbError as exc:
+            if self._lost:
+                return RecoveryOutcome(decision, ray_lost=True)
+            return RecoveryOutcome(
+                decision,
+                error=WorkerGroupError(f"{failure.summary}; recovery failed: {exc}"),
+            )
+
+    def _give_up(self, failure: Failure, decision: Raise) -> RecoveryOutcome:
+        """No retry: fresh ranks (the dead or stuck ones cannot be reused) and the
+        cell's error saying that its variables are gone."""
+        if failure.dead:
+            what = failure.summary + decision.why
+        else:
+            stuck = failure.stuck
+            what = (
+                f"{failure.cell} {failure.stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
+                f"{', '.join(map(str, stuck))} did not stop within "
+                f"{2 * self._config.stop_grace_s:g} s (blocked in a collective or in native code)"
+            )
+        try:
+            self._rebuild(what, self._config, fresh=True)
+            self._ready_again("rebuilt with fresh ranks")
+            tail = "the worker group was rebuilt with fresh ranks; variables defined on the ranks are gone"
+        except RtnbError as exc:
+            if self._lost:
+                return RecoveryOutcome(decision, ray_lost=True)
+            tail = f"rebuilding the worker group failed: {exc}"
+        message = f"{what}; {tail}"
+        error = WorkerGroupError(message) if failure.dead else CellInterrupted(message, kept=False)
+        return RecoveryOutcome(decision, error=error)
+
+    # ---- the Ray under the group going away -------------------------------------------------
+    @property
+    def ray_lost(self) -> str | None:
+        """One line on the Ray this session used being gone, once it is: no Ray call
+        is made after that (each would wait on a GCS that never answers)."""
+        return self._lost
+
+    def check_ray_lost(self, settle_s: float = 0.0) -> str | None:
+        """As :attr:`ray_lost`, asking the cluster now (before a rebuild, or on a Ray
+        error that a GCS going away causes)."""
+        if self._lost is None:
+            self._builder.check_lost(settle_s)
+        return self._lost
+
+    def _ray_went_away(self, why: str) -> None:
+        latest = None
+        with contextlib.suppress(Exception):
+            latest = self.commits.latest_id()
+        connection = self._builder.connection
+        own_driver = connection is not None and not connection.driver_outlives_ray
+        self._lost = ray_lost_line(why, self.run_name, latest, own_driver)
+        self.group = None
+        with contextlib.suppress(RuntimeError):  # already stopping or stopped
+            self.state_machine.to(GroupState.FAILED, self._lost)
+
+    # ---- where the ranks are ----------------------------------------------------------------
+    def continue_step_count(self) -> None:
+        """New ranks (a rebuild, or a run continued by a new session with the same
+        --name and storage) carry on where the old ones were: same line, same step
+        count, so checkpoint ids are never reused."""
+        group = self.group
+        if group is not None:
+            line, step = self.commits.line, self.commits.step
+            try:
+                group.gather(group.set_step(step, line), 60)
+            except RankLost:
+                pass  # a rank already died: the next cell's poll reports it
+
+    def write_run_record(self) -> None:
+        self._record.write(str(self.state), self._config, self.group)
+
+
+class RunRecorder:
+    """Keeps the run's ``run.json`` current: its state, options and ranks, where its
+    training is (line and step) and its MLflow run. A run carried on by a new
+    session keeps the time it first started and where its training was."""
+
+    def __init__(
+        self,
+        run_dir: RunDirectory,
+        run_name: str,
+        commits: CheckpointCoordinator,
+        tracking_record: Callable[[], dict],
+    ) -> None:
+        self._run_dir = run_dir
+        self._run_name = run_name
+        self._commits = commits
+        self._tracking_record = tracking_record
+        self._started_at: float | None = None  # run.json's "started"
+
+    def carry_on(self) -> None:
+        if self._started_at is not None:
+            return
+        try:
+            earlier = read_run_record(self._run_dir)
+        except (OSError, ValueError, TypeError):
+            earlier = None
+        self._started_at = (earlier.started if earlier is not None else 0.0) or time.time()
+        self._commits.restore(earlier)
+
+    def write(self, state: str, config: SessionConfig, group: RankGroup | None) -> None:
+        self.carry_on()
+        write_run_record(
+            self._run_dir,
+            RunRecord(
+                run_name=self._run_name,
+                started=self._started_at or time.time(),
+                status=state,
+                config=config.to_dict(),
+                ranks=[vars(r) for r in group.ranks] if group is not None else [],
+                updated=time.time(),
+                mlflow=self._tracking_record(),
+                **self._commits.record(),
+            ),
+        )
