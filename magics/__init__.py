@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from rtnb.magics._magics import RtnbMagics, completer
+from rtnb.magics._magics import RtnbMagics, RtrainMagics, completer
 
-__all__ = ["RtnbMagics", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["RtnbMagics", "RtrainMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:
     magics = RtnbMagics(shell=ipython)
     ipython.register_magics(magics)
+    ipython.register_magics(RtrainMagics(ipython, magics.runner))
     hook = completer(magics)
     for command in ("%rtnb", "%%rtnb", "%rtrain", "%%rtrain"):
         ipython.set_hook("complete_command", hook, str_key=command)

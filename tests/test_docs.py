@@ -47,14 +47,14 @@ def _text(page: Path) -> str:
 
 def test_the_magics_reference_lists_every_subcommand_and_flag_the_parsers_accept(site):
     from rtnb.magics._help import parser_flags
-    from rtnb.magics._magics import SUBCOMMANDS, RtnbMagics
+    from rtnb.magics._magics import SUBCOMMANDS, RtrainMagics
 
     text = _text(site / "reference" / "magics.html")
     for sub in SUBCOMMANDS:
         assert f"usage: %rtnb {sub.name}" in text, sub.name
         for flag in sub.flags():
             assert flag in text, f"%rtnb {sub.name} {flag}"
-    for flag in parser_flags(RtnbMagics.rtrain_cell.parser):
+    for flag in parser_flags(RtrainMagics.rtrain_cell.parser):
         assert flag in text, f"%%rtrain {flag}"
 
 

@@ -266,7 +266,7 @@ def test_node_local_storage_is_refused_for_ranks_on_several_nodes():
 
 
 def test_rtnb_help_lists_every_subcommand_and_every_flag():
-    from rtnb.magics._magics import SUBCOMMANDS, RtnbMagics
+    from rtnb.magics._magics import SUBCOMMANDS, RtnbMagics, RtrainMagics
 
     text = RtnbMagics.rtnb.__doc__
     assert "In [1]: %load_ext rtnb" in text, "the example stays"
@@ -276,10 +276,20 @@ def test_rtnb_help_lists_every_subcommand_and_every_flag():
             assert flag in text, (sub.name, flag)
     for flag in ("--max-failures", "--keep", "--score", "--mode", "--tensorboard", "--stop-grace"):
         assert flag in text
-    for action in RtnbMagics.rtrain_cell.parser._actions:
+    for action in RtrainMagics.rtrain_cell.parser._actions:
         for option in action.option_strings:
             assert option in text or option in ("-h", "--help")
     assert "%rtnb scale WORKERS" in text and "%rtnb pull NAME" in text
+
+
+def test_every_subcommand_has_one_registered_handler_and_every_handler_a_subcommand():
+    """%rtnb finds a subcommand's handler in one registry; a row of the table without
+    a handler (or a handler no row names) would print help for a command that fails."""
+    from rtnb.magics._commands import COMMANDS
+    from rtnb.magics._parsers import SUBCOMMAND_NAMES
+
+    assert sorted(COMMANDS) == sorted(SUBCOMMAND_NAMES)
+    assert COMMANDS["import"].__name__ == "import_script"
 
 
 def test_the_relay_closes_a_missing_answer_at_the_shorter_of_two_waits():
@@ -318,7 +328,7 @@ def test_start_options_are_the_session_configs_fields_with_its_defaults():
     import dataclasses
 
     from IPython.core.magic_arguments import parse_argstring
-    from rtnb.magics._magics import _start_args
+    from rtnb.magics._parsers import start_args as _start_args
 
     from rtnb.core._config import declared_defaults
 
