@@ -25,7 +25,7 @@ from rtnb.driver.cluster._auth import as_the_environment_says, joining_with, use
 from rtnb.driver.cluster._embedded import LOOPBACK, start_embedded_ray
 from rtnb.driver.cluster._ray_output import quiet_rank_machinery
 from rtnb.driver.cluster._versions import ray_mismatch_line
-from rtnb.errors import ClusterError, one_line
+from rtnb.errors import ClusterError, ConfigError, one_line
 
 if TYPE_CHECKING:
     from rtnb.driver.cluster._warm_client import WarmRay
@@ -440,6 +440,19 @@ def _embed(
                 client_mode=False,
                 warm=attached,
             )
+    if outlive_kernel:
+        # A Ray embedded here ends with this process: decided here, once, in one line.
+        why = (
+            "RTNB_WARM_RAY=0 switches the warm Ray off"
+            if _warm.switched_off()
+            else "the warm Ray takes no --listen address"
+            if listen not in (None, LOOPBACK)
+            else "the warm Ray has no room (another kernel holds its CPUs)"
+        )
+        raise ConfigError(
+            f"--detached needs a Ray that outlives this kernel, and {why}: give a "
+            "cluster's --address, or free the warm Ray"
+        )
     try:
         start_embedded_ray(ray, num_cpus=num_cpus, listen=listen)
     except Exception as exc:  # noqa: BLE001 - Ray raises many types here

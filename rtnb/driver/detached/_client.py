@@ -22,11 +22,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Unpack
 
 from rtnb.core._config import SessionConfig, default_run_name
 from rtnb.core._output import OutputSink, print_sink
+from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver.cluster import ClusterConnection, connect
 from rtnb.driver.detached._host import (
@@ -41,6 +42,7 @@ from rtnb.driver.detached._host import (
     idle_seconds,
     run_of,
 )
+from rtnb.driver.lifecycle import CellOptions
 from rtnb.errors import (
     ClusterError,
     ConfigError,
@@ -50,7 +52,9 @@ from rtnb.errors import (
     one_line,
 )
 from rtnb.metrics._store import MetricsStore
-from rtnb.storage._checkpoints import CheckpointStore
+from rtnb.storage._checkpoint import Checkpoint
+from rtnb.storage._checkpoints import CheckpointInfo, CheckpointStore
+from rtnb.storage._result import Result
 from rtnb.storage._rundir import BATCH_RUNS_ENV
 
 __all__ = [
@@ -64,28 +68,6 @@ __all__ = [
 
 _HOST_CONCURRENCY = 64
 _CALL_TIMEOUT_S = 300.0
-# What a detached group's session does through the host: the rest is refused in
-# one line (their state lives in the kernel: a debugger's prompt, a profile's view).
-_FORWARDED = frozenset(
-    {
-        "status",
-        "pull",
-        "push",
-        "names_on_ranks",
-        "list_checkpoints",
-        "stacks",
-        "set_controls",
-        "trigger",
-        "save_now",
-        "scale",
-        "restart",
-        "result",
-        "load",
-        "latest_checkpoint_id",
-        "prepare_resume",
-    }
-)
-# Forwarded calls that answer the session itself: here, this object.
 # A cell's output kept here for views that subscribe late (the run's logs/ keep all).
 _LOG_LINES = 20_000
 
@@ -268,22 +250,33 @@ class DetachedSession:
 
     def __init__(
         self,
-        host: Any,
-        run_name: str,
         config: SessionConfig,
-        holder: Holder | None,
-        cells: list[CellView],
-        connection: ClusterConnection | None,
-        last_start: str | None = None,
-        last_replay: str | None = None,
+        *,
+        session_class: type | None = None,
+        replay: bool = False,
+        idle_timeout_s: float | None = None,
+        on_started: Callable[[DetachedSession], None] | None = None,
     ) -> None:
-        self._host = host
-        self.run_name = run_name
-        self._config = config
-        self._holder = holder
-        self._connection = connection
+        """``Session(detached=True)``: the options, checked; :meth:`start` makes the
+        group's host. (:func:`attach` binds one to a running host instead.)"""
+        if replay and not config.name:
+            raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
+        if config.local:
+            raise ConfigError(
+                "--detached runs the group outside this kernel and local mode (--workers 0) "
+                "inside it: drop one of them"
+            )
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ConfigError(f"--idle-timeout must be positive, got {idle_timeout_s:g}")
+        self.run_name = config.name or default_run_name()
+        self._config = dataclasses.replace(config, name=self.run_name)
+        self._start_with = (session_class, replay, idle_timeout_s, on_started)
+        self._host: Any = None
+        self._holder: Holder | None = None
+        self._connection: ClusterConnection | None = None
         self.metrics = MetricsStore()
-        self.last_start, self.last_replay = last_start, last_replay
+        self.last_start: str | None = None
+        self.last_replay: str | None = None
         self.last_profile = None
         self.last_growth: str | None = None
         self.ended: str | None = None  # why the group is gone, once it is
@@ -293,7 +286,48 @@ class DetachedSession:
         self._last_background: FollowedCell | None = None
         self._cursors = (0, 0, 0)
         self._closing = threading.Event()
-        for view in cells:
+
+    def start(self, progress: Callable[[str], None] | None = None) -> DetachedSession:
+        """Start the group's host (it outlives this kernel) and hold it from here."""
+        if self._host is not None:
+            raise SessionError(f"run {self.run_name!r} is already started")
+        session_class, replay, idle_s, on_started = self._start_with
+        if session_class is None:
+            raise SessionError("this detached session was attached, not made to start")
+        host, config, holder, connection, start_line, replay_line = start_detached(
+            session_class, self._config, replay, idle_s, progress
+        )
+        self.last_start, self.last_replay = start_line, replay_line
+        self.bind_host(host, config, holder, [], connection)
+        if on_started is not None:
+            on_started(self)
+        return self
+
+    @classmethod
+    def bound_to(
+        cls,
+        host: Any,
+        config: SessionConfig,
+        holder: Holder | None,
+        views: list[CellView],
+        connection: ClusterConnection | None,
+    ) -> DetachedSession:
+        """A session of a host that runs already (:func:`attach`)."""
+        session = cls(config)
+        session.bind_host(host, config, holder, views, connection)
+        return session
+
+    def bind_host(
+        self,
+        host: Any,
+        config: SessionConfig,
+        holder: Holder | None,
+        views: list[CellView],
+        connection: ClusterConnection | None,
+    ) -> None:
+        """From now on this session's calls go to ``host``; its feed is followed."""
+        self._host, self._config, self._holder, self._connection = host, config, holder, connection
+        for view in views:
             self._cell(view)
         # The history first, in this thread: a view shown right after sees all of it
         # (up to what the host had at the first answer; the rest comes live).
@@ -302,6 +336,14 @@ class DetachedSession:
             if self._pull(0.0) is None:
                 break
         threading.Thread(target=self._follow, name="rtnb-follow", daemon=True).start()
+
+    def __enter__(self) -> DetachedSession:
+        return self if self._host is not None else self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        # A detached group outlives the block, as it outlives the kernel: let go.
+        if self._host is not None:
+            self.release()
 
     # ---- following -------------------------------------------------------------------
     def _pull(self, timeout_s: float) -> FeedChunk | None:
@@ -399,6 +441,8 @@ class DetachedSession:
     def _require_held(self) -> None:
         if self.ended is not None:
             raise SessionError(self.ended)
+        if self._host is None:
+            raise SessionError("the detached group is not started yet: call start() first")
         if self._holder is None:
             taken = f"{self.taken_by} took it over; " if self.taken_by else ""
             raise SessionError(
@@ -406,20 +450,74 @@ class DetachedSession:
                 f"`%rtnb attach {self.run_name} --take` takes it back"
             )
 
-    def __getattr__(self, name: str) -> Any:
-        if name in _FORWARDED:
+    # ---- calls the host makes on its session ----------------------------------------
+    def _in_host(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self._require_held()
+        return _get(self._host.call.remote(name, args, kwargs, self._token()))
 
-            def forwarded(*args: Any, **kwargs: Any) -> Any:
-                self._require_held()
-                return _get(self._host.call.remote(name, args, kwargs, self._token()))
+    def status(self) -> Any:  # a GroupStatus, made in the host
+        return self._in_host("status")
 
-            return forwarded
-        if name.startswith("_"):
-            raise AttributeError(name)
+    def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
+        return self._in_host("pull", name, ranks)
+
+    def push(self, values: dict[str, Any], ranks: Iterable[int] | str | None = None) -> None:
+        self._in_host("push", values, ranks)
+
+    def names_on_ranks(self) -> set[str]:
+        return self._in_host("names_on_ranks")
+
+    def list_checkpoints(
+        self, include_incomplete: bool = False, run: str | None = None
+    ) -> list[CheckpointInfo]:
+        return self._in_host("list_checkpoints", include_incomplete, run)
+
+    def latest_checkpoint_id(self) -> str | None:
+        return self._in_host("latest_checkpoint_id")
+
+    def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
+        return self._in_host("stacks", ranks)
+
+    def set_controls(self, values: dict[str, Any] | None = None, **named: Any) -> int | None:
+        return self._in_host("set_controls", values, **named)
+
+    def trigger(self, name: str) -> int:
+        return self._in_host("trigger", name)
+
+    def save_now(self) -> int:
+        return self._in_host("save_now")
+
+    def result(self) -> Result:
+        return self._in_host("result")
+
+    def load(self, checkpoint_id: str = "latest", run: str | None = None) -> Checkpoint:
+        return self._in_host("load", checkpoint_id, run)
+
+    def prepare_resume(self, checkpoint_id: str = "latest", *, run: str | None = None) -> Any:
+        return self._in_host("prepare_resume", checkpoint_id, run=run)
+
+    # ---- what lives in a kernel: refused in one line -----------------------------------
+    def debug(
+        self,
+        rank: int | None = None,
+        ask: Callable[[str], str] | None = None,
+        show: Callable[[str], None] | None = None,
+    ) -> None:
+        raise _not_from_a_kernel("debug")
+
+    def profile(self, steps: int = 20) -> int | None:
+        raise _not_from_a_kernel("profile")
+
+    def set_datasets(
+        self, datasets: Mapping[str, Any] | None = None, dataset_config: Any = None, **named: Any
+    ) -> None:
         raise SessionError(
-            f"{name} is not available on a detached group from a kernel; "
-            "`%rtnb stop` it and start one without --detached to use it"
+            "--datasets is not available on a detached group: hand the datasets "
+            "in the cell (ray.data.read_...)"
         )
+
+    def prepare_import(self, path: str) -> Any:
+        raise _not_from_a_kernel("import")
 
     @property
     def dataset_names(self) -> list[str]:
@@ -470,78 +568,37 @@ class DetachedSession:
         return cell if background else cell.run_here()
 
     # ---- cells -----------------------------------------------------------------------
-    def _start_cell(
-        self,
-        code: str,
-        background: bool,
-        output: OutputSink | None,
-        ranks: Iterable[int] | str | None,
-        timeout: float | None,
-        total_steps: int | None,
-        once: bool,
-        label: str | None,
-        datasets: Any,
-        config: Any = None,
-    ) -> FollowedCell:
+    def _start_cell(self, code: str, background: bool, options: CellOptions) -> FollowedCell:
         self._require_held()
-        if datasets:
-            raise SessionError(
-                "--datasets is not available on a detached group: hand the datasets "
-                "in the cell (ray.data.read_...)"
-            )
+        if options.get("datasets"):
+            self.set_datasets()  # refused in one line
         if not isinstance(code, str):
             raise ConfigError("a detached group runs code given as text")
-        options = {
+        ranks = options.get("ranks")
+        sent = {
             "ranks": list(ranks) if ranks is not None and not isinstance(ranks, str) else ranks,
-            "timeout": timeout,
-            "total_steps": total_steps,
-            "once": once,
-            "label": label,
-            "config": config,
+            "timeout": options.get("timeout"),
+            "total_steps": options.get("total_steps"),
+            "once": options.get("once", False),
+            "label": options.get("label"),
+            "config": options.get("config"),
         }
-        view = _get(self._host.run.remote(code, background, options, self._token()))
+        view = _get(self._host.run.remote(code, background, sent, self._token()))
         cell = self._cell(view)
-        cell.add_sink(output or print_sink(), replay=True)
+        cell.add_sink(options.get("output") or print_sink(), replay=True)
         return cell
 
-    def run_background(
-        self,
-        code: str,
-        *,
-        ranks: Iterable[int] | str | None = None,
-        timeout: float | None = None,
-        config: Any = None,
-        output: OutputSink | None = None,
-        total_steps: int | None = None,
-        once: bool = False,
-        label: str | None = None,
-        datasets: Any = None,
-    ) -> FollowedCell:
+    def run_background(self, code: str, **options: Unpack[CellOptions]) -> FollowedCell:
         """Start ``code`` in the group's host; its handle at once."""
-        quiet = output or (lambda rank, stream, text: None)
-        return self._start_cell(
-            code, True, quiet, ranks, timeout, total_steps, once, label, datasets, config
-        )
+        options["output"] = options.get("output") or (lambda rank, stream, text: None)
+        return self._start_cell(code, True, options)
 
-    def begin_cell(
-        self,
-        code: str,
-        *,
-        ranks: Iterable[int] | str | None = None,
-        timeout: float | None = None,
-        total_steps: int | None = None,
-        output: OutputSink | None = None,
-        once: bool = False,
-        label: str | None = None,
-        datasets: Any = None,
-    ) -> FollowedCell:
+    def begin_cell(self, code: str, **options: Unpack[CellOptions]) -> FollowedCell:
         """A foreground cell: it runs in the host (so it goes on if this kernel
         dies); ``run_here()`` waits for it."""
-        return self._start_cell(
-            code, False, output, ranks, timeout, total_steps, once, label, datasets
-        )
+        return self._start_cell(code, False, options)
 
-    def run(self, code: str, **options: Any) -> Any:
+    def run(self, code: str, **options: Unpack[CellOptions]) -> Any:
         return self.begin_cell(code, **options).run_here()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -592,8 +649,10 @@ def start_detached(
     replay: bool,
     idle_timeout_s: float | None,
     progress: Callable[[str], None] | None = None,
-) -> DetachedSession:
-    """Start a detached group for ``config`` (the session's own options)."""
+) -> tuple[Any, SessionConfig, Holder, ClusterConnection, str | None, str | None]:
+    """Start a detached group's host for ``config`` (the session's own options): the
+    host, the options in force there, this kernel as its holder, the connection, and
+    the start's and replay's lines."""
     say = progress or (lambda line: None)
     run = config.name or default_run_name()
     config = dataclasses.replace(config, name=run, storage=config.storage_path)
@@ -608,23 +667,13 @@ def start_detached(
         outlive_kernel=True,
     )
     ray = _ray()
-    own_ray = not connection.owned and _ray_dies_with_this_process()
-    if (connection.owned and connection.warm is None) or own_ray:
+    if not connection.owned and _ray_dies_with_this_process():
+        # (the warm-or-embedded choice was connect's: it never embeds for a detached group)
         connection.shutdown()
-        from rtnb.driver.cluster import switched_off
-
-        why = (
-            "the Ray this kernel uses is its own (its ray.init()), which ends with it"
-            if own_ray
-            else "RTNB_WARM_RAY=0 switches the warm Ray off"
-            if switched_off()
-            else "the warm Ray takes no --listen address"
-            if config.listen
-            else "the warm Ray has no room (another kernel holds its CPUs)"
-        )
         raise ConfigError(
-            f"--detached needs a Ray that outlives this kernel, and {why}: give a "
-            "cluster's --address, or free the warm Ray"
+            "--detached needs a Ray that outlives this kernel, and the Ray this kernel "
+            "uses is its own (its ray.init()), which ends with it: give a cluster's "
+            "--address, or free the warm Ray"
         )
     with contextlib.suppress(ValueError):
         ray.get_actor(actor_name(run), namespace=DETACHED_NAMESPACE)
@@ -669,7 +718,7 @@ def start_detached(
             ray.kill(host, no_restart=True)
         connection.shutdown()
         raise
-    return DetachedSession(host, run, in_force, holder, [], connection, start_line, replay_line)
+    return host, in_force, holder, connection, start_line, replay_line
 
 
 def _ray_dies_with_this_process() -> bool:
@@ -732,7 +781,7 @@ def attach(
     except BaseException:
         connection.shutdown()
         raise
-    return DetachedSession(host, run, config, holder, views, connection)
+    return DetachedSession.bound_to(host, config, holder, views, connection)
 
 
 def detached_groups(address: str | None = None) -> list[DetachedGroup]:
@@ -779,3 +828,10 @@ def _wait_gone(run: str, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise ClusterError(f"the detached group of run {run!r} did not end within {timeout_s:g} s")
+
+
+def _not_from_a_kernel(what: str) -> SessionError:
+    return SessionError(
+        f"{what} is not available on a detached group from a kernel; "
+        "`%rtnb stop` it and start one without --detached to use it"
+    )

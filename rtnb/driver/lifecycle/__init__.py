@@ -1,10 +1,12 @@
-"""The vocabulary of a group's life: its states and their transitions, and the failure and scaling policies with what they decide."""
+"""The vocabulary of a group's life: its states and their transitions, the failure and scaling policies with what they decide, and the calls a notebook makes on a session."""
 
 from typing import TYPE_CHECKING
 
 from rtnb.core._faces import lazy_face
 
 _FACE = {
+    "CellOptions": "rtnb.driver.lifecycle._calls",
+    "NotebookSession": "rtnb.driver.lifecycle._calls",
     "ACTIVE": "rtnb.driver.lifecycle._states",
     "BUSY": "rtnb.driver.lifecycle._states",
     "Decision": "rtnb.driver.lifecycle._policies",
@@ -23,6 +25,8 @@ _FACE = {
     "StateMachine": "rtnb.driver.lifecycle._states",
 }
 __all__ = [
+    "CellOptions",
+    "NotebookSession",
     "ACTIVE",
     "BUSY",
     "Decision",
@@ -43,6 +47,7 @@ __all__ = [
 __getattr__ = lazy_face(globals(), _FACE)
 
 if TYPE_CHECKING:  # what type checkers see
+    from rtnb.driver.lifecycle._calls import CellOptions, NotebookSession
     from rtnb.driver.lifecycle._policies import (
         DURING_REBUILD,
         Decision,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -38,6 +37,7 @@ from rtnb.core._values import PerRank
 from rtnb.driver.cells import CellHandle, CheckpointCoordinator, ResumeFlow, ResumePlan
 from rtnb.driver.cluster import ClusterConnection, StartProgress, StartReport, connect
 from rtnb.driver.control import Controller
+from rtnb.driver.detached import DetachedSession
 from rtnb.driver.lifecycle import (
     ACTIVE,
     FailurePolicy,
@@ -79,7 +79,7 @@ class Session(LiveAPI, RunAPI):
 
     def __new__(cls, *args: Any, detached: bool = False, **kwargs: Any) -> Any:
         # detached=True: a DetachedSession's start (the group outlives this process).
-        return _DetachedStart(cls, *args, **kwargs) if detached else super().__new__(cls)
+        return _detached(cls, *args, **kwargs) if detached else super().__new__(cls)
 
     def __init__(
         self,
@@ -375,70 +375,27 @@ def _config_of(config: SessionConfig | None, options: dict[str, Any]) -> Session
         raise ConfigError(f"unknown Session option: {exc}") from None
 
 
-class _DetachedStart:
-    """``Session(detached=True)`` before its ``start()``: the options, checked; the
-    start makes the group's host and hands back the :class:`DetachedSession`'s calls."""
+def _detached(
+    session_class: type,
+    config: SessionConfig | None = None,
+    *,
+    replay: bool = False,
+    idle_timeout_s: float | None = None,
+    **options: Any,
+) -> DetachedSession:
+    """``Session(detached=True)``: a :class:`DetachedSession` not started yet; its
+    ``start()`` makes the group's host (which builds a ``session_class`` there)."""
 
-    detached = True
-    is_trial = False
+    def announce(started: DetachedSession) -> None:
+        _announce_to_batch_runner(started.config.storage_path, started.run_name, detached=True)
 
-    def __init__(
-        self,
-        session_class: type,
-        config: SessionConfig | None = None,
-        *,
-        replay: bool = False,
-        idle_timeout_s: float | None = None,
-        **options: Any,
-    ) -> None:
-        self._session_class = session_class
-        self._config = _config_of(config, options)
-        if replay and not self._config.name:
-            raise ConfigError("--replay rebuilds a run from its journal: name it with --name RUN")
-        if self._config.local:
-            raise ConfigError(
-                "--detached runs the group outside this kernel and local mode (--workers 0) "
-                "inside it: drop one of them"
-            )
-        if idle_timeout_s is not None and idle_timeout_s <= 0:
-            raise ConfigError(f"--idle-timeout must be positive, got {idle_timeout_s:g}")
-        self._replay, self._idle_s = replay, idle_timeout_s
-        self._started: Any = None
-        self.run_name = self._config.name or default_run_name()
-        self._config = dataclasses.replace(self._config, name=self.run_name)
-
-    @property
-    def started(self) -> bool:
-        return self._started is not None and self._started.started
-
-    @property
-    def config(self) -> SessionConfig:
-        return self._config
-
-    def start(self, progress: Callable[[str], None] | None = None) -> Any:
-        from rtnb.driver.detached import start_detached
-
-        self._started = start_detached(
-            self._session_class, self._config, self._replay, self._idle_s, progress
-        )
-        _announce_to_batch_runner(self._config.storage_path, self.run_name, detached=True)
-        return self._started
-
-    def __enter__(self) -> Any:
-        return self._started or self.start()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        # A detached group outlives the block, as it outlives the kernel: let go.
-        if self._started is not None:
-            self._started.release()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        started = self.__dict__.get("_started")
-        if started is None:
-            raise SessionError("the detached group is not started yet: call start() first")
-        return getattr(started, name)
+    return DetachedSession(
+        _config_of(config, options),
+        session_class=session_class,
+        replay=replay,
+        idle_timeout_s=idle_timeout_s,
+        on_started=announce,
+    )
 
 
 def started_sessions() -> list[Session]:
