@@ -710,3 +710,27 @@ def test_a_detached_session_before_its_start_checks_its_options_and_says_it_is_n
         session.status()
     with pytest.raises(SessionError, match="debug is not available on a detached group"):
         session.debug(1)
+
+
+def test_from_state_hashes_while_it_writes_and_the_run_keeps_that_hash(tmp_path):
+    """The digest from_state takes as torch.save writes is the file's own (so the
+    upload, which links the file into the run, need not read it back), and the
+    committed entry verifies in full."""
+    import os
+
+    import torch
+
+    from rtnb.storage._checkpoint import MANIFEST, Checkpoint, _hash, upload_directory
+
+    state = {"w": torch.randn(300_000), "step": 7}
+    checkpoint = Checkpoint.from_state(state)
+    ((name, written),) = checkpoint._written.items()
+    assert written == _hash(checkpoint.filesystem, os.path.join(checkpoint.path, name))
+    entries = upload_directory(checkpoint, checkpoint.filesystem, str(tmp_path / "ckpt"))
+    assert [(e["path"], e["size"]) for e in entries] == [(name, written[1])]
+    assert (
+        entries[0][next(k for k in entries[0] if k not in ("path", "size", "stamp"))] == written[0]
+    )
+    assert not os.path.exists(checkpoint.path), "the temp folder goes once uploaded"
+    assert MANIFEST not in os.listdir(tmp_path / "ckpt")
+    assert torch.load(tmp_path / "ckpt" / name)["step"] == 7

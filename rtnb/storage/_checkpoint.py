@@ -69,6 +69,9 @@ class Checkpoint:
         self.filesystem = filesystem
         self.manifest = manifest
         self._temporary = False
+        # What from_state hashed while it wrote (file -> (digest, size)): the upload
+        # links those files into the run and reads none of them again.
+        self._written: dict[str, tuple[str, int]] = {}
         # (step, line) the ranks' step count moves to when a cell's
         # get_checkpoint() hands this checkpoint out; set by the driver.
         self.resume: tuple[int, int] | None = None
@@ -88,9 +91,13 @@ class Checkpoint:
         import torch
 
         folder = tempfile.mkdtemp(prefix="rtnb-ckpt-")
-        torch.save(state, os.path.join(folder, state_file(current_rank())))
+        name = state_file(current_rank())
+        with open(os.path.join(folder, name), "wb") as file:
+            writer = _HashingWriter(file)
+            torch.save(state, writer)
         checkpoint = cls(folder)
         checkpoint._temporary = True  # removed once reported (the upload keeps the data)
+        checkpoint._written[name] = writer.digest()
         return checkpoint
 
     def discard(self) -> None:
@@ -358,6 +365,28 @@ def _digest(src, algorithm: str = HASH, copy_to=None) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+class _HashingWriter:
+    """The file ``torch.save`` writes to, hashing each chunk as it goes by: the
+    checkpoint's digest without reading the file back (torch writes a buffer's
+    archive front to back, never seeking)."""
+
+    def __init__(self, file) -> None:
+        self._file = file
+        self._hash = _HASHES[HASH]()
+        self._size = 0
+
+    def write(self, chunk) -> int:
+        self._hash.update(chunk)
+        self._size += len(chunk) if isinstance(chunk, bytes) else memoryview(chunk).nbytes
+        return self._file.write(chunk)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def digest(self) -> tuple[str, int]:
+        return self._hash.hexdigest(), self._size
+
+
 def snapshot(source: Checkpoint, given_up: bool = False) -> Checkpoint:
     """What an upload beside the loop reads: a user's local folder as it is now, so
     the cell may delete it or save the next checkpoint into it as soon as ``report``
@@ -467,8 +496,10 @@ def _copy_files(source: Checkpoint, dest_fs, dest_path: str) -> list[dict]:
             and _link(os.path.join(source.path, rel), os.path.join(dest_path, rel))
         ):
             # The file this rank linked (another rank saving the same name may have
-            # replaced the run's link since; its bytes are its own to hash).
-            digest, size = _hash(dest_fs, os.path.join(source.path, rel))
+            # replaced the run's link since; its bytes are its own to hash), hashed
+            # as from_state wrote it when it was.
+            known = source._written.get(rel)
+            digest, size = known or _hash(dest_fs, os.path.join(source.path, rel))
             entries.append({"path": rel, "size": size, HASH: digest})
             continue
         target = posixpath.join(dest_path, rel)
