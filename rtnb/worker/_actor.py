@@ -457,13 +457,13 @@ class RankActor:
         self.runtime.release(changes, from_step, triggers, change)
 
     def debug_poll(self, wait_s: float) -> DebugState:
-        return self.runtime.debug_poll(wait_s)
+        return self.runtime.debugger.poll(wait_s)
 
     def debug_input(self, line: str) -> None:
-        self.runtime.debug_input(line)
+        self.runtime.debugger.give(line)
 
     def post_mortem(self) -> str | None:
-        return self.runtime.post_mortem()
+        return self.runtime.debugger.post_mortem()
 
     def stack(self) -> RankStack:
         return self.runtime.stack()

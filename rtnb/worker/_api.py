@@ -131,7 +131,7 @@ def breakpoint(rank: int | None = None) -> None:  # noqa: A001 - the builtin it 
     """
     runtime = _runtime("breakpoint")
     if rank is None or rank == runtime.context.world_rank:
-        runtime.breakpoint_at(sys._getframe(1))
+        runtime.debugger.breakpoint_at(sys._getframe(1))
 
 
 def get_device():

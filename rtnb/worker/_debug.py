@@ -16,12 +16,14 @@ prompt continues and the cell's later breakpoints are passed over.
 
 from __future__ import annotations
 
+import os
 import pdb
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DebugChannel", "DebugState", "DebugStopped", "RankPdb"]
+__all__ = ["DebugChannel", "DebugState", "DebugStopped", "RankDebugger", "RankPdb"]
 
 # What the driver sends instead of a line: leave the debugger (a stop, Ctrl-C at
 # the prompt) or continue and pass over this cell's later breakpoints (no stdin).
@@ -174,3 +176,87 @@ def where_in_traceback(tb) -> str:
         where = found or where
         tb = tb.tb_next
     return where
+
+
+class RankDebugger:
+    """A rank's debugger, a part of its runtime: the channel the driver talks to, the
+    breakpoints a cell may stop at, and the last failed cell's traceback for a
+    post-mortem. Handed the runtime's condition and three questions about the cell
+    (stopping, its thread, a replay); it reaches no other part's fields."""
+
+    def __init__(
+        self,
+        rank: int,
+        cond: threading.Condition,
+        stopping: Callable[[], bool],
+        cell_thread: Callable[[], int | None],
+        replaying: Callable[[], bool],
+    ) -> None:
+        self.channel = DebugChannel(rank, cond, stopping)
+        self._cell_thread = cell_thread
+        self._replaying = replaying
+        self.failed_traceback = None
+
+    def cell_starts(self) -> None:
+        self.channel.skip = False
+        self.failed_traceback = None
+
+    def cell_failed(self, traceback_) -> None:
+        self.failed_traceback = traceback_
+
+    def cell_ends(self) -> None:
+        """A debugger stepped past the cell's end goes with it."""
+        if self.channel.active:
+            sys.settrace(None)
+            self.channel.close()
+
+    @property
+    def waiting_unreported(self) -> bool:
+        """A debugger opened that the long-poll has not told the driver of yet."""
+        return self.channel.active and not self.channel.reported
+
+    def where_reported_locked(self) -> str | None:
+        """Where the open debugger stopped, now told to the driver (None: none open)."""
+        if not self.channel.active:
+            return None
+        self.channel.reported = True
+        return self.channel.where or "a breakpoint"
+
+    def breakpoint(self, *_args, **_kwargs) -> None:
+        """``sys.breakpointhook`` on a rank: pdb in the caller's frame, answered from
+        the notebook; only in the cell thread, never in a replay or once the driver
+        said nobody can answer (a batch run)."""
+        self.breakpoint_at(sys._getframe(1))
+
+    def breakpoint_at(self, frame) -> None:
+        if (
+            threading.get_ident() != self._cell_thread()
+            or self._replaying()
+            or self.channel.skip
+            or os.environ.get("PYTHONBREAKPOINT") == "0"
+        ):
+            return
+        stdlib_set_trace(self.channel, frame)
+
+    def poll(self, wait_s: float) -> DebugState:
+        return self.channel.poll(wait_s)
+
+    def give(self, line: str) -> None:
+        self.channel.give(line)
+
+    def post_mortem(self) -> str | None:
+        """Open pdb on the last failed cell's traceback (in a thread of its own);
+        where it stopped, or None when no cell failed here since."""
+        traceback_ = self.failed_traceback
+        if traceback_ is None:
+            return None
+        if self.channel.active:
+            return self.channel.where
+        self.channel.open(where_in_traceback(traceback_))
+        threading.Thread(
+            target=post_mortem,
+            args=(self.channel, traceback_),
+            name="rtnb-post-mortem",
+            daemon=True,
+        ).start()
+        return self.channel.where

@@ -13,12 +13,14 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from rtnb.core._profile import RankProfile, breakdown
+from rtnb.core._profile import PROFILE_START, PROFILE_STOP, RankProfile, breakdown
 
-__all__ = ["StepProfiler"]
+__all__ = ["RankProfiling", "StepProfiler"]
 
 
 class StepProfiler:
@@ -84,3 +86,102 @@ class StepProfiler:
             with contextlib.suppress(OSError):
                 os.unlink(local)
         return RankProfile(self.rank, self.first_step, self.steps, wall_s, parts, name)
+
+
+# How long a cell's end waits for its profile's trace to be written, so the cell's
+# last update carries it.
+_WRITE_WAIT_S = 10.0
+
+
+class RankProfiling:
+    """A rank's ``%rtnb profile``, a part of its runtime: the window the triggers open
+    and close, its trace written in a thread (training goes on at once), and the
+    result the next poll carries. Handed the runtime's condition and what it needs
+    to ask: the cell thread, the run directory, and a stop trigger scheduled at a
+    step (the runtime's triggers)."""
+
+    def __init__(
+        self,
+        rank: int,
+        cond: Any,
+        cell_thread: Callable[[], int | None],
+        run_directory: Callable[[], Any],
+        stop_at: Callable[[int], None],
+    ) -> None:
+        self._rank = rank
+        self._cond = cond
+        self._cell_thread = cell_thread
+        self._run_directory = run_directory
+        self._stop_at = stop_at
+        self.recording: StepProfiler | None = None
+        self._result: RankProfile | None = None
+        self._pending: Any = None
+
+    @property
+    def has_result(self) -> bool:
+        return self._result is not None
+
+    def take_result_locked(self) -> RankProfile | None:
+        result, self._result = self._result, None
+        return result
+
+    def trigger(self, name: str, step: int) -> None:
+        """The profile trigger due in the report of ``step``: start N steps, or stop."""
+        if name == PROFILE_STOP:
+            self.stop()
+            return
+        if self.recording is not None:
+            return  # one profile at a time
+        steps = int(name[len(PROFILE_START) :])
+        try:
+            profiler = StepProfiler(self._rank, step + 1, steps, self._cell_thread())
+            profiler.start()
+        except Exception as exc:  # noqa: BLE001 - a profile that cannot start is said, not raised
+            self._publish(RankProfile(self._rank, step + 1, steps, 0.0, {}, error=str(exc)))
+            return
+        self.recording = profiler
+        self._stop_at(step + steps)
+
+    def stop(self, cut_at: int | None = None) -> None:
+        """End the profiled window here; the trace is written and the window sorted
+        into its parts in a thread, so training goes on at once."""
+        profiler, self.recording = self.recording, None
+        if profiler is None:
+            return
+        if cut_at is not None:  # the cell ended first: the steps it ran
+            profiler.steps = max(1, cut_at - profiler.first_step + 1)
+        try:
+            profiler.end()
+        except Exception as exc:  # noqa: BLE001
+            self._publish(self._failed(profiler, exc))
+            return
+
+        def finish() -> None:
+            try:
+                result = profiler.write(self._run_directory(), f"step-{profiler.first_step:09d}")
+            except Exception as exc:  # noqa: BLE001
+                result = self._failed(profiler, exc)
+            self._publish(result)
+
+        with self._cond:
+            self._pending = threading.Thread(target=finish, name="rtnb-profile", daemon=True)
+            self._pending.start()
+
+    def cell_ends(self, step: int, stopping: bool) -> None:
+        """A profile still recording ends with the cell; its trace is awaited briefly
+        so the cell's last update carries it, unless a stop is under way (the stop's
+        grace is for the ranks to leave)."""
+        if self.recording is not None:
+            self.stop(cut_at=step)
+        pending = self._pending
+        if pending is not None and not stopping:
+            pending.join(_WRITE_WAIT_S)
+
+    def _failed(self, profiler: StepProfiler, exc: BaseException) -> RankProfile:
+        return RankProfile(self._rank, profiler.first_step, profiler.steps, 0.0, {}, error=str(exc))
+
+    def _publish(self, result: RankProfile) -> None:
+        with self._cond:
+            self._result = result
+            self._pending = None
+            self._cond.notify_all()

@@ -34,21 +34,15 @@ from rtnb.core._messages import (
     CheckpointOffer,
     RankUpdate,
 )
-from rtnb.core._profile import PROFILE_START, PROFILE_STOP, RankProfile
+from rtnb.core._profile import PROFILE_START, PROFILE_STOP
 from rtnb.core._reports import ReportColumns
 from rtnb.core._resources import ResourceSampler
 from rtnb.core._stacks import RankStack, thread_stack
 from rtnb.core._values import to_portable
 from rtnb.worker._capture import flush_std, install_capture, install_thread_capture
-from rtnb.worker._debug import (
-    DebugChannel,
-    DebugState,
-    DebugStopped,
-    post_mortem,
-    stdlib_set_trace,
-    where_in_traceback,
-)
+from rtnb.worker._debug import DebugStopped, RankDebugger
 from rtnb.worker._folder import RankFolder
+from rtnb.worker._profile import RankProfiling
 from rtnb.worker._shards import ShardWaits
 from rtnb.worker._uploads import (
     CheckpointUploadMode,
@@ -72,9 +66,6 @@ _MAX_PENDING_CHARS = 8_000_000
 # Source of this many recent cells stays in linecache for tracebacks; older cells'
 # source is dropped so a long session does not grow the rank's memory per cell.
 _LINECACHE_CELLS = 256
-# How long a cell's end waits for its profile's trace to be written (else the
-# profile arrives with a later poll).
-_PROFILE_WRITE_WAIT_S = 10.0
 
 
 class CellStopped(KeyboardInterrupt):
@@ -281,18 +272,24 @@ class RankRuntime:
         self._in_kernel = in_kernel
         self._exception: BaseException | None = None  # in the kernel: the last cell's
         self._uncapture = None
-        # A debugger on this rank (breakpoint(), %rtnb debug), answered by the driver;
-        # the last failed cell's traceback for a post-mortem.
-        self._debug = DebugChannel(context.world_rank, self._cond, lambda: self._stop_wanted)
-        self._failed_traceback = None
-        # %rtnb profile: torch.profiler over the armed steps, and its result for the
-        # next poll.
-        self._profiler: Any = None
-        self._profile_result: Any = None
-        self._profile_pending: threading.Thread | None = None
+        # Its parts, each handed the condition and the few questions it asks.
+        self.debugger = RankDebugger(
+            context.world_rank,
+            self._cond,
+            stopping=lambda: self._stop_wanted,
+            cell_thread=lambda: self._cell_thread,
+            replaying=lambda: self._replay,
+        )
+        self.profiling = RankProfiling(
+            context.world_rank,
+            self._cond,
+            cell_thread=lambda: self._cell_thread,
+            run_directory=self._run_directory,
+            stop_at=self._stop_profile_at,
+        )
         if not in_kernel:
             # Local mode answers breakpoint() in the kernel itself (driver._local).
-            sys.breakpointhook = self.breakpoint
+            sys.breakpointhook = self.debugger.breakpoint
         if in_kernel and capture_output:
             self._uncapture = install_thread_capture(self._add_output, {self._thread.ident})
         # Ray Data shards by name (DataIterators), handed over by the driver.
@@ -345,8 +342,7 @@ class RankRuntime:
             self._stop_target = None
             self._paused_at = None
             self._holding = False
-            self._debug.skip = False
-            self._failed_traceback = None
+            self.debugger.cell_starts()
             self._declared = {}  # each cell declares its controls (the live view's inputs)
             self._start_controls(request.controls, request.triggers)
             self._stop_requested = bool(self._due)
@@ -396,7 +392,7 @@ class RankRuntime:
             if self._in_kernel:
                 exception = exc
             else:
-                self._failed_traceback = exc.__traceback__
+                self.debugger.cell_failed(exc.__traceback__)
         finally:
             self.folder.after_cell()
             try:
@@ -428,14 +424,8 @@ class RankRuntime:
         """A profile still recording ends with the cell (its trace is awaited briefly,
         so the cell's last update carries it, unless a stop is under way: the stop's
         grace is for the ranks to leave); a debugger stepped past the cell's end goes."""
-        if self._profiler is not None:
-            self._stop_profile(cut_at=self.step)
-        pending = self._profile_pending
-        if pending is not None and not self._stop_wanted:
-            pending.join(_PROFILE_WRITE_WAIT_S)
-        if self._debug.active:
-            sys.settrace(None)
-            self._debug.close()
+        self.profiling.cell_ends(self.step, stopping=self._stop_wanted)
+        self.debugger.cell_ends()
 
     def _cache_source(self, filename: str, code: str) -> None:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -454,7 +444,7 @@ class RankRuntime:
                 if (
                     self._state is not CellState.RUNNING
                     or (self._paused_at is not None and not self._pause_reported)
-                    or (self._debug.active and not self._debug.reported)
+                    or self.debugger.waiting_unreported
                 ):
                     break
                 if self._output or self._reports:
@@ -508,7 +498,7 @@ class RankRuntime:
     def _undelivered_locked(self) -> bool:
         if self._output or self._dropped_chars or self._checkpoints:
             return True
-        if self._declared_new or self._applied or self._profile_result is not None:
+        if self._declared_new or self._applied or self.profiling.has_result:
             return True
         with self._reports_lock:
             return bool(len(self._reports))
@@ -526,11 +516,8 @@ class RankRuntime:
         if self._paused_at is not None:
             self._pause_reported = True
         update = self._update_locked(output, checkpoints)
-        if self._debug.active:
-            self._debug.reported = True
-            update.debugging = self._debug.where or "a breakpoint"
-        if self._profile_result is not None:
-            update.profile, self._profile_result = self._profile_result, None
+        update.debugging = self.debugger.where_reported_locked()
+        update.profile = self.profiling.take_result_locked()
         if self._declared_new:
             update.controls_declared, self._declared_new = self._declared_new, {}
         if self._applied:
@@ -635,7 +622,7 @@ class RankRuntime:
         step = int(step) if step is not None else self.step + 1
         if self._due:
             checkpoint = self._fire_due(step, checkpoint)
-        profiler = self._profiler
+        profiler = self.profiling.recording
         if profiler is not None:
             with profiler.record("rtnb.report"):
                 return self._report(metrics, step, checkpoint, options)
@@ -937,65 +924,10 @@ class RankRuntime:
             self._cond.notify_all()
 
     # ---- %rtnb profile ------------------------------------------------------------------
-    def _profile_trigger(self, name: str, step: int) -> None:
-        if name == PROFILE_STOP:
-            self._stop_profile()
-            return
-        if self._profiler is not None:
-            return  # one profile at a time
-        steps = int(name[len(PROFILE_START) :])
-        from rtnb.worker._profile import StepProfiler
-
-        try:
-            profiler = StepProfiler(self.context.world_rank, step + 1, steps, self._cell_thread)
-            profiler.start()
-        except Exception as exc:  # noqa: BLE001 - a profile that cannot start is said, not raised
-            self._publish_profile(
-                RankProfile(self.context.world_rank, step + 1, steps, 0.0, {}, error=str(exc))
-            )
-            return
-        self._profiler = profiler
+    def _stop_profile_at(self, step: int) -> None:
         with self._cond:
-            self._due.append((step + steps, PROFILE_STOP))
+            self._due.append((step, PROFILE_STOP))
             self._refresh_boundary_locked()
-
-    def _stop_profile(self, cut_at: int | None = None) -> None:
-        """End the profiled window here; the trace is written and the window sorted
-        into its parts in a thread, so training goes on at once."""
-        profiler, self._profiler = self._profiler, None
-        if profiler is None:
-            return
-        if cut_at is not None:  # the cell ended first: the steps it ran
-            profiler.steps = max(1, cut_at - profiler.first_step + 1)
-        try:
-            profiler.end()
-        except Exception as exc:  # noqa: BLE001
-            self._publish_profile(self._failed_profile(profiler, exc))
-            return
-
-        def finish() -> None:
-            try:
-                result = profiler.write(self._run_directory(), f"step-{profiler.first_step:09d}")
-            except Exception as exc:  # noqa: BLE001
-                result = self._failed_profile(profiler, exc)
-            self._publish_profile(result)
-
-        with self._cond:
-            self._profile_pending = threading.Thread(
-                target=finish, name="rtnb-profile", daemon=True
-            )
-            self._profile_pending.start()
-
-    def _failed_profile(self, profiler: Any, exc: BaseException) -> RankProfile:
-        return RankProfile(
-            self.context.world_rank, profiler.first_step, profiler.steps, 0.0, {}, error=str(exc)
-        )
-
-    def _publish_profile(self, result: Any) -> None:
-        with self._cond:
-            self._profile_result = result
-            self._profile_pending = None
-            self._cond.notify_all()
 
     def _run_directory(self):
         from rtnb.storage._rundir import RunDirectory
@@ -1020,7 +952,7 @@ class RankRuntime:
         for name in due:
             if name.startswith(PROFILE_START) or name == PROFILE_STOP:
                 if not self._replay:
-                    self._profile_trigger(name, step)
+                    self.profiling.trigger(name, step)
                 continue
             handler = self._triggers.get(name)
             if handler is None:
@@ -1092,47 +1024,10 @@ class RankRuntime:
         )
         return hit == 1
 
-    # ---- the debugger ------------------------------------------------------------------
-    def breakpoint(self, *_args, **_kwargs) -> None:
-        """``sys.breakpointhook`` on a rank: pdb in the caller's frame, answered from
-        the notebook; only in the cell thread, never in a replay or once the driver
-        said nobody can answer (a batch run)."""
-        self.breakpoint_at(sys._getframe(1))
-
     def in_cell_thread(self) -> bool:
         """Whether the caller is this rank's running cell (not the kernel's own code
         beside a local-mode rank)."""
         return threading.get_ident() == self._cell_thread
-
-    def breakpoint_at(self, frame) -> None:
-        if (
-            threading.get_ident() != self._cell_thread
-            or self._replay
-            or self._debug.skip
-            or os.environ.get("PYTHONBREAKPOINT") == "0"
-        ):
-            return
-        stdlib_set_trace(self._debug, frame)
-
-    def debug_poll(self, wait_s: float) -> DebugState:
-        return self._debug.poll(wait_s)
-
-    def debug_input(self, line: str) -> None:
-        self._debug.give(line)
-
-    def post_mortem(self) -> str | None:
-        """Open pdb on the last failed cell's traceback (in a thread of its own);
-        where it stopped, or None when no cell failed here since."""
-        traceback_ = self._failed_traceback
-        if traceback_ is None:
-            return None
-        if self._debug.active:
-            return self._debug.where
-        self._debug.open(where_in_traceback(traceback_))
-        threading.Thread(
-            target=post_mortem, args=(self._debug, traceback_), name="rtnb-post-mortem", daemon=True
-        ).start()
-        return self._debug.where
 
     def stack(self) -> RankStack:
         """Where the cell thread is right now (``%rtnb stacks``), from the user's

@@ -189,13 +189,13 @@ class LocalGroup:
         return self._call(lambda: self._rank().stack())
 
     def debug_poll(self, rank: int, wait_s: float) -> Any:
-        return self._call(lambda: self._rank().debug_poll(wait_s))
+        return self._call(lambda: self._rank().debugger.poll(wait_s))
 
     def debug_input(self, rank: int, line: str) -> Any:
-        return self._call(lambda: self._rank().debug_input(line))
+        return self._call(lambda: self._rank().debugger.give(line))
 
     def post_mortem(self, rank: int) -> Any:
-        return self._call(lambda: self._rank().post_mortem())
+        return self._call(lambda: self._rank().debugger.post_mortem())
 
     def hold(self, rank: int, change: int = 0) -> Any:
         return self._call(lambda: self._rank().hold(change))
