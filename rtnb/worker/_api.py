@@ -85,7 +85,7 @@ def control(name: str, default: Any = None) -> Any:
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a control's name is a Python identifier, got {name!r}")
-    return _runtime("control").control(name, default)
+    return _runtime("control").controls.value(name, default)
 
 
 def on_trigger(name: str, fn: Callable[[], Any]) -> None:
@@ -102,7 +102,7 @@ def on_trigger(name: str, fn: Callable[[], Any]) -> None:
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a trigger's name is a Python identifier, got {name!r}")
-    _runtime("on_trigger").on_trigger(name, fn)
+    _runtime("on_trigger").controls.on_trigger(name, fn)
 
 
 def on_save(fn: Callable[[], Any]) -> None:
@@ -114,7 +114,7 @@ def on_save(fn: Callable[[], Any]) -> None:
 
         In [5]: rtnb.on_save(lambda: {"model": model.state_dict(), "step": step})
     """
-    _runtime("on_save").on_trigger(SAVE_TRIGGER, fn)
+    _runtime("on_save").controls.on_trigger(SAVE_TRIGGER, fn)
 
 
 def breakpoint(rank: int | None = None) -> None:  # noqa: A001 - the builtin it stands for

@@ -28,18 +28,18 @@ from typing import Any
 
 from rtnb.core._context import set_current_rank
 from rtnb.core._messages import (
-    SAVE_TRIGGER,
     CellRequest,
     CellState,
     CheckpointOffer,
     RankUpdate,
 )
-from rtnb.core._profile import PROFILE_START, PROFILE_STOP
+from rtnb.core._profile import PROFILE_STOP
 from rtnb.core._reports import ReportColumns
 from rtnb.core._resources import ResourceSampler
 from rtnb.core._stacks import RankStack, thread_stack
 from rtnb.core._values import to_portable
 from rtnb.worker._capture import flush_std, install_capture, install_thread_capture
+from rtnb.worker._controls import RankControls
 from rtnb.worker._debug import DebugStopped, RankDebugger
 from rtnb.worker._folder import RankFolder
 from rtnb.worker._profile import RankProfiling
@@ -250,16 +250,6 @@ class RankRuntime:
         # ascending; replaced whole on a change, so control() reads it unlocked.
         self._holding = False
         self._released = 0  # the last live-control change released (see hold)
-        # Triggers (rtnb.on_trigger; "save" is rtnb.on_save) due at a step: fired in
-        # the cell thread by the report of that step, before it is recorded.
-        self._triggers: dict[str, Any] = {}
-        self._due: list[tuple[int, str]] = []
-        self._given_triggers: list[tuple[int, str]] = []  # the cell's request's
-        self._controls: dict[str, list[tuple[int, Any]]] = {}
-        self._declared: dict[str, Any] = {}
-        self._declared_new: dict[str, Any] = {}
-        self._applied: list[tuple[str, Any, int]] = []
-        self._control_seen: dict[str, Any] = {}
         # The cell the cell thread runs next, handed over under _cond (a queue's own
         # lock and condition cost a trivial cell's rank ~10% more CPU).
         self._job: CellRequest | None = None
@@ -279,6 +269,15 @@ class RankRuntime:
             stopping=lambda: self._stop_wanted,
             cell_thread=lambda: self._cell_thread,
             replaying=lambda: self._replay,
+        )
+        self.controls = RankControls(
+            self._cond,
+            step=lambda: self.step,
+            say=lambda text: self._add_output(
+                "stderr", f"[rtnb] rank {self.context.world_rank}: {text}\n"
+            ),
+            profile=lambda name, step: self.profiling.trigger(name, step),
+            as_checkpoint=_as_checkpoint,
         )
         self.profiling = RankProfiling(
             context.world_rank,
@@ -343,9 +342,8 @@ class RankRuntime:
             self._paused_at = None
             self._holding = False
             self.debugger.cell_starts()
-            self._declared = {}  # each cell declares its controls (the live view's inputs)
-            self._start_controls(request.controls, request.triggers)
-            self._stop_requested = bool(self._due)
+            self.controls.cell_starts_locked(request.controls, request.triggers)
+            self._stop_requested = bool(self.controls.due)
             self._cell_thread = threading.get_ident() if in_caller else self._thread.ident
             if not in_caller:
                 self._job = request
@@ -417,7 +415,7 @@ class RankRuntime:
             self._stop_target = None
             self._paused_at = None
             self._holding = False
-            self._due = []
+            self.controls.cell_ends_locked()
             self._cond.notify_all()
 
     def _end_cell_tools(self) -> None:
@@ -498,7 +496,7 @@ class RankRuntime:
     def _undelivered_locked(self) -> bool:
         if self._output or self._dropped_chars or self._checkpoints:
             return True
-        if self._declared_new or self._applied or self.profiling.has_result:
+        if self.controls.undelivered_locked() or self.profiling.has_result:
             return True
         with self._reports_lock:
             return bool(len(self._reports))
@@ -518,10 +516,7 @@ class RankRuntime:
         update = self._update_locked(output, checkpoints)
         update.debugging = self.debugger.where_reported_locked()
         update.profile = self.profiling.take_result_locked()
-        if self._declared_new:
-            update.controls_declared, self._declared_new = self._declared_new, {}
-        if self._applied:
-            update.controls_applied, self._applied = self._applied, []
+        self.controls.drain_locked(update)
         return update, reports
 
     def _committable_step_locked(self) -> int:
@@ -573,7 +568,7 @@ class RankRuntime:
         """``rtnb.report(metrics)``: no checkpoint, rtnb counts the step. The hot
         path of a fast loop: one plain lock, no Condition; the poll thread is woken
         only by a batch's first report."""
-        if self._upload_error is None and not self._replay and not self._due:
+        if self._upload_error is None and not self._replay and not self.controls.due:
             self._add_plain(self.step + 1, metrics)
         else:
             self.report(metrics)
@@ -620,8 +615,10 @@ class RankRuntime:
         request goes with the files' offer.
         """
         step = int(step) if step is not None else self.step + 1
-        if self._due:
-            checkpoint = self._fire_due(step, checkpoint)
+        if self.controls.due:
+            checkpoint = self.controls.fire_due(step, checkpoint, self._replay)
+            with self._cond:
+                self._refresh_boundary_locked()
         profiler = self.profiling.recording
         if profiler is not None:
             with profiler.record("rtnb.report"):
@@ -869,26 +866,6 @@ class RankRuntime:
             return self.step
 
     # ---- live controls ---------------------------------------------------------------
-    def control(self, name: str, default: Any) -> Any:
-        """``rtnb.control(name, default)``: the value in force for the step being
-        computed (the last reported + 1); the first call declares the control."""
-        if name not in self._declared:
-            with self._cond:
-                self._declared[name] = default
-                self._declared_new[name] = default
-        step = self.step + 1
-        value = default
-        for from_step, scheduled in reversed(self._controls.get(name, ())):
-            if from_step <= step:
-                value = scheduled
-                break
-        seen = self._control_seen.get(name, _UNSEEN)
-        if seen is not _UNSEEN and (seen is not value and seen != value):
-            with self._cond:
-                self._applied.append((name, value, step))
-        self._control_seen[name] = value
-        return value
-
     def hold(self, change: int = 0) -> int | None:
         """Pause at the next report until :meth:`release`; the rank's step now (it
         pauses at this step + 1 at the latest), None when no cell can take a change
@@ -917,8 +894,7 @@ class RankRuntime:
         in the report of ``from_step``; a held rank goes on."""
         with self._cond:
             self._released = max(self._released, change)
-            self._schedule_locked(changes.items(), from_step)
-            self._due.extend((from_step, name) for name in triggers)
+            self.controls.release_locked(changes, from_step, triggers)
             self._holding = False
             self._refresh_boundary_locked()
             self._cond.notify_all()
@@ -926,7 +902,7 @@ class RankRuntime:
     # ---- %rtnb profile ------------------------------------------------------------------
     def _stop_profile_at(self, step: int) -> None:
         with self._cond:
-            self._due.append((step, PROFILE_STOP))
+            self.controls.due_at_locked(step, PROFILE_STOP)
             self._refresh_boundary_locked()
 
     def _run_directory(self):
@@ -937,69 +913,7 @@ class RankRuntime:
         return self._run_dir
 
     def _refresh_boundary_locked(self) -> None:
-        self._stop_requested = self._stop_wanted or self._holding or bool(self._due)
-
-    def on_trigger(self, name: str, fn: Any) -> None:
-        self._triggers[name] = fn
-
-    def _fire_due(self, step: int, checkpoint: Any) -> Any:
-        """Run the triggers due at ``step`` in the cell thread, before its report is
-        recorded; a save's checkpoint becomes this report's (unless it has one)."""
-        with self._cond:
-            due = [name for at, name in self._due if at <= step]
-            self._due = [(at, name) for at, name in self._due if at > step]
-            self._refresh_boundary_locked()
-        for name in due:
-            if name.startswith(PROFILE_START) or name == PROFILE_STOP:
-                if not self._replay:
-                    self.profiling.trigger(name, step)
-                continue
-            handler = self._triggers.get(name)
-            if handler is None:
-                what = (
-                    "rtnb.on_save(fn)" if name == SAVE_TRIGGER else f"rtnb.on_trigger({name!r}, fn)"
-                )
-                self._add_output(
-                    "stderr",
-                    f"[rtnb] rank {self.context.world_rank}: nothing handles "
-                    f"{'save-now' if name == SAVE_TRIGGER else 'trigger ' + repr(name)} "
-                    f"at step {step}: register it with {what}\n",
-                )
-                continue
-            result = handler()
-            if name == SAVE_TRIGGER and result is not None and checkpoint is None:
-                checkpoint = _as_checkpoint(result)
-        return checkpoint
-
-    def _schedule_locked(self, changes, from_step: int) -> None:
-        for name, value in changes:
-            schedule = [e for e in self._controls.get(name, ()) if e[0] < from_step]
-            self._controls[name] = [*schedule, (from_step, value)]
-
-    def _start_controls(
-        self, given: tuple[tuple[str, Any, int], ...], triggers: tuple[tuple[int, str], ...]
-    ) -> None:
-        """A new cell starts from each control's latest value; a cell run again (a
-        replay, a recovery) gets its changes and triggers back at their steps."""
-        self._controls = {n: [(-1, s[-1][1])] for n, s in self._controls.items() if s}
-        for name, value, from_step in given:
-            self._schedule_locked([(name, value)], from_step)
-        self._given_triggers = list(triggers)
-        self._due = list(triggers)
-        self._drop_passed_triggers_locked()
-        self._control_seen = {}
-
-    def _drop_passed_triggers_locked(self) -> None:
-        """The triggers still ahead of the rank's step (-1: at the first report). A
-        cell run again gets its triggers back; those at steps behind where it goes on
-        from fired the first time. Called at the cell's start and when
-        get_checkpoint() moves the step back, which brings back those after it."""
-        pending = dict.fromkeys(self._given_triggers + self._due)
-        self._due = [(at, name) for at, name in pending if at < 0 or at > self.step]
-
-    @property
-    def declared_controls(self) -> dict[str, Any]:
-        return dict(self._declared)
+        self._stop_requested = self._stop_wanted or self._holding or bool(self.controls.due)
 
     def set_stop_target(self, step: int) -> None:
         with self._cond:
@@ -1056,7 +970,7 @@ class RankRuntime:
                 # does too (on a branch when later checkpoints of this line exist).
                 with self._cond, self._reports_lock:
                     self.step, self.line = resume
-                    self._drop_passed_triggers_locked()
+                    self.controls.drop_passed_locked()
                     self._refresh_boundary_locked()
             self.checkpoint_calls += 1
         return checkpoint
@@ -1069,9 +983,6 @@ class RankRuntime:
     def cell_thread_id(self) -> int | None:
         """The thread this rank's cells run in (the cell thread)."""
         return self._thread.ident
-
-
-_UNSEEN = object()
 
 
 def _as_checkpoint(result: Any) -> Any:
