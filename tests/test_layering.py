@@ -598,3 +598,18 @@ def test_every_engine_package_is_in_the_wheel():
         _module_name(p) for p in ENGINE.rglob("__init__.py") if "_lazy_imports" not in p.parts
     }
     assert folders - listed == set()
+
+
+_RUNTIME_PARTS = ("_runtime.py", "_controls.py", "_debug.py", "_profile.py", "_uploads.py")
+
+
+def test_the_rank_runtime_and_its_parts_touch_no_others_private_fields():
+    """RankRuntime's parts (controls and triggers, the debugger, the profiler, the
+    uploads) share its condition, never each other's fields or the runtime's."""
+    offenders = []
+    for name in _RUNTIME_PARTS:
+        path = REPO / "rtnb" / "worker" / name
+        offenders += [f"{name}:{hit}" for hit in _private_reaches(ast.parse(path.read_text()))]
+    assert offenders == []
+    sizes = _class_sizes(ast.parse((REPO / "rtnb" / "worker" / "_runtime.py").read_text()))
+    assert sizes["RankRuntime"] <= 850, sizes["RankRuntime"]
