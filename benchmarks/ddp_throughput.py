@@ -9,11 +9,15 @@ The loop is a 3-layer MLP trained with DistributedDataParallel (gloo on CPU, ncc
 with --device cuda), big enough that a step takes tens of milliseconds. Each side
 times its own steps after a warm-up, on rank 0 after a barrier, so start-up costs
 (process launch, Ray, the worker group) are excluded: this compares the loop.
-Every side runs in a fresh process; the machine is noisy, so each side is run
-``--rounds`` times, interleaved, and the median is compared.
+Each side times ``--window-s`` seconds of steps (default 20: torchrun alone varies
+by ~13% over half a second here, and a 2% difference needs a long window); the
+count is agreed by the ranks from 10 probe steps, so every rank runs the same
+collectives. Every side runs in a fresh process; the machine is noisy, so each side
+is run ``--rounds`` times (default 5), interleaved, and the median is compared with
+the rounds' spread printed beside it.
 
-    .venv/bin/python benchmarks/ddp_throughput.py [--rounds 2] [--device cuda] [--workers 2]
-        [--strategy ddp|fsdp]
+    .venv/bin/python benchmarks/ddp_throughput.py [--rounds 5] [--window-s 20]
+        [--device cuda] [--workers 2] [--strategy ddp|fsdp]
 
 NCCL cannot put two ranks on one GPU, so on a one-GPU machine run ``--workers 1``:
 DDP then does no cross-rank traffic and the figure compares what each framework
@@ -35,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 WARMUP = 5
-STEPS = 40
+WINDOW_S = float(os.environ.get("RTNB_BENCH_WINDOW_S", "20"))
 
 # One source for all three: the DDP model, the data, the timed loop. It reports
 # every 10 steps through the framework's own report (none under torchrun).
@@ -72,12 +76,22 @@ for _ in range(WARMUP):
     step()
 if DEVICE != "cpu":
     torch.cuda.synchronize()
+# Steps until WINDOW_S has passed on every rank, in chunks of 10: after each chunk
+# the ranks agree (an all_reduce(min) of one flag, the same on every side) whether
+# to go on, so every rank runs the same collectives.
 dist.barrier()
 started = time.perf_counter()
-for i in range(STEPS):
-    loss = step()
-    if i % 10 == 9:
-        REPORT({"loss": loss.item()})
+STEPS = 0
+go = torch.ones(1, device=device)
+while True:
+    for _ in range(10):
+        loss = step()
+    STEPS += 10
+    REPORT({"loss": loss.item()})
+    go.fill_(1.0 if time.perf_counter() - started < WINDOW_S else 0.0)
+    dist.all_reduce(go, op=dist.ReduceOp.MIN)
+    if go.item() == 0.0:
+        break
 if DEVICE != "cpu":
     torch.cuda.synchronize()
 dist.barrier()
@@ -94,7 +108,7 @@ def _loop_source(device: str, report: str) -> str:
     width, batch = (4096, 8192) if device == "cuda" else (384, 128)
     return (
         f"DEVICE = {device!r}\nWIDTH = {width}\nBATCH = {batch}\nSTRATEGY = {STRATEGY!r}\n"
-        f"WARMUP = {WARMUP}\nSTEPS = {STEPS}\nREPORT = {report}\n" + LOOP
+        f"WARMUP = {WARMUP}\nWINDOW_S = {WINDOW_S}\nREPORT = {report}\n" + LOOP
     )
 
 
@@ -106,7 +120,7 @@ if "{device}" == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 exec(compile({source!r}, "<loop>", "exec"))
 if dist.get_rank() == 0:
-    print("RESULT " + json.dumps({{"step_s": step_s}}))
+    print("RESULT " + json.dumps({{"step_s": step_s, "steps": STEPS}}))
 dist.destroy_process_group()
 """
 
@@ -145,10 +159,11 @@ def phase_rtnb(device: str, workers: int) -> dict:
     session = rtnb.Session(workers=workers, gpu=device == "cuda").start()
     try:
         source = _loop_source(device, "rtnb.report") + "\nstep_s"
-        values = session.run("import rtnb\n" + source, output=quiet)
+        values = session.run("import rtnb\n" + source + "\n(step_s, STEPS)", output=quiet)
     finally:
         session.stop()
-    return {"step_s": values[0]}
+    step_s, steps = values[0]
+    return {"step_s": step_s, "steps": steps}
 
 
 def phase_trainer(device: str, workers: int) -> dict:
@@ -167,7 +182,7 @@ def phase_trainer(device: str, workers: int) -> dict:
         # Ray Train 2 keeps metrics only with checkpoints: hand the figure over a file.
         if ray.train.get_context().get_world_rank() == 0:
             with open(config["out"], "w") as dest:
-                dest.write(repr(namespace["step_s"]))
+                dest.write(json.dumps([namespace["step_s"], namespace["STEPS"]]))
 
     trainer = TorchTrainer(
         loop_per_worker,
@@ -177,7 +192,8 @@ def phase_trainer(device: str, workers: int) -> dict:
     )
     trainer.fit()
     with open(out) as src:
-        return {"step_s": float(src.read())}
+        step_s, steps = json.load(src)
+    return {"step_s": step_s, "steps": steps}
 
 
 def _run_phase(name: str, device: str, workers: int) -> dict:
@@ -196,10 +212,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=sorted(PHASES))
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--window-s", type=float, default=None, help="seconds of timed steps a side (20)"
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default=None)
     args = parser.parse_args()
+    global WINDOW_S
+    if args.window_s is not None:
+        # The phases are fresh processes: they read the window from their environment.
+        os.environ["RTNB_BENCH_WINDOW_S"] = str(args.window_s)
+        WINDOW_S = args.window_s
     if args.strategy:
         # The phases are fresh processes: they read it from their environment.
         global STRATEGY
@@ -209,15 +233,19 @@ def main() -> None:
         return
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(
-        f"{STRATEGY}_throughput: {args.workers} rank(s), {backend}, {args.device}; {STEPS} timed steps after "
-        f"{WARMUP} warm-up; {args.rounds} interleaved rounds, median"
+        f"{STRATEGY}_throughput: {args.workers} rank(s), {backend}, {args.device}; "
+        f"{WINDOW_S:g} s of timed steps after {WARMUP} warm-up; {args.rounds} "
+        "interleaved rounds, median (spread: the rounds' range around it)"
     )
     from _common import emit, in_order
 
     seen: dict[str, list[float]] = {name: [] for name in PHASES}
+    steps: dict[str, list[int]] = {name: [] for name in PHASES}
     for _ in range(args.rounds):
         for name in in_order("rtnb", "torchrun", "trainer"):
-            seen[name].append(_run_phase(name, args.device, args.workers)["step_s"])
+            result = _run_phase(name, args.device, args.workers)
+            seen[name].append(result["step_s"])
+            steps[name].append(int(result["steps"]))
     step = {name: statistics.median(values) for name, values in seen.items()}
     base = step["torchrun"]
     print()
@@ -227,9 +255,11 @@ def main() -> None:
         ("trainer", "TorchTrainer.fit (tuned)"),
     ):
         runs = ", ".join(f"{v * 1e3:.1f}" for v in seen[name])
+        spread = (max(seen[name]) - min(seen[name])) / step[name] * 100
         print(
             f"{label:17s} {step[name] * 1e3:8.1f} ms/step   throughput {base / step[name]:.3f}x "
-            f"torchrun   (runs: {runs} ms)"
+            f"torchrun   spread {spread:.1f}%   (runs: {runs} ms; "
+            f"{min(steps[name])}-{max(steps[name])} steps)"
         )
     print(f"goal: rtnb >= 0.98x torchrun's throughput -> {base / step['rtnb']:.3f}x")
     emit(rtnb_vs_torchrun=base / step["rtnb"], trainer_vs_torchrun=base / step["trainer"])
