@@ -236,7 +236,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "live_view",
         (
-            _x("cpu_ratio_8", "kernel CPU of the view, 8 ranks: rtnb / throttled FigureWidget"),
+            _x(
+                "cpu_ratio_2", "kernel CPU of the view, 2 ranks: rtnb / throttled FigureWidget", 1.0
+            ),
+            Figure("p95_lag_steps_2", "rtnb plot lag p95, 2 ranks at 100 steps/s", "steps", 100),
+            Figure("cpu_share_2", "rtnb view's kernel CPU share, 2 ranks", "%"),
+            _x(
+                "cpu_ratio_8", "kernel CPU of the view, 8 ranks: rtnb / throttled FigureWidget", 1.0
+            ),
             Figure("p95_lag_steps_8", "rtnb plot lag p95, 8 ranks at 100 steps/s", "steps", 100),
             Figure("cpu_share_8", "rtnb view's kernel CPU share, 8 ranks", "%", 10),
         ),
