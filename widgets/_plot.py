@@ -91,7 +91,10 @@ def robust_range(traces, k: float = 20.0, early: float = 0.25) -> list[float] | 
 
     kept, every = [], []
     for ys in traces:
-        data = np.asarray([np.nan if v is None else v for v in ys], dtype=float).ravel()
+        if isinstance(ys, np.ndarray) and ys.dtype.kind == "f":
+            data = ys.ravel()  # the live view's traces: no None to turn into nan
+        else:
+            data = np.asarray([np.nan if v is None else v for v in ys], dtype=float).ravel()
         data = data[np.isfinite(data)]
         every.append(data)
         keep = np.ones(data.size, dtype=bool)
