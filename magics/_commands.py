@@ -37,7 +37,7 @@ from rtnb.magics._parsers import (
     wait_args,
     warm_args,
 )
-from rtnb.magics._rtrain import CellRunner, shown
+from rtnb.magics._rtrain import CellRunner, show_profile, shown
 from rtnb.magics._slot import NotebookSlot
 from rtnb.widgets import (
     CheckpointBrowser,
@@ -45,7 +45,6 @@ from rtnb.widgets import (
     RunsDashboard,
     SweepProgress,
     SweepView,
-    profile_figure,
     runs_bundle,
     show_static_figure,
     stop_asking,
@@ -232,7 +231,7 @@ class Commands:
         if args.show:
             if session.last_profile is None:
                 raise UsageError("no profile yet: `%rtnb profile --steps 20` arms one")
-            self._show_profile(session.last_profile)
+            show_profile(session.last_profile)
             return
         try:
             first = session.profile(args.steps)
@@ -245,12 +244,6 @@ class Commands:
                 f"rtnb: steps {first}-{first + args.steps - 1} are profiled on every rank; "
                 "`%rtnb profile --show` once they ran"
             )
-
-    @staticmethod
-    def _show_profile(report) -> None:
-        print(report.summary())
-        print(report.table())
-        display(profile_figure(report))
 
     @command("set")
     def set(self, rest: str):

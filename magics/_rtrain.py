@@ -17,13 +17,14 @@ from rtnb.widgets import (
     LiveOnFirstReport,
     ProgressLines,
     RankLog,
+    profile_figure,
     static_figure_bundle,
 )
 
 from rtnb.core._output import print_sink
 from rtnb.errors import CellError, ConfigError
 
-__all__ = ["CellRunner", "RtrainMagics", "shown"]
+__all__ = ["CellRunner", "RtrainMagics", "show_profile", "shown"]
 
 
 def shown(value):
@@ -31,6 +32,13 @@ def shown(value):
     if value is None or all(v is None for v in value.values()):
         return None
     return value
+
+
+def show_profile(report) -> None:
+    """A finished profile: its summary, its table, its figure."""
+    print(report.summary())
+    print(report.table())
+    display(profile_figure(report))
 
 
 class CellRunner:
@@ -112,7 +120,7 @@ class CellRunner:
                 late.close()
                 self.slot.last_view = late.view or self.slot.last_view
             if session.last_profile is not profile_before and session.last_profile is not None:
-                self._show_profile(session.last_profile)
+                show_profile(session.last_profile)
             if progress is not None:
                 progress.close()
                 if session.metrics.count() > reports_before:

@@ -461,7 +461,10 @@ class LiveMetrics(w.VBox):
             for figure in old:
                 close_tree(figure)
             self.builds += 1
+            self._apply_y_ranges()
         else:
+            # One message to the page a redraw: the traces and the y ranges together.
+            drawn_ys = []
             with self.figure.batch_update():
                 for trace, key in zip(self.figure.data, keys):
                     xs, ys = series_xy(
@@ -469,21 +472,27 @@ class LiveMetrics(w.VBox):
                     )
                     # numpy arrays: plotly validates and compares lists element by
                     # element in Python (~30 ms a redraw), arrays in C.
-                    trace.x, trace.y = np.asarray(xs), np.asarray(ys, dtype=float)
+                    points = np.asarray(ys, dtype=float)
+                    trace.x, trace.y = np.asarray(xs), points
+                    drawn_ys.append(points)
                 y_type = "log" if self._log_y.value else "linear"
                 if y_type != self._y_type:
                     self._y_type = y_type
                     self.figure.update_yaxes(type=y_type)
-        self._apply_y_ranges()
+                # (inside the batch a trace still reads its old points: these are new)
+                self._apply_y_ranges(drawn_ys)
         self.redraws += 1
 
-    def _apply_y_ranges(self) -> None:
-        """Each subplot's y range leaves out outliers unless unticked (or log y)."""
+    def _apply_y_ranges(self, ys_by_trace: list | None = None) -> None:
+        """Each subplot's y range leaves out outliers unless unticked (or log y);
+        ``ys_by_trace``: the points just given to the traces, in their order."""
         robust = self._outliers.value and not self._log_y.value
         by_axis: dict[str, list] = {}
-        for trace, (_name, rank) in zip(self.figure.data, self._keys):
-            if rank not in ("low", "high") and trace.y is not None:
-                by_axis.setdefault(trace.yaxis or "y", []).append(np.asarray(trace.y, dtype=float))
+        traces = self.figure.data
+        ys_all = ys_by_trace if ys_by_trace is not None else [t.y for t in traces]
+        for trace, ys, (_name, rank) in zip(traces, ys_all, self._keys):
+            if rank not in ("low", "high") and ys is not None:
+                by_axis.setdefault(trace.yaxis or "y", []).append(np.asarray(ys, dtype=float))
         for axis, ys in by_axis.items():
             layout = self.figure.layout["yaxis" + axis[1:]]
             span = robust_range(ys) if robust and ys else None
