@@ -377,7 +377,7 @@ class _HashingWriter:
 
     def write(self, chunk) -> int:
         self._hash.update(chunk)
-        self._size += len(chunk) if isinstance(chunk, bytes) else memoryview(chunk).nbytes
+        self._size += memoryview(chunk).nbytes  # bytes or a tensor's buffer alike
         return self._file.write(chunk)
 
     def flush(self) -> None:
