@@ -183,6 +183,7 @@ def test_failed_trials_are_retried_per_failure_config_and_a_lost_rank_is_recover
 
     def train(config):
         import os
+        import time
 
         import rtnb
 
@@ -192,14 +193,22 @@ def test_failed_trials_are_retried_per_failure_config_and_a_lost_rank_is_recover
         open(mark, "a").close()
         # One rank raises, as one usually does: the others are stopped when it fails,
         # maybe before they reached their mark, so a mark of theirs says nothing.
-        if config["kind"] == "flaky" and first and rank == 0:
-            raise RuntimeError("flaky the first time")
+        if config["kind"] == "flaky" and first:
+            if rank == 0:
+                raise RuntimeError("flaky the first time")
+            # Still training when rank 0 fails: the stop asked for that failure ends
+            # with this attempt and must not reach the retry's ranks.
+            for _ in range(600):
+                rtnb.report({"loss": 2.0})
+                time.sleep(0.05)
         if config["kind"] == "broken":
             raise ValueError("broken every time")
         if config["kind"] == "dies" and first and rank == 1:
             os._exit(1)  # the rank's process is gone: the session rebuilds the group
         for step in range(5):
             rtnb.report({"loss": 1.0 / (step + 1)})
+            if config["kind"] == "flaky":
+                time.sleep(0.8)  # the retry outlasts a stop's grace (3 s)
         return rtnb.get_config()["kind"]
 
     sweep = rtnb.sweep(
@@ -216,7 +225,7 @@ def test_failed_trials_are_retried_per_failure_config_and_a_lost_rank_is_recover
     )
     by_kind = {t.config["kind"]: t for t in sweep.trials}
     assert by_kind["ok"].state is rtnb.TrialState.TERMINATED and by_kind["ok"].failures == 0
-    assert by_kind["flaky"].state is rtnb.TrialState.TERMINATED
+    assert by_kind["flaky"].state is rtnb.TrialState.TERMINATED, by_kind["flaky"].note
     assert by_kind["flaky"].failures == 1
     assert by_kind["broken"].state is rtnb.TrialState.ERROR
     assert "ValueError: broken every time" in by_kind["broken"].note
