@@ -245,5 +245,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         report,
     )
     from rtnb.worker._hf import RayTrainReportCallback, prepare_trainer
-    from rtnb.worker._runtime import CellStopped, RankContext
+    from rtnb.worker._runtime import RankContext
+    from rtnb.worker._stopping import CellStopped
     from rtnb.worker._uploads import CheckpointUploadMode

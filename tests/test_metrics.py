@@ -405,19 +405,28 @@ REPORTS_OF_A_LOOP = [
 ]
 
 
+def _a_rank(monkeypatch):
+    """A rank's runtime in this process, what rtnb.report() records into until the
+    test ends."""
+    from rtnb.worker import _reporting, _runtime
+    from rtnb.worker._runtime import RankContext, RankRuntime
+
+    monkeypatch.setattr(_runtime, "_CURRENT", None)
+    monkeypatch.setattr(_reporting, "_CURRENT", None)
+    return RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
+
+
 def _report_through_the_api(monkeypatch, report) -> tuple[list, int]:
     import torch
 
-    from rtnb.worker import _runtime
-    from rtnb.worker._runtime import RankContext, RankRuntime
-
-    runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
-    monkeypatch.setattr(_runtime, "_CURRENT", runtime)
+    runtime = _a_rank(monkeypatch)
     for metrics in REPORTS_OF_A_LOOP:
         if metrics.get("loss") == "TENSOR":
             metrics = {**metrics, "loss": torch.tensor(4.0)}
         report(metrics)
-    rows = [(step, metrics) for step, _when, metrics in runtime._reports.take().rows()]
+    rows = [
+        (step, metrics) for step, _when, metrics in runtime.reports.take_locked()[0].take().rows()
+    ]
     return rows, runtime.step
 
 
@@ -425,17 +434,17 @@ def test_reports_recorded_in_c_are_exactly_those_of_the_python_path(monkeypatch)
     native = require(
         "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
     )
-    from rtnb.worker import _api, _runtime
+    from rtnb.worker import _api, _reporting
 
     # Built, rtnb.report is the C builtin; report_in_python is what it falls back to.
     assert _api.report is not _api.report_in_python
     answers = []
 
     def add_then_python(metrics):
-        runtime = _runtime._CURRENT
-        answers.append(native.add(runtime, metrics))
+        reports = _reporting.current_reports()
+        answers.append(native.add(reports, metrics))
         if answers[-1] == 2:
-            runtime.after_plain_report()
+            reports.after_plain_report()
         elif not answers[-1]:
             _api.report_in_python(metrics)
 
@@ -460,12 +469,10 @@ def test_a_fast_loops_reports_set_off_no_garbage_collection(monkeypatch):
     native = require(
         "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
     )
-    from rtnb.worker import _api, _runtime
-    from rtnb.worker._runtime import RankContext, RankRuntime
+    from rtnb.worker import _api
 
     assert _api.report is not _api.report_in_python, native
-    runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
-    monkeypatch.setattr(_runtime, "_CURRENT", runtime)
+    runtime = _a_rank(monkeypatch)
     metrics = {"loss": 0.5, "lr": 0.1, "tokens": 0}
     _api.report(metrics)  # the first report of a run of keys takes the Python path
     collections = []
@@ -482,11 +489,11 @@ def test_a_fast_loops_reports_set_off_no_garbage_collection(monkeypatch):
             metrics["tokens"] = i
             _api.report(metrics)
             if i == 25_000:
-                first = runtime._reports.take()
+                first = runtime.reports.take_locked()[0].take()
     finally:
         gc.callbacks.remove(count)
     assert collections == []
-    rest = runtime._reports.take()
+    rest = runtime.reports.take_locked()[0].take()
     assert len(first) + len(rest) == 50_001
     assert list(rest.columns["tokens"])[-1] == 49_999 and rest.numbers("loss")[2][-1] == 24_999.5
 
@@ -496,19 +503,16 @@ def test_reports_from_two_threads_while_polled_stay_whole_and_in_order(monkeypat
     report) while a third takes batches: every report arrives once, whole."""
     import threading
 
-    from rtnb.worker import _api, _runtime
-    from rtnb.worker._runtime import RankContext, RankRuntime
+    from rtnb.worker import _api
 
-    runtime = RankRuntime(RankContext(world_rank=0, world_size=1), capture_output=False)
-    monkeypatch.setattr(_runtime, "_CURRENT", runtime)
+    runtime = _a_rank(monkeypatch)
     n = 20_000
     done = threading.Event()
     taken = []
 
     def poll():
         while not done.is_set():
-            with runtime._reports_lock:
-                batch, runtime._reports = runtime._reports, type(runtime._reports)()
+            batch, _offers = runtime.reports.take_locked()  # what a poll takes
             taken.append(batch.take())
 
     def steady():
@@ -528,7 +532,7 @@ def test_reports_from_two_threads_while_polled_stay_whole_and_in_order(monkeypat
         t.join()
     done.set()
     poller.join()
-    taken.append(runtime._reports.take())
+    taken.append(runtime.reports.take_locked()[0].take())
     rows = [metrics for batch in taken if batch for _s, _t, metrics in batch.rows()]
     assert len(rows) == 2 * n
     steady_rows = [m for m in rows if "a" in m]
@@ -544,10 +548,11 @@ def test_report_keeps_its_signature_help_and_errors_when_built_in_c(monkeypatch)
 
     import rtnb
     from rtnb.errors import SessionError
-    from rtnb.worker import _runtime
+    from rtnb.worker import _reporting, _runtime
 
     # Outside a rank (other tests here leave a runtime of theirs behind).
     monkeypatch.setattr(_runtime, "_CURRENT", None)
+    monkeypatch.setattr(_reporting, "_CURRENT", None)
 
     assert list(inspect.signature(rtnb.report).parameters) == [
         "metrics",

@@ -111,6 +111,7 @@ def runtime():
     saved = sys.stdout, sys.stderr
     rt = RankRuntime(RankContext(world_rank=0, world_size=1))
     yield rt
+    rt.close()
     sys.stdout, sys.stderr = saved
 
 
@@ -167,7 +168,7 @@ def test_report_pauses_on_stop_and_leaves_at_the_target_step(runtime):
     runtime.start_cell(
         CellRequest(
             1,
-            "import time\nfrom rtnb.worker._runtime import current_runtime as c\nwhile True:\n    c().report({'v': 1})\n    time.sleep(0.001)",
+            "import time\nfrom rtnb.worker._runtime import current_runtime as c\nwhile True:\n    c().reports.report({'v': 1})\n    time.sleep(0.001)",
         )
     )
     time.sleep(0.1)
@@ -213,7 +214,7 @@ def test_a_cell_run_by_the_relay_listener_in_its_own_thread_can_be_interrupted(r
     assert runtime.wait(5.0, 0.0).state is CellState.INTERRUPTED
 
 
-@pytest.mark.parametrize("first", ["c().report({'v': 1})", "print('first line')"])
+@pytest.mark.parametrize("first", ["c().reports.report({'v': 1})", "print('first line')"])
 def test_the_relays_first_wait_gives_way_at_a_cells_first_report_or_line(runtime, first):
     # The relay answers for a rank only when its cell ended with nothing to deliver;
     # a cell that reports or prints is handed to the long-poll at once rather than
@@ -242,16 +243,14 @@ def test_output_from_other_threads_is_captured(runtime):
     assert "from thread" in "".join(text for _s, text in update.output)
 
 
-def test_rank_api_outside_a_rank_says_where_to_call_it():
+def test_rank_api_outside_a_rank_says_where_to_call_it(monkeypatch):
     import rtnb
-    from rtnb.worker import _runtime as _rank
+    from rtnb.worker import _reporting, _runtime
 
-    saved, _rank._CURRENT = _rank._CURRENT, None
-    try:
-        with pytest.raises(rtnb.SessionError, match="%%rtrain"):
-            rtnb.report({"x": 1})
-    finally:
-        _rank._CURRENT = saved
+    monkeypatch.setattr(_runtime, "_CURRENT", None)
+    monkeypatch.setattr(_reporting, "_CURRENT", None)
+    with pytest.raises(rtnb.SessionError, match="%%rtrain"):
+        rtnb.report({"x": 1})
     assert threading.current_thread() is threading.main_thread()
 
 
@@ -562,7 +561,7 @@ def test_a_cell_run_again_from_a_checkpoint_fires_only_the_triggers_after_it(run
         "for step in range(61, 81):\n"
         "    rtnb.report({'i': step})\n"
     )
-    runtime.step = 150  # where the group's last step was when the rank died
+    runtime.set_step(150)  # where the group's last step was when the rank died
     runtime.start_cell(
         CellRequest(1, code, checkpoint=Resumed(), triggers=((50, "early"), (70, "late")))
     )

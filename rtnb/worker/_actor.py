@@ -24,8 +24,9 @@ from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to
 from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
 from rtnb.worker._debug import DebugState
-from rtnb.worker._runtime import CellStopped, RankContext, RankRuntime
+from rtnb.worker._runtime import RankContext, RankRuntime
 from rtnb.worker._shards import watched_shard
+from rtnb.worker._stopping import CellStopped
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
 
@@ -489,7 +490,7 @@ class RankActor:
         }
 
     def set_step(self, step: int, line: int = 0) -> None:
-        self.runtime.step, self.runtime.line = step, line
+        self.runtime.set_step(step, line)
 
     def ping(self) -> str:
         return str(self.runtime.state)

@@ -16,7 +16,7 @@ from rtnb.core._context import CONFIG_NAME, notebook_checkpoints
 from rtnb.core._messages import SAVE_TRIGGER, ValidationRequest
 from rtnb.core._reports import portable_metric
 from rtnb.errors import ConfigError, RtnbError, SessionError
-from rtnb.worker import _runtime as _rank
+from rtnb.worker import _reporting
 from rtnb.worker._runtime import RankContext, RankRuntime, current_runtime
 from rtnb.worker._uploads import CheckpointUploadMode, SaveOptions
 
@@ -197,11 +197,11 @@ def report(
             validation,
             checkpoint,
         )
-    runtime = _rank._CURRENT
-    if checkpoint is None and step is None and runtime is not None:
+    reports = _reporting.current_reports()
+    if checkpoint is None and step is None and reports is not None:
         # Every step of a fast loop (where the C path below is not built): keep it short.
         if type(metrics) is dict and "step" not in metrics:
-            runtime.report_plain(metrics)
+            reports.report_plain(metrics)
             return
     runtime = _runtime("report")
     if type(metrics) is not dict and not isinstance(metrics, Mapping):
@@ -223,7 +223,7 @@ def report(
             name: portable_metric(value) if hasattr(value, "item") else value
             for name, value in metrics.items()
         }
-    runtime.report(metrics, step, checkpoint, options)
+    runtime.reports.report(metrics, step, checkpoint, options)
     if delete_local_checkpoint_after_upload and checkpoint is not None:
         folder = getattr(checkpoint, "path", None)
         if folder and not getattr(checkpoint, "_temporary", False):
@@ -289,7 +289,7 @@ else:
     # the documented function above, while callers get the builtin with its docstring.
     globals()["report"] = make_report(
         report_in_python,
-        vars(_rank),
+        vars(_reporting),
         "report(metrics, checkpoint=None, checkpoint_dir_name=None, checkpoint_upload_mode=None, "
         "delete_local_checkpoint_after_upload=None, checkpoint_upload_fn=None, validation=None, "
         "*, step=None)\n--\n\n" + inspect.cleandoc(report_in_python.__doc__ or ""),
@@ -335,13 +335,13 @@ def get_all_reported_checkpoints(
                 "first (%rtnb start), or call it in a cell"
             )
         return reader(consistency_mode, timeout_s)
-    return runtime.reported_checkpoints(consistency_mode, timeout_s)
+    return runtime.reports.reported_checkpoints(consistency_mode, timeout_s)
 
 
 def get_checkpoint():
     """The checkpoint chosen for resume (``%rtnb resume``/Load), else the latest
     committed one of this run, else None (as Ray Train's ``get_checkpoint``)."""
-    return _runtime("get_checkpoint").hand_out_checkpoint()
+    return _runtime("get_checkpoint").reports.hand_out_checkpoint()
 
 
 def prepare_model(

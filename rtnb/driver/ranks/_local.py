@@ -211,11 +211,7 @@ class LocalGroup:
         return self._call(lambda: self._rank().release(changes, from_step, triggers, change))
 
     def set_step(self, step: int, line: int) -> list[Any]:
-        def set_step() -> None:
-            runtime = self._rank()
-            runtime.step, runtime.line = step, line
-
-        return [self._call(set_step)]
+        return [self._call(lambda: self._rank().set_step(step, line))]
 
     def pull(self, ranks: list[int], name: str) -> list[Any]:
         return [self._call(lambda: self._rank().pull(name))]
