@@ -9,7 +9,7 @@
  * returns 1, or 2 when the caller must still wake the poll thread or stop at this
  * report (the batch's first report, or a stop was requested); it returns 0, having
  * changed nothing, whenever the report is not the plain case, and the Python path
- * (rtnb/worker/_runtime.py, rtnb/core/_reports.py) then records it. The plain case:
+ * (rtnb/worker/_reporting.py, rtnb/core/_reports.py) then records it. The plain case:
  * a dict with exactly the str keys of the buffer's current run of reports (in any
  * order), no "step" key, every value an exact float, int, str or None, and the rank
  * not replaying or holding an upload error (uploads in flight do not stop it).
@@ -173,11 +173,11 @@ static PyObject *fast_add(PyObject *module, PyObject *const *args, Py_ssize_t na
 }
 
 /* What rtnb.report falls back to, and the namespace holding the rank's runtime
- * (rtnb.worker._runtime's globals): one report per process, set by make_report. */
+ * (rtnb.worker._reporting's globals): one report per process, set by make_report. */
 static PyObject *report_fallback, *report_namespace;
 
 /* rtnb.report itself, when this module is built. A call with the metrics alone, on
- * a rank (namespace["_CURRENT"] is a runtime), is recorded here without a Python
+ * a rank (namespace["_CURRENT"] is its RankReports), is recorded here without a Python
  * frame; any other call is the fallback's. */
 static PyObject *report_call(PyObject *self, PyObject *const *args, size_t nargsf,
                              PyObject *kwnames) {
