@@ -34,7 +34,7 @@ from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver.cells._commits import CheckpointCoordinator
 from rtnb.driver.cells._handle import CellHandle
-from rtnb.driver.lifecycle import Failure, FailurePolicy, GroupState, RecoveryOutcome
+from rtnb.driver.lifecycle import Failure, GroupState, RecoveryOutcome
 from rtnb.driver.ranks import (
     DatasetHandOver,
     DatasetRecord,
@@ -109,6 +109,10 @@ class GroupOwner(Protocol):
 
     def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome: ...
 
+    def recovery_attempt(self) -> str | None: ...
+
+    def can_recover(self) -> bool: ...
+
     def cell_started(self, name: str) -> None: ...
 
     def cell_ended(self, name: str) -> None: ...
@@ -126,7 +130,6 @@ class CellFlow:
         commits: CheckpointCoordinator,
         checkpoints: CheckpointStore,
         metrics: MetricsStore,
-        policy: FailurePolicy,
     ) -> None:
         self.run_name = owner.run_name
         self.metrics = metrics
@@ -134,7 +137,6 @@ class CellFlow:
         self._owner = owner
         self._journal = journal
         self._commits = commits
-        self._policy = policy
         self._lock = owner.lock
         self._cell_ids = itertools.count(1)
         self._active: CellHandle | None = None
@@ -177,10 +179,6 @@ class CellFlow:
 
     def require_group(self, wait_s: float = 0.0) -> RankGroup:
         return self._owner.require_group(wait_s, self.state_text)
-
-    @property
-    def retries_errors(self) -> bool:
-        return self._policy.retry_errors
 
     def checkpoint_for(self, replay: bool) -> Checkpoint | None:
         """What ``get_checkpoint()`` returns in a cell: replayed cells get the
@@ -374,8 +372,9 @@ class CellFlow:
         state = self._owner.state
         active = self._active
         recovering = active is not None and active.recovering
-        if (state is GroupState.RECOVERING or recovering) and self._policy.failures:
-            return f"recovering ({self._policy.describe()})"
+        attempt = self._owner.recovery_attempt()
+        if (state is GroupState.RECOVERING or recovering) and attempt is not None:
+            return f"recovering ({attempt})"
         return str(state)
 
     @property
@@ -607,7 +606,7 @@ class CellFlow:
         """The group that recovery builds to replace ``lost``; None when no
         recovery is coming (no running cell, or --max-failures spent)."""
         active = self._active
-        if active is None or active.done() or not (active.recovering or self._policy.can_recover()):
+        if active is None or active.done() or not (active.recovering or self._owner.can_recover()):
             return None
         return self._owner.replacement(
             lost, lambda: not active.done() or active.recovering, _WAIT_FOR_GROUP_S

@@ -81,9 +81,6 @@ class CellContext(Protocol):
 
     def require_group(self, wait_s: float = 0.0) -> RankGroup: ...
 
-    @property
-    def retries_errors(self) -> bool: ...
-
     def checkpoint_for(self, replay: bool) -> Checkpoint | None: ...
 
     def commit(self, handle: CellHandle) -> None: ...
@@ -418,14 +415,14 @@ class CellHandle:
             self.stop("stopped because storage failed")
 
     def _failed_cell(self) -> Failure | None:
-        """A cell whose code raised, when the session's policy retries such cells (a
-        sweep's trial, as Tune's FailureConfig); else None: it ends with its error."""
+        """A cell whose code raised, for the controller's failure policy to decide on
+        (the one place that does: a sweep's trial runs again, as with Tune's
+        FailureConfig; a notebook cell keeps its error); None when there is nothing to
+        decide (no error, a replay, the user's own stop, a storage failure)."""
         cause = first_cause(self._finished)
         own_stop = self._stopping.requested and not self._stopped_for_failure
         kept_back = self._commit_error is not None or self._storage_failure is not None
         if cause is None or self.replay or own_stop or kept_back:
-            return None
-        if not self._context.retries_errors:
             return None
         return Failure(self.name, error=f"rank {cause[0]}: {cause[1]}")
 

@@ -38,6 +38,7 @@ from rtnb.core._config import SessionConfig
 from rtnb.driver.cells import CellFlow, CheckpointCoordinator
 from rtnb.driver.cluster import ClusterConnection, StartProgress, StartReport
 from rtnb.driver.control._replay import Replayer
+from rtnb.driver.control._run_files import RunRecorder, attach_run_outputs
 from rtnb.driver.lifecycle import (
     ACTIVE,
     BUSY,
@@ -66,25 +67,15 @@ from rtnb.driver.ranks import (
 from rtnb.errors import (
     CellInterrupted,
     ClusterError,
-    ConfigError,
     RtnbError,
     SessionError,
     WorkerGroupError,
     one_line,
 )
 from rtnb.metrics._store import MetricsStore
-from rtnb.metrics._tensorboard import TensorBoardExporter
 from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import EntryKind, Journal
-from rtnb.storage._layout import (
-    SYSTEM_METRICS,
-    RunRecord,
-    read_run_record,
-    tensorboard_dir,
-    write_run_record,
-)
 from rtnb.storage._logs import RankLogs
-from rtnb.storage._metricslog import MetricsLog
 from rtnb.storage._rundir import RunDirectory
 
 __all__ = ["Controller"]
@@ -117,7 +108,7 @@ class Controller:
         self.commits = commits
         self.checkpoints = checkpoints
         self.metrics = metrics
-        self.policy = policy
+        self._policy = policy  # the one owner: decides each failure once (recover)
         self.scaling = scaling
         self.state_machine = StateMachine()
         self.group: RankGroup | None = None
@@ -142,7 +133,7 @@ class Controller:
             at_exit=at_exit,
             on_ray_lost=self._ray_went_away,
         )
-        self.cells = CellFlow(self, journal, commits, checkpoints, metrics, policy)
+        self.cells = CellFlow(self, journal, commits, checkpoints, metrics)
         self._replayer = Replayer(
             journal,
             lambda: self.world_size,
@@ -247,7 +238,7 @@ class Controller:
             self.state_machine.to(GroupState.STARTING)
             try:
                 self.run_dir.ensure_writable()
-                self._attach_outputs()
+                self.logs = attach_run_outputs(self.run_dir, self._config, self.metrics, self.logs)
                 prepare()
                 built = self._builder.connect_and_build(self._config, steps)
             except BaseException as exc:
@@ -307,19 +298,6 @@ class Controller:
             except Exception:  # noqa: BLE001 - stopping must not fail on a storage hiccup
                 pass
 
-    def _attach_outputs(self) -> None:
-        if self.metrics.log is None:
-            self.metrics.log = MetricsLog(self.run_dir)
-            self.metrics.system_log = MetricsLog(self.run_dir, SYSTEM_METRICS)
-        if self.logs is None:
-            self.logs = RankLogs(self.run_dir)
-        if self._config.tensorboard and self.metrics.exporter is None:
-            if not self.run_dir.is_local:
-                raise ConfigError(
-                    "--tensorboard writes event files next to the run: it needs a local --storage"
-                )
-            self.metrics.exporter = TensorBoardExporter(tensorboard_dir(self.run_dir.path))
-
     # ---- rebuilds that keep the state, or not ---------------------------------------------
     def restart(self, replay: bool) -> None:
         """A new group with the same options; the ranks' variables kept by a replay
@@ -328,7 +306,7 @@ class Controller:
         with self.lock:
             self.state_machine.to(GroupState.RESTARTING, "restart requested")
             self._rebuild("restart requested", self._config, fresh=not replay)
-            self.policy.reset()
+            self._policy.reset()
             if replay:
                 self._replay("restart --replay")
             self._ready_again("restarted")
@@ -458,13 +436,27 @@ class Controller:
             self._replaying = None
 
     # ---- after a failure -------------------------------------------------------------------
+    @property
+    def failures(self) -> int:
+        """Recoveries spent on the failure policy's budget so far."""
+        return self._policy.failures
+
+    def recovery_attempt(self) -> str | None:
+        """The recovery under way as the user reads it ("recovery 1 of 3"), once one
+        was decided."""
+        return self._policy.describe() if self._policy.failures else None
+
+    def can_recover(self) -> bool:
+        """Whether the policy's budget allows another recovery."""
+        return self._policy.can_recover()
+
     def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
         """What a failed cell does next: run again on a rebuilt group with the journal
         replayed up to it (entry ``before``), or end with an error. A rank that dies
         during the rebuild or replay is another failure, decided again."""
         while True:
             failure = dataclasses.replace(failure, world_size=self.world_size)
-            decision = self.policy.decide(failure)
+            decision = self._policy.decide(failure)
             if isinstance(decision, Raise) and not failure.dead and failure.error is not None:
                 return RecoveryOutcome(decision, keep_error=True)  # the group is sound
             self._enter_recovering(failure.summary if failure.dead else failure.cell)
@@ -585,48 +577,3 @@ class Controller:
 
     def write_run_record(self) -> None:
         self._record.write(str(self.state), self._config, self.group)
-
-
-class RunRecorder:
-    """Keeps the run's ``run.json`` current: its state, options and ranks, where its
-    training is (line and step) and its MLflow run. A run carried on by a new
-    session keeps the time it first started and where its training was."""
-
-    def __init__(
-        self,
-        run_dir: RunDirectory,
-        run_name: str,
-        commits: CheckpointCoordinator,
-        tracking_record: Callable[[], dict],
-    ) -> None:
-        self._run_dir = run_dir
-        self._run_name = run_name
-        self._commits = commits
-        self._tracking_record = tracking_record
-        self._started_at: float | None = None  # run.json's "started"
-
-    def carry_on(self) -> None:
-        if self._started_at is not None:
-            return
-        try:
-            earlier = read_run_record(self._run_dir)
-        except (OSError, ValueError, TypeError):
-            earlier = None
-        self._started_at = (earlier.started if earlier is not None else 0.0) or time.time()
-        self._commits.restore(earlier)
-
-    def write(self, state: str, config: SessionConfig, group: RankGroup | None) -> None:
-        self.carry_on()
-        write_run_record(
-            self._run_dir,
-            RunRecord(
-                run_name=self._run_name,
-                started=self._started_at or time.time(),
-                status=state,
-                config=config.to_dict(),
-                ranks=[vars(r) for r in group.ranks] if group is not None else [],
-                updated=time.time(),
-                mlflow=self._tracking_record(),
-                **self._commits.record(),
-            ),
-        )

@@ -100,7 +100,6 @@ class Session(LiveAPI, RunAPI):
         self.checkpoints = CheckpointStore(self.run_dir, config.keep, config.score, config.mode)
         self.commits = CheckpointCoordinator(self.checkpoints)
         self.journal = Journal(self.run_dir)
-        self.policy = failure_policy or FailurePolicy(config.max_failures)
         self.metrics = MetricsStore()
         self.replay_on_start = replay
         # The first error of the MLflow mirror (tracking never stops training).
@@ -116,7 +115,7 @@ class Session(LiveAPI, RunAPI):
             self.commits,
             self.checkpoints,
             self.metrics,
-            self.policy,
+            failure_policy or FailurePolicy(config.max_failures),
             scaling=ScalingPolicy(),
             group_factory=group_factory or new_group,
             connector=connector or connect,
@@ -347,7 +346,7 @@ class Session(LiveAPI, RunAPI):
     @property
     def failures(self) -> int:
         """Group rebuilds spent on --max-failures so far."""
-        return self.policy.failures
+        return self._controller.failures
 
     @property
     def ray_lost(self) -> str | None:
