@@ -394,6 +394,16 @@ def demo_step():
 """
 
 
+# The ranks leave a DDP loop at the same step: one that saw the file a step before
+# the other would leave its peer waiting in the next backward's all-reduce for ever
+# (half-speed run K: rank 0 ran one step more and the cell never ended).
+SEEN_BY_ALL = """def seen_by_all(path):
+    flag = torch.tensor([float(os.path.exists(path))])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+"""
+
+
 def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
     """In the dark theme: the live plot grows, fills the output width and has no white
     box; reloaded while a background cell runs, the tab shows the plot live again."""
@@ -405,13 +415,13 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
             # Reports until the test has seen the plot grow (a file ends it), so no
             # timing of the machine decides what the test can observe.
             # The demo's model (its picture is the manual's), one step a report.
-            "%%rtrain --steps 5000\n" + DEMO_STEPS + "s = 0\n"
-            f"while not os.path.exists({str(tmp_path / 'seen')!r}) and s < 5000:\n"
+            "%%rtrain --steps 5000\n" + DEMO_STEPS + SEEN_BY_ALL + "s = 0\n"
+            f"while not seen_by_all({str(tmp_path / 'seen')!r}) and s < 5000:\n"
             "    s += 1\n    rtnb.report(demo_step())\n    time.sleep(0.03)",
             # The same in the background: the kernel stays free to answer a reload.
             # A checkpoint every 100 steps, for the browser's table in the dark theme.
             f"%%rtrain --steps 5000 --background\ns = 0\n"
-            f"while not os.path.exists({str(tmp_path / 'seen-again')!r}) and s < 5000:\n"
+            f"while not seen_by_all({str(tmp_path / 'seen-again')!r}) and s < 5000:\n"
             "    s += 1\n"
             "    saved = rtnb.Checkpoint.from_state({'s': s}) if s % 100 == 1 else None\n"
             "    rtnb.report(demo_step(), checkpoint=saved)\n    time.sleep(0.03)",
