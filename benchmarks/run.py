@@ -204,8 +204,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "data_start",
         (
-            _x("total_ratio", "Ray Data cell: tuned TorchTrainer fit / rtnb cell", 1.0, False),
-            Figure("rtnb_cell_s", "rtnb Ray Data cell, every row read", "s"),
+            _x(
+                "total_ratio",
+                "Ray Data from nothing (Ray, group, every row): tuned TorchTrainer / rtnb",
+                1.0,
+                False,
+            ),
+            _x(
+                "groups_up_ratio",
+                "Ray Data, groups up: TorchTrainer's loop / rtnb's cell (its split included)",
+            ),
+            Figure("rtnb_cell_s", "rtnb Ray Data cell on a running group, every row read", "s"),
         ),
         args=("--rounds", "1"),
         quick_args=("--rounds", "1", "--rows", "5000", "--quick"),
