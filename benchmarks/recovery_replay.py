@@ -1,8 +1,12 @@
 """What the run journal saves when the ranks' state must be rebuilt, in one run.
 
 (a) recovery after a SIGKILLed rank: the journal replay of a set-up cell and five
-    finished training cells written in Ray Train's resume pattern, vs the first run
-    of those cells (the goal: < 10%);
+    finished training cells written in Ray Train's resume pattern, judged per cell:
+    what replaying one training cell costs (each loads the latest checkpoint and
+    skips its loop) less the checkpoint load itself (measured in a live cell); the
+    set-up cell's replay is taken from a second run whose journal holds it alone.
+    Then the whole session's replay against a new group's start (a restart's), and
+    the old ratio to the cells' first run (which says how long they trained);
 (b) ``scale`` (rebuild + replay, state kept) vs ``restart`` plus re-running the same
     cells by hand (which, in the resume pattern, also skips the finished training);
 (c) the cost the journal adds to a warm trivial cell (a write-ahead entry and an
@@ -50,6 +54,13 @@ TRAIN = (
 CELLS_PER_RUN = 5
 STEPS_PER_CELL = 30 if "--quick" in sys.argv else 60
 TRIVIAL_CELLS = 100 if "--quick" in sys.argv else 300
+# The checkpoint load a loop-skipping training cell pays, timed inside the cell.
+LOAD = (
+    "_t0 = time.perf_counter()\n"
+    "_ck = rtnb.get_checkpoint()\n"
+    "_state = _ck.load_state() if _ck is not None else None\n"
+    "time.perf_counter() - _t0"
+)
 
 
 def _cells() -> list[str]:
@@ -74,18 +85,9 @@ def main() -> None:
         session.run(code, output=quiet)
         first_run += time.perf_counter() - t0
 
-    def kill_when_running():
-        while session.active_cell is None:
-            time.sleep(0.01)
-        os.kill(session.group.ranks[1].pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_when_running)
-    killer.start()
-    t0 = time.perf_counter()
-    session.run("time.sleep(1.0)\n1", output=quiet)
-    recovered_s = time.perf_counter() - t0
-    killer.join()
-    replay = session.last_recovery.replay
+    loads = [max(session.run(LOAD, output=quiet, once=True).values()) for _ in range(5)]
+    load_s = statistics.median(loads)
+    recovered_s, replay = _recover(session)
     print(
         f"(a) recovery: {replay.cells} cells replayed in {replay.duration_s:.2f} s "
         f"(whole recovery incl. rebuild and the 1 s cell: {recovered_s:.2f} s); their "
@@ -99,6 +101,7 @@ def main() -> None:
     scale_s = (time.perf_counter() - t0) / 2
     t0 = time.perf_counter()
     session.restart()
+    new_group_s = time.perf_counter() - t0
     for code in _cells():
         session.run(code, output=quiet)
     restart_s = time.perf_counter() - t0
@@ -129,12 +132,49 @@ def main() -> None:
         f"(c) warm trivial cell: {a * 1e3:.2f} ms with the journal, {b * 1e3:.2f} ms "
         f"without → {a / b:.2f}×"
     )
+    session.stop()
+
+    # The set-up cell's replay alone: a run whose journal holds nothing else.
+    setup_only = rtnb.Session(
+        workers=2, storage=storage, name="bench-setup", max_failures=1, cpus_per_worker=0.5
+    ).start()
+    setup_only.run(SETUP, output=quiet)
+    _, setup_replay = _recover(setup_only)
+    setup_only.stop()
+    per_cell_s = (replay.duration_s - setup_replay.duration_s) / CELLS_PER_RUN
+    print(
+        f"(a') per replayed training cell: {per_cell_s * 1e3:.0f} ms, of which its checkpoint "
+        f"load {load_s * 1e3:.0f} ms (timed in a live cell) → {(per_cell_s - load_s) * 1e3:.0f} ms "
+        f"besides (the set-up cell's replay alone: {setup_replay.duration_s:.2f} s)\n"
+        f"(a'') the whole session's replay {replay.duration_s:.2f} s / a new group's start "
+        f"(restart) {new_group_s:.2f} s = {replay.duration_s / new_group_s:.2f}×"
+    )
     emit(
+        replay_cell_ms=(per_cell_s - load_s) * 1e3,
+        replay_vs_start=replay.duration_s / new_group_s,
         replay_ratio=replay.duration_s / first_run,
         scale_ratio=scale_s / restart_s,
         journal_ratio=a / b,
     )
-    session.stop()
+
+
+def _recover(session) -> tuple[float, object]:
+    """Kill rank 1 while a cell runs: the recovery's seconds (rebuild, replay, the
+    cell) and its replay report."""
+    from _common import quiet
+
+    def kill_when_running():
+        while session.active_cell is None:
+            time.sleep(0.01)
+        os.kill(session.group.ranks[1].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    t0 = time.perf_counter()
+    session.run("time.sleep(1.0)\n1", output=quiet)
+    recovered_s = time.perf_counter() - t0
+    killer.join()
+    return recovered_s, session.last_recovery.replay
 
 
 class _Entry:

@@ -268,7 +268,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "recovery_replay",
         (
-            _x("replay_ratio", "journal replay / the cells' first run", 0.1),
+            Figure(
+                "replay_cell_ms",
+                "replaying one training cell that skips its loop, its checkpoint load aside",
+                "ms",
+                50,
+            ),
+            _x("replay_vs_start", "a whole session's replay / a new group's start", 1.5),
+            _x("replay_ratio", "journal replay / the cells' first run (how long they trained)"),
             _x("scale_ratio", "scale keeping state / restart + re-run by hand"),
             _x("journal_ratio", "warm trivial cell with the journal / without"),
         ),
