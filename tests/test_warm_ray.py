@@ -322,6 +322,14 @@ def test_warm_status_and_stop_from_a_notebook_and_the_shell(tmp_path):
         assert f"(pid {host.pid}," in shown and "127.0.0.1:" in shown
         assert f"kernels attached: 1: pid {kernel_pid} (this kernel)" in shown
         assert "ranks: 2 in use" in shown and "ends 5 min after the last kernel leaves" in shown
+        # The pool makes two spares after the claim, importing torch at low priority;
+        # the status tells those still importing from those a next kernel takes warm.
+        until(
+            "two spare ranks done importing torch",
+            lambda: "2 spare (torch imported)\n" in cell("%rtnb warm").stdout,
+            120,
+            1.0,
+        )
 
         refused = _rtnb_cli("warm", "stop", env=env)
         assert refused.returncode == 2 and f"in use by the kernel(s) with pid {kernel_pid}" in (

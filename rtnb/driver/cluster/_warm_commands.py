@@ -31,11 +31,12 @@ class WarmRayStatus:
     cpus: int
     started: float  # wall-clock time
     kernels: tuple[int, ...]  # pids of the kernels attached now
-    spares: int  # rank processes with torch imported, waiting for a kernel
+    spares: int  # rank processes waiting for a kernel
     ranks_in_use: int
     idle_s: float  # it ends this long after the last kernel leaves
     idle_since: float | None  # wall-clock time; None while a kernel is attached
     detached: tuple[str, ...] = ()  # runs of the detached groups it holds
+    spares_ready: int = 0  # of the spares, those done importing torch
 
     def summary(self, this_pid: int | None = None) -> str:
         now = time.time()
@@ -57,7 +58,11 @@ class WarmRayStatus:
                 f"  detached groups: {', '.join(self.detached)} (`rtnb ps`; it ends only "
                 "after they are freed)"
             )
-        lines.append(f"  ranks: {self.ranks_in_use} in use, {self.spares} spare (torch imported)")
+        warming = self.spares - self.spares_ready
+        lines.append(
+            f"  ranks: {self.ranks_in_use} in use, {self.spares} spare (torch imported"
+            + (f"; {warming} still importing it)" if warming > 0 else ")")
+        )
         lines.append(
             f"  ends {_span(self.idle_s)} after the last kernel leaves ({IDLE_ENV}); "
             f"`rtnb warm stop` ends it now; {SWITCH_ENV}=0 keeps kernels off it"
@@ -86,6 +91,7 @@ def warm_ray_status() -> list[WarmRayStatus]:
                     started=float(state.get("started", time.time())),
                     kernels=tuple(int(pid) for pid in state.get("kernels", ())),
                     spares=int(state.get("spares", 0)),
+                    spares_ready=int(state.get("spares_ready", 0)),
                     ranks_in_use=int(state.get("claimed", 0)),
                     idle_s=float(state.get("idle_s", 0.0)),
                     idle_since=state.get("idle_since"),

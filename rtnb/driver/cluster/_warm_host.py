@@ -94,6 +94,9 @@ class WarmPool:
         self._changed = threading.Condition(self._lock)
         self._version = 0
         self._spares: list[Any] = []
+        # ids of the spares whose warm_up has ended (torch imported): a spare taken
+        # before that makes its kernel wait for the import.
+        self._ready: set[int] = set()
         self._claimed: dict[int, list[Any]] = {}
         self._leases: dict[int, float | None] = {}
         self._detached: dict[int, str] = {}  # a detached group's host pid -> its run
@@ -128,6 +131,7 @@ class WarmPool:
         with self._lock:
             self._leases.setdefault(pid, _started(pid))
             taken, self._spares = self._spares[:count], self._spares[count:]
+            self._ready.difference_update(id(actor) for actor in taken)
             self._bump()
             self._target = min(MAX_SPARES, max(self._target, count))
         taken += [self._new_rank(background=False) for _ in range(count - len(taken))]
@@ -157,6 +161,7 @@ class WarmPool:
             "kernels": sorted(pid for pid in self._leases if pid not in self._detached),
             "detached": sorted(self._detached.values()),
             "spares": len(self._spares),
+            "spares_ready": sum(1 for actor in self._spares if id(actor) in self._ready),
             "claimed": sum(len(a) for a in self._claimed.values()),
             "idle_since": None if self._leases else round(self._idle_since_wall, 1),
         }
@@ -180,7 +185,19 @@ class WarmPool:
             .options(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
             .remote(None, {})
         )
-        actor.warm_up.remote(background)
+        warmed = actor.warm_up.remote(background)
+
+        def note_when_warm() -> None:
+            try:
+                ray.get(warmed)
+            except Exception:  # noqa: BLE001 - a spare killed while it imported
+                return
+            with self._lock:
+                if any(spare is actor for spare in self._spares):
+                    self._ready.add(id(actor))
+                    self._bump()
+
+        threading.Thread(target=note_when_warm, name="rtnb-warm-ready", daemon=True).start()
         return actor
 
     def _refill(self, delay_s: float, background: bool) -> None:
