@@ -449,14 +449,14 @@ class CellHandle:
         self.restarted_from = None
         self._restart_noted = False
         self.note(outcome.restart_note(self.name))
-        # The new ranks start again from the checkpoint's step, below what the dead
-        # ones had reached: a stale step left over would let a checkpoint commit
-        # before every new rank offered its shard.
         if self._stopped_for_failure:
             # That stop ended with the failed attempt; kept, it would stop the rerun's
             # ranks once its grace ran out. A stop the user asked for still holds.
             self._stopping = StopProtocol(self._context.stop_grace_s)
             self._stopped_for_failure = False
+        # The new ranks start again from the checkpoint's step, below what the dead
+        # ones had reached: a stale step left over would let a checkpoint commit
+        # before every new rank offered its shard.
         self._begin_attempt()
         self._dispatch()
         return True

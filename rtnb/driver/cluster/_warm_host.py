@@ -193,7 +193,9 @@ class WarmPool:
             except Exception:  # noqa: BLE001 - a spare killed while it imported
                 return
             with self._lock:
-                if any(spare is actor for spare in self._spares):
+                # Unless a kernel took it meanwhile (its id is then no spare's); a spare
+                # warm before the refill listed it counts once it is listed.
+                if not any(actor is a for taken in self._claimed.values() for a in taken):
                     self._ready.add(id(actor))
                     self._bump()
 
