@@ -12,8 +12,9 @@ kernel's metrics store in 50 ms batches per rank, as the long-polls deliver them
 
 Printed per side: the kernel CPU share of the drawing thread (its whole CPU time,
 the first figure's making included on both sides, over the feed's wall time), the mean cost of one redraw, redraws per second, and the plot's lag:
-sampled every 100 ms, how many steps each rank's last drawn point is behind its last
-report, as a median and 95th percentile (and in seconds at 100 steps/s). No frontend
+sampled every 100 ms, how many steps each rank's last drawn point (its own line's, or
+at 9 ranks and more, where a rank with no line of its own is drawn inside the band,
+the band's) is behind its last report, as a median and 95th percentile (and in seconds at 100 steps/s). No frontend
 is attached: this is the kernel's side of the view (the browser's side is measured
 by tests/test_browser.py against the header's step).
 
@@ -57,15 +58,24 @@ def _feed(store, ranks: int, seconds: float, stop: threading.Event, last: dict) 
 
 
 def _drawn_last(figure, ranks: int) -> dict[int, int]:
-    out = {}
+    """Each rank's last drawn step on the first subplot: its own trace's, or, for a
+    rank a many-rank view draws only inside the min–max band, the band's (which
+    holds every rank's value at the steps all reported)."""
+    out: dict[int, int] = {}
     if figure is None:
         return out
+    band = -1
     for trace in figure.data:
         name = trace.name or ""
-        if name.startswith("rank ") and trace.x is not None and len(trace.x):
-            rank = int(name[5:])
-            if trace.yaxis in (None, "y"):
-                out[rank] = int(trace.x[-1])
+        if trace.yaxis not in (None, "y") or trace.x is None or not len(trace.x):
+            continue
+        if name.startswith("rank "):
+            out[int(name[5:])] = int(trace.x[-1])
+        elif name.startswith("min–max"):
+            band = max(band, int(trace.x[-1]))
+    if band >= 0:
+        for rank in range(ranks):
+            out.setdefault(rank, band)
     return out
 
 

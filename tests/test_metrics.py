@@ -134,6 +134,60 @@ def test_live_widget_draws_one_trace_per_rank_plus_mean_and_stays_bounded(tmp_pa
         view.close()
 
 
+def test_the_figure_is_laid_out_as_plotlys_make_subplots_lays_it_out(tmp_path):
+    """The live view builds its figure from plain data (make_subplots was most of a
+    rebuild's cost): the subplots, their titles, the shared x axis and the marker
+    lines must be those plotly's own helpers make, and a redraw after the build
+    moves the points without building again."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    from rtnb.widgets import LiveMetrics
+
+    store, _ = _store(tmp_path)
+    store.begin([0, 1])
+    for step in range(1, 50):
+        for rank in (0, 1):
+            store.add(rank, [(step, float(step), {"loss": 1.0 / step, "acc": 0.5, "lr": 0.1})])
+    store.add_marker(20, "lr = 0.05")
+    view = LiveMetrics(store)
+    try:
+        view.redraw()
+        ours = view.figure.layout.to_plotly_json()
+        reference = make_subplots(
+            rows=3,
+            cols=1,
+            shared_xaxes=True,
+            subplot_titles=["loss", "acc", "lr"],
+            vertical_spacing=0.08,
+        )
+        for row in (1, 2, 3):
+            reference.add_trace(go.Scatter(x=[1], y=[1]), row=row, col=1)
+            reference.add_vline(
+                x=20,
+                line={"dash": "dot", "width": 1.5, "color": "rgba(128,128,128,0.9)"},
+                annotation_text="lr = 0.05" if row == 1 else None,
+                annotation_position="top right",
+                row=row,
+                col=1,
+            )
+        theirs = reference.layout.to_plotly_json()
+        for axis in ("xaxis", "yaxis", "xaxis2", "yaxis2", "xaxis3", "yaxis3"):
+            for key in ("anchor", "domain", "matches", "showticklabels"):
+                assert ours[axis].get(key) == theirs[axis].get(key), (axis, key)
+        assert ours["shapes"] == theirs["shapes"]
+        texts = [a for a in theirs["annotations"] if a.get("text")]
+        assert ours["annotations"] == texts, "the titles, then the marker's text, once"
+        assert [t.yaxis for t in view.figure.data if t.name == "mean"] == ["y", "y2", "y3"]
+        builds = view.builds
+        for rank in (0, 1):
+            store.add(rank, [(50, 50.0, {"loss": 0.25, "acc": 0.5, "lr": 0.1})])
+        view.redraw()
+        rank1 = next(t for t in view.figure.data if t.name == "rank 1" and t.yaxis == "y")
+        assert (rank1.x[-1], rank1.y[-1]) == (50, 0.25) and view.builds == builds
+    finally:
+        view.close()
+
+
 def test_static_figure_is_plain_plotly_json_with_few_points(tmp_path):
     from rtnb.widgets import static_figure_bundle
 

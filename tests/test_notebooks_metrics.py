@@ -102,7 +102,7 @@ def test_live_widget_in_a_kernel_shows_every_rank_and_the_reported_values(ray_cl
         assert "printed to the log panel" not in run.stdout
         probe = kernel.execute(
             "view = get_ipython().magics_manager.registry['RtnbMagics'].last_view\n"
-            "import json\nprint(json.dumps({t.name: [len(t.y), (t.x or [None])[-1], (t.y or [None])[-1]] for t in view.figure.data}))\n"
+            "import json\nprint(json.dumps({t.name: [len(t.y), float(t.x[-1]), float(t.y[-1])] for t in view.figure.data}))\n"
             "print(view._log_view.value.count('printed to the log panel'), view.redraws)"
         )
         assert probe.status == "ok", probe.traceback

@@ -163,6 +163,8 @@ class LiveMetrics(w.VBox):
         self._keys: list = []
         self._y_type = "linear"
         self._drawn_generation = -1
+        self._trace_axes: list[str] | None = None  # the figure's, in trace order
+        self._y_ranges_set: dict[str, list[float] | None] = {}  # None: autorange
         self._markers_drawn = 0
         # Ranks the user took off the plot (few ranks), or picked to add to the band
         # (many): kept here, not read back from the list, whose options change under
@@ -461,46 +463,57 @@ class LiveMetrics(w.VBox):
             for figure in old:
                 close_tree(figure)
             self.builds += 1
-            self._apply_y_ranges()
+            self._trace_axes = None
+            changes = self._y_range_changes([t.y for t in self.figure.data])
+            if changes:
+                self.figure.plotly_relayout(changes)
         else:
-            # One message to the page a redraw: the traces and the y ranges together.
-            drawn_ys = []
-            with self.figure.batch_update():
-                for trace, key in zip(self.figure.data, keys):
-                    xs, ys = series_xy(
-                        store, key, self._x_axis.value, self._smoothing.value, self.max_points
-                    )
-                    # numpy arrays: plotly validates and compares lists element by
-                    # element in Python (~30 ms a redraw), arrays in C.
-                    points = np.asarray(ys, dtype=float)
-                    trace.x, trace.y = np.asarray(xs), points
-                    drawn_ys.append(points)
-                y_type = "log" if self._log_y.value else "linear"
-                if y_type != self._y_type:
-                    self._y_type = y_type
-                    self.figure.update_yaxes(type=y_type)
-                # (inside the batch a trace still reads its old points: these are new)
-                self._apply_y_ranges(drawn_ys)
+            xs_by_trace, ys_by_trace = [], []
+            for key in keys:
+                xs, ys = series_xy(
+                    store, key, self._x_axis.value, self._smoothing.value, self.max_points
+                )
+                # float64 arrays: plotly sends them to the page as binary buffers; a
+                # list (or an int64 array, which plotly turns into one) is walked
+                # element by element by ipywidgets, ~40 % of a redraw's cost.
+                xs_by_trace.append(np.asarray(xs, dtype=float))
+                ys_by_trace.append(np.asarray(ys, dtype=float))
+            y_type = "log" if self._log_y.value else "linear"
+            if y_type != self._y_type:
+                self._y_type = y_type
+                self.figure.update_yaxes(type=y_type)
+            # One message to the page a redraw, the traces and the y ranges together;
+            # plotly_update takes the points as they are, where setting trace.x
+            # re-validates every array (another ~30 % of a redraw).
+            self.figure.plotly_update(
+                restyle_data={"x": xs_by_trace, "y": ys_by_trace},
+                relayout_data=self._y_range_changes(ys_by_trace),
+                trace_indexes=list(range(len(keys))),
+            )
         self.redraws += 1
 
-    def _apply_y_ranges(self, ys_by_trace: list | None = None) -> None:
-        """Each subplot's y range leaves out outliers unless unticked (or log y);
-        ``ys_by_trace``: the points just given to the traces, in their order."""
+    def _y_range_changes(self, ys_by_trace: list) -> dict:
+        """Each subplot's y range without outliers unless unticked (or log y), as
+        the layout changes that make it so (none where the range set last holds);
+        ``ys_by_trace``: the traces' points, in their order."""
+        if self._trace_axes is None:
+            # Once a figure: reading its traces and layout through plotly costs more
+            # than the rest of a redraw.
+            self._trace_axes = [t.yaxis or "y" for t in self.figure.data]
+            self._y_ranges_set = {}
         robust = self._outliers.value and not self._log_y.value
         by_axis: dict[str, list] = {}
-        traces = self.figure.data
-        ys_all = ys_by_trace if ys_by_trace is not None else [t.y for t in traces]
-        for trace, ys, (_name, rank) in zip(traces, ys_all, self._keys):
+        for axis, ys, (_name, rank) in zip(self._trace_axes, ys_by_trace, self._keys):
             if rank not in ("low", "high") and ys is not None:
-                by_axis.setdefault(trace.yaxis or "y", []).append(np.asarray(ys, dtype=float))
+                by_axis.setdefault(axis, []).append(np.asarray(ys, dtype=float))
+        changes: dict = {}
         for axis, ys in by_axis.items():
-            layout = self.figure.layout["yaxis" + axis[1:]]
+            name = "yaxis" + axis[1:]
             span = robust_range(ys) if robust and ys else None
-            if span is None:
-                if layout.autorange is not True:
-                    layout.update(autorange=True, range=None)
-            elif layout.range is None or list(layout.range) != span:
-                layout.update(autorange=False, range=span)
+            if self._y_ranges_set.get(name, "unset") != span:
+                self._y_ranges_set[name] = span
+                changes.update({f"{name}.autorange": span is None, f"{name}.range": span})
+        return changes
 
     def _render_logs(self) -> None:
         wanted = self._log_filter.value
