@@ -34,7 +34,10 @@ PEERS: dict[str, str] = {
     "report_overhead": f"the same loop without reports; {RAY_TRAIN_TUNED_TEXT}",
     "ddp_throughput": "torchrun (the same DDP loop); " + RAY_TRAIN_TUNED_TEXT,
     "fsdp_throughput": "torchrun (the same FSDP2 loop); " + RAY_TRAIN_TUNED_TEXT,
-    "checkpoint_io": "torch.save/torch.load; both sides complete, then os.sync()",
+    "checkpoint_io": (
+        "torch.save into a new checkpoint folder each save / torch.load; "
+        "both sides complete, then os.sync() on every rank"
+    ),
     "checkpoint_async": RAY_TRAIN_TUNED_TEXT + ", report(checkpoint_upload_mode=ASYNC), same loop",
     "cold_start": "jupyter-distributed 0.1.1 + a gloo group (server); nbdistributed 0.1.0",
     "data_start": RAY_TRAIN_TUNED_TEXT + ", ray.init(num_cpus=3)",

@@ -139,11 +139,32 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "checkpoint_io",
         (
-            _x("save_ratio", "checkpoint save, durable / torch.save durable", 1.2),
-            _x("restore_ratio", "restore (verified) / torch.load", 1.2),
+            _x("save_ratio_60", "checkpoint save 60 MB a rank, durable / torch.save durable", 1.2),
+            _x("restore_ratio_60", "restore 60 MB (verified) / torch.load", 1.2),
+            _x("save_over_ratio_60", "the same save / torch.save overwriting one file"),
+            Figure(
+                "save_ratio_600",
+                "checkpoint save 600 MB a rank, durable / torch.save durable",
+                "x",
+                1.2,
+                full_only=True,
+            ),
+            Figure(
+                "restore_ratio_600",
+                "restore 600 MB (verified) / torch.load",
+                "x",
+                1.2,
+                full_only=True,
+            ),
+            Figure(
+                "save_over_ratio_600",
+                "the same save / torch.save overwriting one file",
+                "x",
+                full_only=True,
+            ),
         ),
-        args=("--repeats", "3"),
-        quick_args=("--mb", "60", "--repeats", "2"),
+        args=("--mb", "60,600", "--repeats", "3"),
+        quick_args=("--mb", "60", "--repeats", "3"),
         timeout_s=400,
     ),
     Benchmark(
