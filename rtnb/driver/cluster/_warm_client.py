@@ -24,6 +24,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -307,6 +308,23 @@ def join_running_warm_ray() -> str | None:
     return str(state["address"])
 
 
+def _import_ray_beside() -> threading.Thread | None:
+    """``import ray`` (~0.5 s of CPU) in a thread while this kernel finds or launches
+    the warm Ray, which is mostly waiting on another process: on a machine of two
+    cores the two overlap. Join the thread before using Ray (a failed import
+    shows again, as ever, at the ``import ray`` that follows)."""
+    if "ray" in sys.modules:
+        return None
+
+    def load() -> None:
+        with contextlib.suppress(BaseException):
+            import ray  # noqa: F401
+
+    thread = threading.Thread(target=load, name="rtnb-import-ray", daemon=True)
+    thread.start()
+    return thread
+
+
 def attach(
     need_cpus: float, spares: int, progress: Callable[[str], None] | None = None
 ) -> WarmRay | None:
@@ -314,8 +332,11 @@ def attach(
     ``need_cpus`` CPUs free, so the caller embeds a Ray of its own."""
     global _active
     say = progress or (lambda text: None)
+    importing = _import_ray_beside()
     state, launched = ensure_running(spares, say)
     say(f"joining the warm Ray at {state['address']}")
+    if importing is not None:
+        importing.join()
     import ray
 
     try:

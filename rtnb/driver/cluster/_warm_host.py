@@ -141,6 +141,18 @@ class WarmPool:
         self._refill(delay_s=REFILL_DELAY_S, background=True)
         return taken
 
+    @staticmethod
+    def usage_before_start() -> dict[str, Any]:
+        """The usage of a pool whose process is still starting."""
+        return {
+            "kernels": [],
+            "detached": [],
+            "spares": 0,
+            "spares_ready": 0,
+            "claimed": 0,
+            "idle_since": round(time.time(), 1),
+        }
+
     def usage(self) -> dict[str, Any]:
         """Who uses this Ray, for the state file (``%rtnb warm``, ``rtnb warm``)."""
         with self._lock:
@@ -291,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             .options(name=POOL_NAME, num_cpus=0, max_concurrency=16)
             .remote(args.idle_s, args.spares)
         )
+        # Written before the pool is up (its name is taken already): the waiting
+        # kernel joins this Ray while the pool's process starts, and its first call
+        # to the pool waits for it. Its usage follows below.
         state = {
             "key": args.key,
             "pid": os.getpid(),
@@ -299,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.time(),
             "temp_dir": str(private_dir),
             "idle_s": args.idle_s,
-            **ray.get(pool.usage.remote(), timeout=120),
+            **WarmPool.usage_before_start(),
         }
         _write_state(args.state, state)
         print(f"warm Ray ready for {args.key} (pid {os.getpid()})", flush=True)
