@@ -85,7 +85,9 @@ def kernel_alive(pid: int, started: float | None) -> bool:
 class WarmPool:
     """Spare rank actors and the kernels attached to this Ray (a Ray actor)."""
 
-    def __init__(self, idle_s: float, spares: int) -> None:
+    def __init__(self, idle_s: float, spares: int, started: list | tuple = ()) -> None:
+        """``started``: (actor, warm-up ref) pairs of spares the host began before
+        this pool's process was up (see :func:`start_spare`)."""
         self._idle_s = idle_s
         self._target = min(MAX_SPARES, max(0, spares))
         self._lock = threading.Lock()
@@ -103,6 +105,9 @@ class WarmPool:
         self._idle_since = time.monotonic()
         self._idle_since_wall = time.time()
         self._idle = threading.Event()
+        for actor, warmed in started:
+            self._spares.append(actor)
+            self._note_when_warm(actor, warmed)
         self._refill(delay_s=0.0, background=False)
         threading.Thread(target=self._watch, name="rtnb-warm-watchdog", daemon=True).start()
 
@@ -188,16 +193,13 @@ class WarmPool:
 
     # ---- spares ----------------------------------------------------------------------
     def _new_rank(self, background: bool) -> Any:
+        actor, warmed = start_spare(background)
+        self._note_when_warm(actor, warmed)
+        return actor
+
+    def _note_when_warm(self, actor: Any, warmed: Any) -> None:
+        """Count ``actor`` ready once its warm-up (``warmed``) ended."""
         import ray
-
-        from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
-
-        actor = (
-            ray.remote(RankActor)
-            .options(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
-            .remote(None, {})
-        )
-        warmed = actor.warm_up.remote(background)
 
         def note_when_warm() -> None:
             try:
@@ -212,7 +214,6 @@ class WarmPool:
                     self._bump()
 
         threading.Thread(target=note_when_warm, name="rtnb-warm-ready", daemon=True).start()
-        return actor
 
     def _refill(self, delay_s: float, background: bool) -> None:
         def refill() -> None:
@@ -265,6 +266,21 @@ class WarmPool:
                 pass
 
 
+def start_spare(background: bool) -> tuple[Any, Any]:
+    """A spare rank actor, importing torch (at the lowest CPU priority when
+    ``background``): the actor and the ref its warm-up ends with."""
+    import ray
+
+    from rtnb.worker._actor import ACTOR_CONCURRENCY, RankActor
+
+    actor = (
+        ray.remote(RankActor)
+        .options(num_cpus=0, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0)
+        .remote(None, {})
+    )
+    return actor, actor.warm_up.remote(background)
+
+
 def _write_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
@@ -298,10 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     private_dir = Path(tempfile.mkdtemp(prefix=f"rtnb-warm-{os.getuid()}-"))
     start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir)
     try:
+        # The first spares begin with the pool, not once its process is up: their
+        # torch import is what the first kernel waits for longest.
+        first = [start_spare(background=False) for _ in range(min(MAX_SPARES, args.spares))]
         pool = (
             ray.remote(WarmPool)
             .options(name=POOL_NAME, num_cpus=0, max_concurrency=16)
-            .remote(args.idle_s, args.spares)
+            .remote(args.idle_s, args.spares, first)
         )
         # Written before the pool is up (its name is taken already): the waiting
         # kernel joins this Ray while the pool's process starts, and its first call
