@@ -231,18 +231,17 @@ def _get_node_when_registered(get_node):
     def wait_then_get(gcs_address, node_id, *args, **kwargs):
         import time
 
-        from ray._private import services, state
+        from ray._raylet import GcsClient
 
         # Past this, Ray's own wait goes on (up to its 30 s): a slow machine loses
-        # nothing, and a table of another shape is never waited on for long.
+        # nothing, and a Ray whose client differs is never waited on for long.
         deadline = time.monotonic() + 10.0
         try:
-            table = state.GlobalState()
-            table._initialize_global_state(services._get_gcs_client_options(gcs_address))
+            client = GcsClient(address=gcs_address)
             while time.monotonic() < deadline:
-                nodes = table.node_table()
-                if any(entry.get("NodeID", node_id) == node_id for entry in nodes):
-                    break  # registered (or a table without NodeID: Ray's way)
+                nodes = client.get_all_node_info(timeout=5)
+                if any(found.hex() == node_id for found in nodes):
+                    break
                 time.sleep(0.02)
         except Exception:  # noqa: BLE001 - a Ray whose internals differ: its own wait
             pass
