@@ -54,13 +54,16 @@ def _kernel(tmp_path: Path, how: str, env: dict[str, str]) -> dict:
 
 
 def _wait_for_spares(home: Path, count: int, timeout_s: float) -> None:
-    """Until the warm Ray's pool has ``count`` spare ranks again (it makes them a few
-    seconds after a claim, at low priority)."""
+    """Until the warm Ray's pool has ``count`` ready spare ranks again (it makes them a
+    few seconds after a claim, at low priority): listed is not enough, since a listed
+    spare's process may start later than the next kernel, which then counts it as
+    made for itself."""
 
-    def spares() -> int:
-        return json.loads(next((home / "warm-ray").glob("*.json")).read_text()).get("spares", 0)
+    def ready() -> int:
+        state = json.loads(next((home / "warm-ray").glob("*.json")).read_text())
+        return state.get("spares_ready", 0)
 
-    until(f"the warm Ray has {count} spare ranks", lambda: spares() >= count, timeout_s, 0.25)
+    until(f"the warm Ray has {count} ready spare ranks", lambda: ready() >= count, timeout_s, 0.25)
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
