@@ -163,7 +163,7 @@ class LiveMetrics(w.VBox):
         self._keys: list = []
         self._y_type = "linear"
         self._drawn_generation = -1
-        self._trace_axes: list[str] | None = None  # the figure's, in trace order
+        self._trace_axes: list[str] = []  # the figure's y axes, in trace order
         self._y_ranges_set: dict[str, list[float] | None] = {}  # None: autorange
         self._markers_drawn = 0
         # Ranks the user took off the plot (few ranks), or picked to add to the band
@@ -463,7 +463,10 @@ class LiveMetrics(w.VBox):
             for figure in old:
                 close_tree(figure)
             self.builds += 1
-            self._trace_axes = None
+            # Read once a figure: through plotly, the traces and layout cost more
+            # than the rest of a redraw.
+            self._trace_axes = [t.yaxis or "y" for t in self.figure.data]
+            self._y_ranges_set = {}
             changes = self._y_range_changes([t.y for t in self.figure.data])
             if changes:
                 self.figure.plotly_relayout(changes)
@@ -496,11 +499,6 @@ class LiveMetrics(w.VBox):
         """Each subplot's y range without outliers unless unticked (or log y), as
         the layout changes that make it so (none where the range set last holds);
         ``ys_by_trace``: the traces' points, in their order."""
-        if self._trace_axes is None:
-            # Once a figure: reading its traces and layout through plotly costs more
-            # than the rest of a redraw.
-            self._trace_axes = [t.yaxis or "y" for t in self.figure.data]
-            self._y_ranges_set = {}
         robust = self._outliers.value and not self._log_y.value
         by_axis: dict[str, list] = {}
         for axis, ys, (_name, rank) in zip(self._trace_axes, ys_by_trace, self._keys):
