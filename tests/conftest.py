@@ -24,6 +24,7 @@ import pytest
 from rtnb.core._net import use_auth_token_if_present
 from rtnb.core._startup import with_lazy_imports
 from tests import _margins
+from tests._lending import GroupLoans
 
 # Ray reads its auth mode once, when first imported; a unit test that imports Ray
 # (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
@@ -82,6 +83,10 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if _loans.started:
+        terminalreporter.write_line(
+            f"lent groups: {_loans.started} started, {_loans.lent_again} starts saved"
+        )
     close = _margins.close_waits()
     if not close:
         return
@@ -303,6 +308,32 @@ def ray_cluster(ray_head):
 
     connect(ray_head.address)
     return ray_head
+
+
+_loans = GroupLoans()
+
+
+@pytest.fixture(scope="session")
+def _group_loans(ray_cluster):
+    yield _loans
+    _loans.close_idle()  # before the cluster goes
+
+
+@pytest.fixture
+def lend(_group_loans):
+    """``group_factory=lend``: the session borrows the healthy group the last
+    borrowing test gave back (tests/_lending.py), for a test that needs only a fresh
+    run on healthy ranks."""
+    return _group_loans.lend
+
+
+@pytest.fixture(autouse=True)
+def _idle_loans_closed(request):
+    """Any other test of the cluster (every one asks for ``ray_head``) sees its CPUs
+    as a fresh suite would: the idle lent group goes before it."""
+    if "ray_head" in request.fixturenames and "lend" not in request.fixturenames:
+        _loans.close_idle()
+    yield
 
 
 def wait_for_free_cpus(expected: float, timeout: float = 30.0) -> float:

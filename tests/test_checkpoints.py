@@ -24,8 +24,16 @@ SAVE_LOOP = (
 
 
 @pytest.fixture
-def session(ray_cluster, tmp_path):
-    s = rtnb.Session(workers=2, storage=str(tmp_path), name="ck", keep=2, score="loss", mode="min")
+def session(lend, tmp_path):
+    s = rtnb.Session(
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="ck",
+        keep=2,
+        score="loss",
+        mode="min",
+    )
     s.start()
     yield s
     s.stop()
@@ -110,11 +118,11 @@ def test_a_planted_pickle_payload_is_never_executed(tmp_path):
     assert not os.path.exists("/tmp/rtnb-pwned")
 
 
-def test_a_new_session_with_the_same_name_resumes_from_the_latest(ray_cluster, tmp_path):
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="again") as first:
+def test_a_new_session_with_the_same_name_resumes_from_the_latest(lend, tmp_path):
+    with rtnb.Session(workers=2, group_factory=lend, storage=str(tmp_path), name="again") as first:
         first.run(SAVE_LOOP.format(n=3))
         saved = first.checkpoints.latest().id
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="again") as second:
+    with rtnb.Session(workers=2, group_factory=lend, storage=str(tmp_path), name="again") as second:
         value = second.run("import rtnb\nck = rtnb.get_checkpoint()\n(ck.id, ck.load_state()['i'])")
     assert value == {0: (saved, 2), 1: (saved, 2)}
 
@@ -132,9 +140,11 @@ RESUMABLE = (
 
 
 def test_resume_from_an_earlier_checkpoint_trains_a_branch_and_never_rewrites_the_original(
-    ray_cluster, tmp_path
+    lend, tmp_path
 ):
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="branch") as session:
+    with rtnb.Session(
+        workers=2, group_factory=lend, storage=str(tmp_path), name="branch"
+    ) as session:
         session.run(RESUMABLE)
         main = session.list_checkpoints()
         # Steps count from 0, so the loop's own i names its checkpoints.
@@ -163,7 +173,7 @@ def test_resume_from_an_earlier_checkpoint_trains_a_branch_and_never_rewrites_th
         )
         assert session.latest_checkpoint_id() == "step-000000040-b1"
     # A new session on the same run carries on the branch (line and step).
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="branch") as again:
+    with rtnb.Session(workers=2, group_factory=lend, storage=str(tmp_path), name="branch") as again:
         again.run(
             "import rtnb, torch.distributed as dist\n"
             "rtnb.report({'loss': 0.25}, checkpoint=rtnb.Checkpoint.from_state({'i': 41}) if dist.get_rank() == 0 else None)"
@@ -172,8 +182,10 @@ def test_resume_from_an_earlier_checkpoint_trains_a_branch_and_never_rewrites_th
         assert "step-000000041" not in [c.id for c in again.list_checkpoints()]
 
 
-def test_resume_reruns_the_last_training_cell_from_the_chosen_checkpoint(ray_cluster, tmp_path):
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="resume") as session:
+def test_resume_reruns_the_last_training_cell_from_the_chosen_checkpoint(lend, tmp_path):
+    with rtnb.Session(
+        workers=2, group_factory=lend, storage=str(tmp_path), name="resume"
+    ) as session:
         assert session.run(RESUMABLE) == {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 2, 3, 4, 5]}
         chosen = next(
             c for c in session.list_checkpoints() if c.metrics["loss"] == pytest.approx(8.0)
@@ -275,11 +287,13 @@ def test_checkpoint_browser_timeline_rows_and_buttons_act_on_the_selected_checkp
     assert browser.selected is None and browser._buttons["Delete"].disabled
 
 
-def test_runs_and_checkpoints_are_listed_on_the_command_line(ray_cluster, tmp_path):
+def test_runs_and_checkpoints_are_listed_on_the_command_line(lend, tmp_path):
     import subprocess
     import sys
 
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="cli-run") as session:
+    with rtnb.Session(
+        workers=2, group_factory=lend, storage=str(tmp_path), name="cli-run"
+    ) as session:
         session.run(SAVE_LOOP.format(n=2))
     runs = subprocess.run(
         [sys.executable, "-m", "rtnb.batch.cli", "runs", str(tmp_path)],
@@ -450,13 +464,11 @@ def test_every_committed_checkpoint_holds_every_saving_ranks_shard(session):
     assert value == {0: 5, 1: 5}
 
 
-def test_a_step_one_rank_could_not_write_is_never_committed_with_the_others_files(
-    ray_cluster, tmp_path
-):
+def test_a_step_one_rank_could_not_write_is_never_committed_with_the_others_files(lend, tmp_path):
     # Rank 1's checkpoint makes a folder "x" in step 3's checkpoint; rank 0's file of
     # that name can then not be written there. Rank 1's files alone must not become
     # step 3's checkpoint, in this cell or when later cells pass step 3.
-    session = rtnb.Session(workers=2, storage=str(tmp_path), name="half")
+    session = rtnb.Session(workers=2, group_factory=lend, storage=str(tmp_path), name="half")
     session.start()
     try:
         with pytest.raises(rtnb.StorageError, match="rank 0 could not write") as failed:

@@ -45,10 +45,12 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_stops_the_cell_on_every_rank_and_the_session_goes_on(ray_cluster, small_disk):
+def test_a_full_disk_stops_the_cell_on_every_rank_and_the_session_goes_on(lend, small_disk):
     storage = str(small_disk / "runs")
     filler = small_disk / "filler"
-    with rtnb.Session(workers=2, cpus_per_worker=0.5, storage=storage, name="full") as session:
+    with rtnb.Session(
+        workers=2, cpus_per_worker=0.5, group_factory=lend, storage=storage, name="full"
+    ) as session:
         filler.write_bytes(b"\0" * 8_000_000)  # given back once the cell has stopped
         with pytest.raises(rtnb.StorageError) as info:
             session.run(SAVE_UNTIL_FULL, output=lambda *a: None)
@@ -81,7 +83,7 @@ def test_a_full_disk_stops_the_cell_on_every_rank_and_the_session_goes_on(ray_cl
             assert steps == list(range(stopped_at + 1)), (rank, steps, stopped_at)
         after = _checkpoints_again(session, latest)
 
-    _replay_starts_from(after, storage=storage, name="full")
+    _replay_starts_from(after, group_factory=lend, storage=storage, name="full")
 
 
 def _checkpoints_again(session, latest: str) -> str:
@@ -124,12 +126,17 @@ def _deny_writes(client, bucket: str) -> None:
     )
 
 
-def test_a_bucket_made_read_only_mid_run_stops_cleanly(ray_cluster, s3_storage, monkeypatch):  # noqa: F811
+def test_a_bucket_made_read_only_mid_run_stops_cleanly(lend, s3_storage, monkeypatch):  # noqa: F811
     storage, client = s3_storage
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=storage, name="readonly", env=CREDENTIALS
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        storage=storage,
+        name="readonly",
+        env=CREDENTIALS,
     ) as session:
         two_committed = threading.Event()
         session.checkpoints.subscribe(
@@ -156,4 +163,6 @@ def test_a_bucket_made_read_only_mid_run_stops_cleanly(ray_cluster, s3_storage, 
         assert session.run("1 + 1") == {0: 2, 1: 2}, "the next cell runs once writes work"
         after = _checkpoints_again(session, latest)
 
-    _replay_starts_from(after, storage=storage, name="readonly", env=CREDENTIALS)
+    _replay_starts_from(
+        after, group_factory=lend, storage=storage, name="readonly", env=CREDENTIALS
+    )

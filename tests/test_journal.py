@@ -296,8 +296,10 @@ def test_ctrl_c_during_start_frees_the_placement_group_and_every_actor(
         session.stop()
 
 
-def test_a_thousand_racing_commits_each_hold_every_ranks_shard(ray_cluster, tmp_path):
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="stress") as session:
+def test_a_thousand_racing_commits_each_hold_every_ranks_shard(lend, tmp_path):
+    with rtnb.Session(
+        workers=2, group_factory=lend, storage=str(tmp_path), name="stress"
+    ) as session:
         value = session.run(
             "import torch, rtnb, torch.distributed as dist\n"
             "# rank 1's shard is 10x rank 0's, so its upload lands later\n"
@@ -316,8 +318,10 @@ def test_a_thousand_racing_commits_each_hold_every_ranks_shard(ray_cluster, tmp_
             session.checkpoints.get(info.id).verify(full=True)
 
 
-def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(ray_cluster, tmp_path):
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="broken") as session:
+def test_a_checkpoint_that_cannot_be_committed_fails_the_cell_with_one_line(lend, tmp_path):
+    with rtnb.Session(
+        workers=2, group_factory=lend, storage=str(tmp_path), name="broken"
+    ) as session:
         # The index beside the checkpoints cannot be replaced: a real storage error.
         (tmp_path / "broken" / "checkpoints" / "index.json" / "x").mkdir(parents=True)
         with pytest.raises(

@@ -151,8 +151,15 @@ def _read_scalars(folder):
     return values
 
 
-def test_tensorboard_export_writes_every_report_per_rank(ray_cluster, tmp_path):
-    with rtnb.Session(workers=2, storage=str(tmp_path), name="tb", tensorboard=True) as session:
+def test_tensorboard_export_writes_every_report_per_rank(lend, tmp_path):
+    with rtnb.Session(
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="tb",
+        tensorboard=True,
+    ) as session:
         session.run(
             "import rtnb, torch.distributed as dist\nfor s in range(1, 6):\n    rtnb.report({'loss': s * 10 + dist.get_rank()})"
         )
@@ -163,9 +170,14 @@ def test_tensorboard_export_writes_every_report_per_rank(ray_cluster, tmp_path):
         assert [s for _t, s, _v in scalars] == [0, 1, 2, 3, 4], "steps count from 0"
 
 
-def test_tensorboard_gets_each_ranks_resource_samples_beside_its_reports(ray_cluster, tmp_path):
+def test_tensorboard_gets_each_ranks_resource_samples_beside_its_reports(lend, tmp_path):
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="tbsys", tensorboard=True
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="tbsys",
+        tensorboard=True,
     ) as session:
         session.run(
             "import time, rtnb\nfor s in range(25):\n    rtnb.report({'loss': 1.0})\n"

@@ -25,9 +25,7 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
-def test_a_run_is_mirrored_into_mlflow_and_a_replay_carries_it_on(
-    ray_cluster, tmp_path, monkeypatch
-):
+def test_a_run_is_mirrored_into_mlflow_and_a_replay_carries_it_on(lend, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     # The notebook the kernel runs, as `rtnb run` (and Jupyter Server) name it.
@@ -36,6 +34,7 @@ def test_a_run_is_mirrored_into_mlflow_and_a_replay_carries_it_on(
     monkeypatch.setenv("RTNB_NOTEBOOK", str(notebook))
 
     options = dict(workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="tracked", mlflow="")
+    options["group_factory"] = lend
     with rtnb.Session(**options) as session:
         session.run("FIRST = 0\n" + TRAIN)
         run_id = session.mlflow_run_id

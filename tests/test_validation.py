@@ -30,10 +30,15 @@ def save(step, **kwargs):
 """
 
 
-def test_a_validation_runs_as_a_task_and_its_metrics_join_its_checkpoint(ray_cluster, tmp_path):
+def test_a_validation_runs_as_a_task_and_its_metrics_join_its_checkpoint(lend, tmp_path):
     gate = tmp_path / "gate"
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="val", score="val_loss"
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="val",
+        score="val_loss",
     ) as session:
         session.run(DEFINE)
         rank_pids = set(session.run("os.getpid()").values())
@@ -76,9 +81,9 @@ def test_a_validation_runs_as_a_task_and_its_metrics_join_its_checkpoint(ray_clu
         assert best is not None and best.id == "step-000000001"
 
 
-def test_a_failing_or_slow_validation_is_marked_and_training_goes_on(ray_cluster, tmp_path):
+def test_a_failing_or_slow_validation_is_marked_and_training_goes_on(lend, tmp_path):
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=str(tmp_path), name="valbad"
+        workers=2, cpus_per_worker=0.5, group_factory=lend, storage=str(tmp_path), name="valbad"
     ) as session:
         session.run(DEFINE)
         value = session.run(
