@@ -2,9 +2,13 @@
 `ray start --head` used with --address is SIGKILLed during a foreground and,
 after a new start at once, during a background cell. Each cell ends in about a
 second with one line naming what died and what to do; status and stop answer at once;
-the process lives on past Ray's own 60 s "GCS gone, exit" timeout; a new start in
-the same process works, and --replay brings the ranks' variables back from the
-journal."""
+the process lives on past Ray's own "GCS gone, exit" timeout; a new start in the
+same process works, and --replay brings the ranks' variables back from the journal.
+
+Ray's timeout is 60 s by default; these tests shorten it to RAYS_RULE_S (Ray reads it
+from the environment) and tell rtnb to take that for Ray's default and lift it all the
+same, so the kernel outliving it takes seconds of the suite, not a minute. The last
+test shows the shortened rule does end a driver rtnb did not make."""
 
 from __future__ import annotations
 
@@ -12,10 +16,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 pytestmark = pytest.mark.slow
+
+RAYS_RULE_S = 8
+RAYS_RULE = {
+    "RAY_gcs_rpc_server_reconnect_timeout_s": str(RAYS_RULE_S),
+    "RTNB_LIFT_RAY_RULE_OVER_ENV": "1",
+}
 
 # A user's `ray start --head` on a free loopback port: (its process, its address).
 HEAD = r"""
@@ -101,12 +112,12 @@ for n, how in enumerate(("foreground", "background")):
     t = time.monotonic(); status = s.status(); kill_out["status"] = [status.state, status.cell, time.monotonic() - t]
     t = time.monotonic(); s.stop(); kill_out["stop_s"] = time.monotonic() - t
     out["kills"].append(kill_out)
-# Ray's driver ends its process 60 s after its GCS stopped answering; this one lives.
-# (Waited out once, in the real kernel that joined the warm Ray: every join of rtnb's
-# goes through the one ray.init that lifts the rule, and each wait costs a minute
-# of the suite's 25.)
+# Ray's driver ends its process when its GCS stopped answering for the rule's time;
+# this one lives on to twice that. (Waited out once, in the real kernel that joined the
+# warm Ray: every join of rtnb's goes through the one ray.init that lifts the rule.)
 if victim == "host":
-    time.sleep(max(0.0, 65 - (time.monotonic() - first_kill)))
+    rule = float(os.environ["RAY_gcs_rpc_server_reconnect_timeout_s"])
+    time.sleep(max(0.0, 2 * rule + 2 - (time.monotonic() - first_kill)))
 out["alive_after_s"] = time.monotonic() - first_kill
 if victim == "address":  # the user starts a head again
     start_head()
@@ -152,6 +163,7 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
     start with --replay) during a background cell, in one kernel or process."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="5")
+    env.update(RAYS_RULE)
     if where == "kernel":
         stdout = _in_a_jupyter_kernel(tmp_path, victim, env)
     else:
@@ -182,9 +194,25 @@ def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
     # The immediate new start had the ranks' variables back from the journal.
     assert out["kills"][1]["x"] in ({"0": 41, "1": 41}, {0: 41, 1: 41}), out["kills"][1]
     if victim == "host":
-        assert out["alive_after_s"] >= 60, out
+        assert out["alive_after_s"] >= 2 * RAYS_RULE_S, out
     assert out["after"] in ({"0": 42, "1": 42}, {0: 42, 1: 42}), out["after"]
 
+
+# A Ray driver rtnb has no part in, its GCS killed: Ray's rule ends it.
+PLAIN_DRIVER = (
+    HEAD
+    + r"""
+import signal
+import ray
+
+head, address = user_head()
+ray.init(address=address)
+os.killpg(head.pid, signal.SIGKILL)
+print("KILLED", flush=True)
+time.sleep(60)
+print("ALIVE", flush=True)
+"""
+)
 
 USER_INIT = (
     HEAD
@@ -196,29 +224,56 @@ head, address = user_head()
 ray.init(address=address)  # the user's own, before rtnb
 s = rtnb.Session(workers=2, cpus_per_worker=0.5, storage=sys.argv[1], name="mine")
 s.start()
+killed = time.monotonic()
 threading.Timer(1.5, lambda: os.killpg(head.pid, signal.SIGKILL)).start()
 try:
     s.run("import time\nwhile True:\n    time.sleep(0.05)")
 except Exception as exc:
     print("ERROR", type(exc).__name__, str(exc), flush=True)
+rule = float(os.environ["RAY_gcs_rpc_server_reconnect_timeout_s"])
+time.sleep(max(0.0, 2 * rule + 3.5 - (time.monotonic() - killed)))
+print("ALIVE", flush=True)
 """
 )
 
 
-def test_a_kernel_whose_own_ray_init_came_first_is_told_what_ray_will_do(tmp_path):
-    """rtnb cannot keep alive a Ray driver the user's code made (Ray's own 60 s rule
-    holds there): the cell still ends at once, and its line says so."""
+def _run_script(
+    script: str, tmp_path, timeout: float = 120
+) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAYS_RULE)
+    began = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", USER_INIT, str(tmp_path)],
+        [sys.executable, "-c", script, str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=120,
+        timeout=timeout,
     )
+    return proc, time.monotonic() - began
+
+
+def test_the_shortened_rule_ends_a_ray_driver_rtnb_has_no_part_in(tmp_path):
+    """The control of the tests above: with Ray's timeout at RAYS_RULE_S, a plain
+    Ray driver whose GCS died is ended by Ray, so a kernel that outlives twice that
+    outlived Ray's rule."""
+    proc, took = _run_script(PLAIN_DRIVER, tmp_path)
+    assert "KILLED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ALIVE" not in proc.stdout and proc.returncode != 0, (proc.returncode, proc.stdout)
+    assert took < 60, "Ray's rule, not the script's end, ended it"
+
+
+def test_a_kernel_whose_own_ray_init_came_first_lives_on_and_is_told_its_connection_closed(
+    tmp_path,
+):
+    """A Ray driver the user's code made keeps Ray's rule, but rtnb's watch closes it
+    first: the cell ends at once, the kernel outlives the rule, and its line says the
+    user's own connection closed too."""
+    proc, _took = _run_script(USER_INIT, tmp_path)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ERROR ")), None)
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert line.startswith("ERROR ClusterError "), line
     assert "--name mine --replay" in line and "own ray.init()" in line, line
-    assert "about 60 s" in line, line
+    assert "is closed too (the kernel lives on)" in line, line
+    assert "ALIVE" in proc.stdout and proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])

@@ -38,6 +38,10 @@ _RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 # A week: rtnb notices a lost Ray in about a second and lets go of the driver then
 # (ray.shutdown), so this only has to outlast that. Ray keeps it in 32 bits of ms.
 _RECONNECT_S = 7 * 24 * 3600
+# Set (to anything): rtnb lifts the rule for its own driver even where the environment
+# sets Ray's timeout, which then stands for Ray's default (the tests shorten Ray's rule
+# so, and the lift shows in seconds instead of a minute).
+_LIFT_OVER_ENV = "RTNB_LIFT_RAY_RULE_OVER_ENV"
 # How often the watch knocks on the GCS's port, and for how long it must stay shut.
 _WATCH_S = 0.5
 _LOST_AFTER_S = 1.0
@@ -174,7 +178,8 @@ def _driver_outlives_its_ray() -> Iterator[None]:
     the GCS goes away; the Ray processes ``ray.init`` starts (an embedded Ray's GCS
     and raylet, and through them its workers) keep Ray's own timeout, so they
     still end when their GCS is gone."""
-    if _RECONNECT_ENV in os.environ:  # the user's own setting
+    rays_own = os.environ.get(_RECONNECT_ENV)
+    if rays_own is not None and _LIFT_OVER_ENV not in os.environ:  # the user's own setting
         yield
         return
     from ray._private import services
@@ -182,20 +187,26 @@ def _driver_outlives_its_ray() -> Iterator[None]:
     original = services.start_ray_process
 
     def start_ray_process(*args, **kwargs):
-        value = os.environ.pop(_RECONNECT_ENV, None)
+        _set_env(_RECONNECT_ENV, rays_own)
         try:
             return original(*args, **kwargs)
         finally:
-            if value is not None:
-                os.environ[_RECONNECT_ENV] = value
+            os.environ[_RECONNECT_ENV] = str(_RECONNECT_S)
 
     os.environ[_RECONNECT_ENV] = str(_RECONNECT_S)
     services.start_ray_process = start_ray_process
     try:
         yield
     finally:
-        os.environ.pop(_RECONNECT_ENV, None)
+        _set_env(_RECONNECT_ENV, rays_own)
         services.start_ray_process = original
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 @dataclass
@@ -208,7 +219,7 @@ class ClusterConnection:
     # Set when this is the per-user warm Ray (rtnb.driver.cluster._warm_client): stopping detaches.
     warm: WarmRay | None = None
     # False when the kernel's Ray driver came from the user's own ray.init() with
-    # Ray's settings: Ray then ends the process ~60 s after its GCS went away.
+    # Ray's settings: the lost-Ray line says that connection closed too.
     driver_outlives_ray: bool = True
     watch: RayWatch | None = field(default=None, repr=False)
     # Counted in _JOINED.open while open: a Ray rtnb joined is left for another
@@ -364,7 +375,8 @@ def connect(
                     address=address or "existing",
                     owned=False,
                     client_mode=_in_client_mode(),
-                    driver_outlives_ray=_RECONNECT_ENV in os.environ,
+                    driver_outlives_ray=_RECONNECT_ENV in os.environ
+                    and _LIFT_OVER_ENV not in os.environ,
                 )
             ),
             "the Ray this process uses",

@@ -58,11 +58,12 @@ def ray_lost_line(why: str, run_name: str, latest: str | None, users_driver: boo
         "rebuilds the ranks from the run's journal"
     )
     if users_driver:
-        # rtnb keeps a driver it made alive; one the user's code made has Ray's rule.
+        # The watch shut that driver down too (long before Ray's own 60 s rule would
+        # have ended the kernel with it): the user's Ray objects are gone with it.
         line += (
-            ". This kernel's Ray driver came from its own ray.init() before "
-            "`%rtnb start`, and Ray ends the kernel about 60 s after its GCS went "
-            "away: save what you need now"
+            ". The Ray connection this kernel's own ray.init() made before "
+            "`%rtnb start` is closed too (the kernel lives on): the new start "
+            "connects it again"
         )
     return line
 
