@@ -30,15 +30,30 @@ RAYS_RULE = {
 
 # A user's `ray start --head` on a free loopback port: (its process, its address).
 HEAD = r"""
-import os, socket, subprocess, sys, tempfile, time
+import atexit, os, signal, socket, subprocess, sys, tempfile, time
+
+def free_port():
+    port = socket.socket(); port.bind(("127.0.0.1", 0)); free = port.getsockname()[1]; port.close()
+    return free
+
+def end(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 def user_head():
-    port = socket.socket(); port.bind(("127.0.0.1", 0)); free = port.getsockname()[1]; port.close()
+    # Its dashboard (started even with --include-dashboard=false) off Ray's default
+    # port, which the neighbour scenario's user head needs; the head ends with this
+    # script whatever fails in it.
+    free = free_port()
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
          f"--port={free}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-         "--include-dashboard=false", f"--temp-dir={tempfile.mkdtemp(prefix='rl-')}"],
+         "--include-dashboard=false", f"--dashboard-port={free_port()}",
+         f"--temp-dir={tempfile.mkdtemp(prefix='rl-')}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    atexit.register(end, proc)
     for _ in range(300):
         try:
             socket.create_connection(("127.0.0.1", free), 0.5).close(); break
