@@ -14,9 +14,13 @@ import rtnb
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_the_other_ranks_stop_at_a_report_and_the_cell_shows_the_failure(ray_cluster):
+def test_the_other_ranks_stop_at_a_report_and_the_cell_shows_the_failure(lend):
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, stop_grace_s=2.0, storage=tempfile.mkdtemp()
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        stop_grace_s=2.0,
+        storage=tempfile.mkdtemp(),
     ) as session:
         session.run("x = 41", output=lambda *a: None)
         seen: list[str] = []
@@ -35,9 +39,13 @@ def test_the_other_ranks_stop_at_a_report_and_the_cell_shows_the_failure(ray_clu
         assert session.run("x") == {0: 41, 1: 41}, "the group and its variables are kept"
 
 
-def test_a_rank_left_in_a_collective_is_freed_within_the_stop_grace(ray_cluster):
+def test_a_rank_left_in_a_collective_is_freed_within_the_stop_grace(lend):
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, stop_grace_s=1.0, storage=tempfile.mkdtemp()
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        stop_grace_s=1.0,
+        storage=tempfile.mkdtemp(),
     ) as session:
         started = time.monotonic()
         with pytest.raises(rtnb.RtnbError) as info:

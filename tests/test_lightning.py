@@ -69,14 +69,13 @@ def fit(epochs, strategy=None):
 """
 
 
-def test_lightning_trains_with_ddp_logs_every_step_checkpoints_resumes_and_recovers(
-    ray_cluster, tmp_path
-):
+def test_lightning_trains_with_ddp_logs_every_step_checkpoints_resumes_and_recovers(lend, tmp_path):
     require("lightning", "the Lightning tests (pip install -e '.[test]')")
     quiet = {"output": lambda *a: None}
     with rtnb.Session(
         workers=2,
         cpus_per_worker=0.5,
+        group_factory=lend,
         storage=str(tmp_path / "runs"),
         name="light",
         max_failures=1,
@@ -121,12 +120,16 @@ def test_lightning_trains_with_ddp_logs_every_step_checkpoints_resumes_and_recov
         assert session.latest_checkpoint_id().startswith("step-000000032")
 
 
-def test_lightnings_fsdp_strategy_on_cpu_ranks_is_lightnings_own_one_line(ray_cluster, tmp_path):
+def test_lightnings_fsdp_strategy_on_cpu_ranks_is_lightnings_own_one_line(lend, tmp_path):
     """RayFSDPStrategy needs an accelerator (Lightning's FSDP refuses CPU, under Ray
     Train as here): the cell fails in one line naming that, and the group is kept."""
     require("lightning", "the Lightning tests (pip install -e '.[test]')")
     with rtnb.Session(
-        workers=2, cpus_per_worker=0.5, storage=str(tmp_path / "runs"), stop_grace_s=1.0
+        workers=2,
+        cpus_per_worker=0.5,
+        group_factory=lend,
+        storage=str(tmp_path / "runs"),
+        stop_grace_s=1.0,
     ) as session:
         session.run("MARKER = None\n" + SETUP, output=lambda *a: None)
         with pytest.raises(rtnb.CellError, match="FSDP needs a non-CPU accelerator") as info:
