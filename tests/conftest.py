@@ -101,6 +101,26 @@ def pytest_terminal_summary(terminalreporter, config):
         )
 
 
+# Ray writes this the first time a plain ray.init() starts a local Ray; from then on
+# every `ray start --head` on the machine turns token auth on. A test that writes it
+# mid-run changes what the tests after it meet (in a fresh clone, a Ray-Data export
+# run did, and three later tests failed), so each test must leave it as it was.
+_MACHINE_TOKEN = Path.home() / ".ray" / "auth_token"
+_machine_token_before = _MACHINE_TOKEN.exists()
+
+
+@pytest.fixture(autouse=True)
+def _machine_ray_token_left_alone():
+    yield
+    if not _machine_token_before and _MACHINE_TOKEN.exists():
+        _MACHINE_TOKEN.unlink()  # the machine as the suite found it, for the tests after
+        pytest.fail(
+            f"this test left {_MACHINE_TOKEN} behind (a plain ray.init() of its own?): "
+            "run that Ray with HOME set to a folder of the test's",
+            pytrace=False,
+        )
+
+
 def require(module: str, why: str):
     """Import ``module`` for a test, or skip it; in CI (CI=true) fail instead, so CI
     cannot go green without the browser, S3 and TensorBoard tests."""

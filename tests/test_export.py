@@ -245,9 +245,12 @@ def test_an_exported_notebook_that_read_ray_data_runs_to_its_end_on_this_machine
         session.stop()
     text = script.read_text()
     assert "ray.init(num_cpus=(os.cpu_count() or 1) + 1)" in text and "It reads Ray Data" in text
-    # Its own Ray, with the machine's own CPUs (not the tests' 4-CPU cluster).
+    # Its own Ray, with the machine's own CPUs (not the tests' 4-CPU cluster). In a
+    # HOME of its own: a new local Ray writes ~/.ray/auth_token, which would turn token
+    # auth on for every later `ray start` of the suite (tests/conftest.py).
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
+    env["HOME"] = str(tmp_path / "home")
     run = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
