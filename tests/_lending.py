@@ -19,6 +19,7 @@ from typing import Any
 
 from rtnb.core._config import SessionConfig
 from rtnb.driver.ranks import WorkerGroup
+from rtnb.driver.tuning._pool import GroupPool
 
 # What the ranks were started with: a group is lent only to a run whose config agrees
 # on all of these (the rest, e.g. checkpoint retention, is the driver's alone).
@@ -47,52 +48,42 @@ def _ranks_shape(config: SessionConfig) -> tuple[Any, ...]:
 
 
 class GroupLoans:
-    """The suite's lender of healthy groups (see the module's docstring); implements
-    the group's lender protocol (``adopt``, ``give_back``)."""
+    """The suite's lender of healthy groups (see the module's docstring): the
+    product's own sweep pool (``GroupPool``, which renews a group it gets back and
+    shuts down one given back unclean or whose renewal fails) for one shape of ranks
+    at a time."""
 
     def __init__(self) -> None:
-        self.started = 0  # groups this pool's borrowers started
+        self.started = 0  # groups the borrowers started
         self.lent_again = 0  # starts saved
-        self._idle: WorkerGroup | None = None
+        self._pool: GroupPool | None = None
+        self._shape: tuple[Any, ...] = ()
         self._lock = threading.Lock()
 
     def lend(self, config: SessionConfig, run_name: str, storage_path: str) -> WorkerGroup:
         """A session's ``group_factory``: the idle group renewed for this run when its
         ranks have this config's shape, else a new group the session starts."""
+        shape = _ranks_shape(config)
         with self._lock:
-            group, self._idle = self._idle, None
-        if group is not None:
-            if _ranks_shape(group.config) == _ranks_shape(config):
-                try:
-                    group.gather(group.renew(run_name, storage_path), 60)
-                except Exception:  # noqa: BLE001 - a rank died while idle: start anew
-                    group.shutdown(graceful=False, timeout_s=2.0)
-                else:
-                    group.config, group.lender = config, self
-                    self.lent_again += 1
-                    return group
-            else:  # its CPUs go to the new group
-                group.shutdown(graceful=False, timeout_s=2.0)
-        return WorkerGroup(config, run_name, storage_path, lender=self)
-
-    def adopt(self, group: WorkerGroup) -> bool:
-        with self._lock:
-            self.started += 1
-        return True
-
-    def give_back(self, group: WorkerGroup, clean: bool) -> None:
-        # The group's lender is already cleared: shutdown() here frees it for good.
-        if not clean:
-            group.shutdown(graceful=False, timeout_s=2.0)
-            return
-        with self._lock:
-            older, self._idle = self._idle, group
-        if older is not None:
-            older.shutdown(graceful=False, timeout_s=2.0)
+            if self._pool is not None and self._shape != shape:
+                self._close_locked()  # its CPUs go to the new group
+            if self._pool is None:
+                self._pool, self._shape = GroupPool(config, capacity=1), shape
+            pool = self._pool
+        group = pool.factory(config, run_name, storage_path)
+        group.config = config  # the pool's config is the first borrower's
+        return group
 
     def close_idle(self) -> None:
-        """Shut the idle group down (its CPUs are free when this returns)."""
+        """Shut the idle group down (its CPUs are free when this returns); only
+        between tests, when no group is lent."""
         with self._lock:
-            group, self._idle = self._idle, None
-        if group is not None:
-            group.shutdown(graceful=False, timeout_s=5.0)
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._pool is None:
+            return
+        self.started += self._pool.started
+        self.lent_again += self._pool.lent - self._pool.started
+        self._pool.close()
+        self._pool = None
