@@ -22,6 +22,7 @@ __all__ = [
     "as_the_environment_says",
     "gcs_wants_token",
     "joining_with",
+    "set_environment",
     "users_token",
 ]
 
@@ -79,10 +80,10 @@ def joining_with(env: dict[str, str]) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        _restore(saved)
+        set_environment(saved)
         _reload()
         raise
-    _restore(saved)
+    set_environment(saved)
 
 
 def as_the_environment_says() -> None:
@@ -104,8 +105,9 @@ def _reload() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def _restore(saved: dict[str, str | None]) -> None:
-    for name, value in saved.items():
+def set_environment(values: dict[str, str | None]) -> None:
+    """Each name set to its value in this process's environment; None: removed."""
+    for name, value in values.items():
         if value is None:
             os.environ.pop(name, None)
         else:

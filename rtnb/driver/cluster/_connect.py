@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING
 
 from rtnb.core._net import probe_tcp
 from rtnb.core._redact import redact_uri
-from rtnb.driver.cluster._auth import as_the_environment_says, joining_with, users_token
+from rtnb.driver.cluster._auth import (
+    as_the_environment_says,
+    joining_with,
+    set_environment,
+    users_token,
+)
 from rtnb.driver.cluster._embedded import LOOPBACK, start_embedded_ray
 from rtnb.driver.cluster._ray_output import quiet_rank_machinery
 from rtnb.driver.cluster._versions import ray_mismatch_line
@@ -178,16 +183,16 @@ def _driver_outlives_its_ray() -> Iterator[None]:
     the GCS goes away; the Ray processes ``ray.init`` starts (an embedded Ray's GCS
     and raylet, and through them its workers) keep Ray's own timeout, so they
     still end when their GCS is gone."""
-    rays_own = os.environ.get(_RECONNECT_ENV)
-    if rays_own is not None and _LIFT_OVER_ENV not in os.environ:  # the user's own setting
+    if _users_own_rule():
         yield
         return
+    rays_own = os.environ.get(_RECONNECT_ENV)
     from ray._private import services
 
     original = services.start_ray_process
 
     def start_ray_process(*args, **kwargs):
-        _set_env(_RECONNECT_ENV, rays_own)
+        set_environment({_RECONNECT_ENV: rays_own})
         try:
             return original(*args, **kwargs)
         finally:
@@ -198,15 +203,13 @@ def _driver_outlives_its_ray() -> Iterator[None]:
     try:
         yield
     finally:
-        _set_env(_RECONNECT_ENV, rays_own)
+        set_environment({_RECONNECT_ENV: rays_own})
         services.start_ray_process = original
 
 
-def _set_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+def _users_own_rule() -> bool:
+    """The environment sets Ray's timeout and rtnb is not told to lift it anyway."""
+    return _RECONNECT_ENV in os.environ and _LIFT_OVER_ENV not in os.environ
 
 
 @dataclass
@@ -375,8 +378,7 @@ def connect(
                     address=address or "existing",
                     owned=False,
                     client_mode=_in_client_mode(),
-                    driver_outlives_ray=_RECONNECT_ENV in os.environ
-                    and _LIFT_OVER_ENV not in os.environ,
+                    driver_outlives_ray=_users_own_rule(),
                 )
             ),
             "the Ray this process uses",
