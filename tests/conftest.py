@@ -9,8 +9,11 @@ every Ray process on the machine.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,15 +24,31 @@ from pathlib import Path
 
 import pytest
 
-from rtnb.core._net import use_auth_token_if_present
 from rtnb.core._startup import with_lazy_imports
 from tests import _margins
 from tests._lending import GroupLoans
 
-# Ray reads its auth mode once, when first imported; a unit test that imports Ray
-# (e.g. through ray.cloudpickle) before the cluster fixture connects would otherwise
-# leave this process unable to join the token-auth test cluster.
-use_auth_token_if_present()
+
+def _the_suites_own_ray_token() -> Path:
+    """Every Ray of the run (the session's cluster, the kernels' embedded Rays, the
+    users' own heads some tests start) authenticates with one token of the suite's,
+    set before anything imports Ray and inherited by every process the tests start.
+    Otherwise the suite met whatever ~/.ray/auth_token the machine had: with none,
+    the cluster ran without auth and a test whose kernel sends a token as on a
+    user's cluster failed, and the first plain ray.init() of a test wrote one
+    mid-run for the tests after it (a Ray with a token to use writes none)."""
+    folder = Path(tempfile.mkdtemp(prefix="rtnb-suite-token-"))
+    atexit.register(shutil.rmtree, folder, True)
+    token = folder / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    return token
+
+
+# Ray reads its auth mode once, when first imported: so here, before any unit test
+# imports Ray (e.g. through ray.cloudpickle).
+SUITE_RAY_TOKEN = _the_suites_own_ray_token()
 # Kernels the tests start embed their own Ray (or join the test cluster): a warm Ray
 # would outlive the test that started it. tests/test_warm_ray.py turns it on itself.
 os.environ["RTNB_WARM_RAY"] = "0"

@@ -891,11 +891,17 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
     of them live."""
     url, root = lab
     trial = _example_cell("sweep.ipynb", "%%rtnb sweep").split("\n", 1)[1]
-    # At a pace that leaves the view time to be seen growing.
+    # At a pace that leaves the view time to be seen growing; and no trial reports its
+    # last step before the test has picked a row: at the sweep's end the live view
+    # gives way to the lasting figure of every trial, and a pick racing that end was
+    # lost (seen at normal speed).
+    picked = tmp_path / "picked"
     trial = trial.replace(
         "        rtnb.report(metrics, checkpoint=checkpoint)\n",
         "        rtnb.report(metrics, checkpoint=checkpoint)\n"
-        "        __import__('time').sleep(0.2)\n",
+        "        __import__('time').sleep(0.2)\n"
+        f"        while step == steps - 2 and not __import__('os').path.exists({str(picked)!r}):\n"
+        "            __import__('time').sleep(0.1)\n",
     )
     runs = tmp_path / "runs"
     name = _notebook(
@@ -911,54 +917,61 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
     )
     noise: list[str] = []
     with _opened(url, name, tmp_path, noise) as page:
-        page.keyboard.press("Shift+Enter")  # the space
-        _wait_idle(page)
-        page.keyboard.press("Shift+Enter")  # the sweep
-        view = page.locator(".jp-OutputArea-output:has(.rtnb-sweep-rows)")
-        view.wait_for(timeout=240_000)
-        # Both trials started (one after the other: the second's group starts later).
-        page.wait_for_function(
-            "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
-            " const p = c && c.querySelector('.js-plotly-plot');"
-            " return p && p.data && p.data.length === 3 && p.data[1].y && p.data[1].y.length > 0; }",
-            timeout=240_000,
-        )
-        # The points of all trials together: on a slow machine the first trial may have
-        # finished all its steps by the time the second one drew its first point.
-        samples = _seen_growing(page, 60, cell=2, size=sum)
-        assert len(samples) >= 3 and sum(samples[-1]) > sum(samples[0]), samples
-        assert len(samples[-1]) == 3, "two trials and the stopped-early marks"
-        _doc_picture(view, "sweep.png")
-        # Pick trial 1's row: only its curve stays visible.
-        _tick_rows(view.locator(".rtnb-sweep-rows"), {1})  # sorted by trial
-        page.wait_for_function(
-            "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
-            " const p = c && c.querySelector('.js-plotly-plot');"
-            " return p && p.data && p.data[0].visible === false && p.data[1].visible !== false; }",
-            timeout=150_000,
-        )
-        _wait_idle(page, timeout_s=240)
-        cell = page.locator(".jp-Cell").nth(2)
-        cell.locator(".jp-RenderedPlotly, .js-plotly-plot").first.wait_for(timeout=150_000)
-        table = cell.locator(".jp-OutputArea-output:has-text('last loss')").first.inner_text()
-        assert "lr=0.01" in table and "lr=0.0003" in table
-        # The live view is gone (its buttons belong to closed widgets), the panel is up.
-        page.wait_for_function(
-            "() => !document.querySelectorAll('.jp-Cell')[2].querySelector('.rtnb-sweep-rows')",
-            timeout=240_000,
-        )
-        resume = cell.locator(".rtnb-sweep-resume button:has-text('Resume')")
-        resume.wait_for(timeout=240_000)
-        resume.click()
-        page.wait_for_selector("text=carries on in the notebook", timeout=240_000)
-        page.locator(".jp-Cell").nth(3).click()
-        page.keyboard.press("Escape")
-        page.keyboard.press("Shift+Enter")  # wait for the resumed cell, pull lr
-        _wait_idle(page, timeout_s=240)
-        pulled = page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea-output").last.inner_text()
-        page.screenshot(path=str(tmp_path / "sweep.png"), full_page=True)
-        page.keyboard.press("Shift+Enter")  # stop
-        _wait_idle(page)
+        try:
+            page.keyboard.press("Shift+Enter")  # the space
+            _wait_idle(page)
+            page.keyboard.press("Shift+Enter")  # the sweep
+            view = page.locator(".jp-OutputArea-output:has(.rtnb-sweep-rows)")
+            view.wait_for(timeout=240_000)
+            # Both trials started (one after the other: the second's group starts later).
+            page.wait_for_function(
+                "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
+                " const p = c && c.querySelector('.js-plotly-plot');"
+                " return p && p.data && p.data.length === 3 && p.data[1].y && p.data[1].y.length > 0; }",
+                timeout=240_000,
+            )
+            # The points of all trials together: on a slow machine the first trial may have
+            # finished all its steps by the time the second one drew its first point.
+            samples = _seen_growing(page, 60, cell=2, size=sum)
+            assert len(samples) >= 3 and sum(samples[-1]) > sum(samples[0]), samples
+            assert len(samples[-1]) == 3, "two trials and the stopped-early marks"
+            _doc_picture(view, "sweep.png")
+            # Pick trial 1's row: only its curve stays visible.
+            _tick_rows(view.locator(".rtnb-sweep-rows"), {1})  # sorted by trial
+            page.wait_for_function(
+                "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
+                " const p = c && c.querySelector('.js-plotly-plot');"
+                " return p && p.data && p.data[0].visible === false && p.data[1].visible !== false; }",
+                timeout=150_000,
+            )
+            picked.touch()
+            _wait_idle(page, timeout_s=240)
+            cell = page.locator(".jp-Cell").nth(2)
+            cell.locator(".jp-RenderedPlotly, .js-plotly-plot").first.wait_for(timeout=150_000)
+            table = cell.locator(".jp-OutputArea-output:has-text('last loss')").first.inner_text()
+            assert "lr=0.01" in table and "lr=0.0003" in table
+            # The live view is gone (its buttons belong to closed widgets), the panel is up.
+            page.wait_for_function(
+                "() => !document.querySelectorAll('.jp-Cell')[2].querySelector('.rtnb-sweep-rows')",
+                timeout=240_000,
+            )
+            resume = cell.locator(".rtnb-sweep-resume button:has-text('Resume')")
+            resume.wait_for(timeout=240_000)
+            resume.click()
+            page.wait_for_selector("text=carries on in the notebook", timeout=240_000)
+            page.locator(".jp-Cell").nth(3).click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("Shift+Enter")  # wait for the resumed cell, pull lr
+            _wait_idle(page, timeout_s=240)
+            pulled = (
+                page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea-output").last.inner_text()
+            )
+            page.screenshot(path=str(tmp_path / "sweep.png"), full_page=True)
+            page.keyboard.press("Shift+Enter")  # stop
+            _wait_idle(page)
+        finally:
+            picked.touch()  # no trial left waiting, whatever failed
+
     # Adam at 0.01 learns far faster in 40 steps than at 0.0003: the best trial's lr.
     assert "0.01, 0.01" in pulled.replace("[", "").replace("]", ""), pulled
     assert not noise, f"the kernel heard from comms it had closed: {noise}"
