@@ -52,8 +52,19 @@ def _one_line(run) -> str:
 def kernel(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     nb = tmp_path_factory.mktemp("nb")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RTNB_WARM_RAY")}
-    env.update(RTNB_HOME=str(home), RTNB_WARM_RAY_IDLE_S="3")
+    # A newcomer's machine: none of the suite's Ray settings (its token included) and
+    # a HOME with no ~/.ray, so the first Ray started writes the token there as Ray
+    # does on a laptop, and the kernel must find it by itself.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "RTNB_WARM_RAY" and not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))
+    }
+    env.update(
+        HOME=str(tmp_path_factory.mktemp("user")),
+        RTNB_HOME=str(home),
+        RTNB_WARM_RAY_IDLE_S="3",
+    )
     k = Kernel(cwd=str(nb), env=env)
     _ok(k.execute("%load_ext rtnb"))
     started = k.execute("%rtnb start", timeout=240)
