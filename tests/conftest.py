@@ -29,7 +29,7 @@ from tests import _margins
 from tests._lending import GroupLoans
 
 
-def _the_suites_own_ray_token() -> Path:
+def _use_the_suites_own_ray_token() -> None:
     """Every Ray of the run (the session's cluster, the kernels' embedded Rays, the
     users' own heads some tests start) authenticates with one token of the suite's,
     set before anything imports Ray and inherited by every process the tests start.
@@ -43,12 +43,11 @@ def _the_suites_own_ray_token() -> Path:
     token.write_text(secrets.token_hex(32))
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     os.environ["RAY_AUTH_MODE"] = "token"
-    return token
 
 
 # Ray reads its auth mode once, when first imported: so here, before any unit test
 # imports Ray (e.g. through ray.cloudpickle).
-SUITE_RAY_TOKEN = _the_suites_own_ray_token()
+_use_the_suites_own_ray_token()
 # Kernels the tests start embed their own Ray (or join the test cluster): a warm Ray
 # would outlive the test that started it. tests/test_warm_ray.py turns it on itself.
 os.environ["RTNB_WARM_RAY"] = "0"
