@@ -53,8 +53,8 @@ def kernel(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     nb = tmp_path_factory.mktemp("nb")
     # A newcomer's machine: none of the suite's Ray settings (its token included) and
-    # a HOME with no ~/.ray, so the first Ray started writes the token there as Ray
-    # does on a laptop, and the kernel must find it by itself.
+    # a HOME with no ~/.ray, so the warm Ray makes its token as on a laptop that never
+    # ran Ray, and the kernel must find it by itself.
     env = {
         k: v
         for k, v in os.environ.items()
