@@ -14,7 +14,7 @@ time; a goal with fewer than 3 good rounds is UNJUDGED. ``--check`` exits 1 when
 goal is missed, unjudged or a benchmark failed. ``--json`` writes all of it, with
 the machine and the commit, for the docs.
 
-``--quick``: 3 rounds of smaller sizes (~36 minutes on 2 cores; the goal, 15, is
+``--quick``: 3 rounds of smaller sizes (~36 minutes on 2 cores; the goal, 30, is
 missed: see docs/benchmarks.md); otherwise 5
 rounds of the sizes the docs quote.
 """
@@ -671,6 +671,22 @@ def _merged(base: dict, run: dict) -> dict:
     return base
 
 
+def _result(args: argparse.Namespace, rounds: int, seconds: float, report: list[dict]) -> dict:
+    """This run's record (merged into ``--merge``'s file where one is named)."""
+    result = {
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "quick": args.quick,
+        "rounds": rounds,
+        "minutes": round(seconds / 60, 1),
+        "benchmarks": report,
+    }
+    if args.merge:
+        result = _merged(json.loads(Path(args.merge).read_text()), result)
+    return result
+
+
 def compile_rtnb() -> None:
     """rtnb's bytecode, as a wheel's install leaves it. Where PYTHONDONTWRITEBYTECODE
     is set (this VM, CI) no process keeps what it compiles, so each kernel, rank and
@@ -767,6 +783,11 @@ def main() -> int:
                 "figures": [asdict(r) for r in bench_rows],
             }
         )
+        # A full run takes hours on 2 cores: what is measured is kept as it is
+        # measured, so a run cut short can be finished with --only and --merge.
+        if args.json:
+            partial = _result(args, rounds, time.perf_counter() - began, report)
+            Path(args.json).write_text(json.dumps(partial, indent=1))
     total = time.perf_counter() - began
     print()
     print_table(rows)
@@ -778,17 +799,7 @@ def main() -> int:
         f"{rounds} rounds{' (quick)' if args.quick else ''}, "
         f"{total / 60:.1f} min"
     )
-    result = {
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
-        "quick": args.quick,
-        "rounds": rounds,
-        "minutes": round(total / 60, 1),
-        "benchmarks": report,
-    }
-    if args.merge:
-        result = _merged(json.loads(Path(args.merge).read_text()), result)
+    result = _result(args, rounds, total, report)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.docs:
