@@ -662,9 +662,14 @@ def rejudged(result: dict) -> dict:
 
 def _merged(base: dict, run: dict) -> dict:
     """``base`` with ``run``'s benchmarks in place of its own (in run.py's order),
-    each stamped with when and at which commit it was measured."""
+    each stamped with when and at which commit it was measured. A run of the same
+    commit, sizes and rounds is the same run finished in parts: its benchmarks need
+    no stamp, and its minutes count towards the whole run's."""
+    same_run = all(base[key] == run[key] for key in ("commit", "quick", "rounds"))
     stamp = {"commit": run["commit"], "date": run["date"], "rounds": run["rounds"]}
-    fresh = {b["benchmark"]: {**b, "measured": stamp} for b in run["benchmarks"]}
+    fresh = {b["benchmark"]: b if same_run else {**b, "measured": stamp} for b in run["benchmarks"]}
+    if same_run:
+        base["minutes"] = round(base["minutes"] + run["minutes"], 1)
     kept = {b["benchmark"]: b for b in base["benchmarks"] if b["benchmark"] not in fresh}
     every = {**kept, **fresh}
     base["benchmarks"] = [every[b.name] for b in BENCHMARKS if b.name in every]
@@ -733,11 +738,14 @@ def main() -> int:
         "--rejudge",
         default="",
         metavar="FILE",
-        help="judge a --json FILE's rounds again by the current rules; write with --json / --docs",
+        help="judge a --json FILE's rounds again by the current rules (and put them into "
+        "--merge's); write with --json / --docs",
     )
     args = parser.parse_args()
     if args.rejudge:
         result = rejudged(json.loads(Path(args.rejudge).read_text()))
+        if args.merge:
+            result = _merged(json.loads(Path(args.merge).read_text()), result)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         if args.docs:
