@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -196,6 +197,15 @@ def phase_trainer(device: str, workers: int) -> dict:
     return {"step_s": step_s, "steps": steps}
 
 
+def _why_failed(message: str) -> str:
+    """A failed phase's reason in a few words: the signal it died of, else its last line."""
+    signal = re.search(r"Signal \d+ \(\w+\)", message)
+    if signal:
+        return f"a rank died of {signal.group(0)}"
+    lines = [line for line in message.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "failed"
+
+
 def _run_phase(name: str, device: str, workers: int) -> dict:
     from _common import run_phase
     from peers import ray_train_env
@@ -241,28 +251,56 @@ def main() -> None:
 
     seen: dict[str, list[float]] = {name: [] for name in PHASES}
     steps: dict[str, list[int]] = {name: [] for name in PHASES}
+    failed: dict[str, str] = {}
     for _ in range(args.rounds):
         for name in in_order("rtnb", "torchrun", "trainer"):
-            result = _run_phase(name, args.device, args.workers)
+            try:
+                result = _run_phase(name, args.device, args.workers)
+            except SystemExit as exc:
+                if name == "rtnb":
+                    raise
+                # A peer that fails is the peer's failed round (run.py counts it so),
+                # never its time and never the end of the benchmark's other rounds.
+                failed[name] = _why_failed(str(exc))
+                print(f"{name} failed this round: {failed[name]}", flush=True)
+                continue
             seen[name].append(result["step_s"])
             steps[name].append(int(result["steps"]))
-    step = {name: statistics.median(values) for name, values in seen.items()}
-    base = step["torchrun"]
+    step = {name: statistics.median(values) for name, values in seen.items() if values}
     print()
     for name, label in (
         ("torchrun", "torchrun"),
         ("rtnb", "rtnb cell"),
         ("trainer", "TorchTrainer.fit (tuned)"),
     ):
+        if name not in step:
+            print(f"{label:17s} failed: {failed[name]}")
+            continue
         runs = ", ".join(f"{v * 1e3:.1f}" for v in seen[name])
         spread = (max(seen[name]) - min(seen[name])) / step[name] * 100
+        against = f"{step['torchrun'] / step[name]:.3f}x" if "torchrun" in step else "—"
         print(
-            f"{label:17s} {step[name] * 1e3:8.1f} ms/step   throughput {base / step[name]:.3f}x "
+            f"{label:17s} {step[name] * 1e3:8.1f} ms/step   throughput {against} "
             f"torchrun   spread {spread:.1f}%   (runs: {runs} ms; "
             f"{min(steps[name])}-{max(steps[name])} steps)"
         )
-    print(f"goal: rtnb >= 0.98x torchrun's throughput -> {base / step['rtnb']:.3f}x")
-    emit(rtnb_vs_torchrun=base / step["rtnb"], trainer_vs_torchrun=base / step["trainer"])
+    ratios = {
+        figure: step["torchrun"] / step[side] if {"torchrun", side} <= step.keys() else None
+        for figure, side in (("rtnb_vs_torchrun", "rtnb"), ("trainer_vs_torchrun", "trainer"))
+    }
+    # torchrun is every figure's base: its failure in any run of this round fails both.
+    peer_failed = {
+        figure: failed[side]
+        for figure, sides in (
+            ("rtnb_vs_torchrun", ("torchrun",)),
+            ("trainer_vs_torchrun", ("torchrun", "trainer")),
+        )
+        for side in sides
+        if side in failed
+    }
+    if ratios["rtnb_vs_torchrun"] is not None:
+        print(f"goal: rtnb >= 0.98x torchrun's throughput -> {ratios['rtnb_vs_torchrun']:.3f}x")
+    emit(peer_failed, **ratios)
     if STRATEGY == "fsdp":
         print("(FSDP2 on every side: the same fully_shard over a mesh of all ranks)")
 

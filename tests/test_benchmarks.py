@@ -129,3 +129,34 @@ def test_every_benchmark_has_its_peer_named_and_ray_train_is_tuned_in_one_place(
         text = (REPO / "benchmarks" / f"{name}.py").read_text()
         assert 'RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"' not in text, f"{name} tunes Ray Train itself"
         assert "emit(" in text, f"{name} prints no FIGURES line"
+
+
+def _stored(commit: str, names: list[str], minutes: float) -> dict:
+    return {
+        "quick": False,
+        "rounds": 3,
+        "date": "2026-11-29 10:00",
+        "commit": commit,
+        "minutes": minutes,
+        "machine": {"cpus": 2, "memory_gb": 23.5, "python": "3.11"},
+        "benchmarks": [{"benchmark": name, "rounds": [], "figures": []} for name in names],
+    }
+
+
+def test_a_run_finished_in_parts_reads_as_one_run_and_a_later_one_says_so():
+    """A full run cut short is finished with --only and --merge: the same commit's
+    part is the same run (its minutes counted, no 'measured later'); a part from
+    another commit is stamped with its commit in the table."""
+    first = _stored("abc1234", ["cell_latency", "soak"], 60.0)
+    rest = _stored("abc1234", ["checkpoint_async"], 25.5)
+    whole = runner._merged(first, rest)
+    assert [b["benchmark"] for b in whole["benchmarks"]] == [
+        "cell_latency",
+        "checkpoint_async",
+        "soak",
+    ], "run.py's order"
+    assert whole["minutes"] == 85.5
+    assert not any("measured" in b for b in whole["benchmarks"])
+    later = runner._merged(whole, _stored("def5678", ["soak"], 3.0))
+    (soak,) = [b for b in later["benchmarks"] if b["benchmark"] == "soak"]
+    assert soak["measured"]["commit"] == "def5678" and later["minutes"] == 85.5
