@@ -167,6 +167,35 @@ def test_a_rank_that_sees_the_folder_copies_nothing_and_still_reloads(notebook_f
         sys.modules.pop("model", None)
 
 
+def test_a_module_imported_after_another_was_dropped_is_still_watched(notebook_folder):
+    """The ranks look at sys.modules again only when its size or newest entry moved
+    (thousands of modules, twice a cell): a cell that drops one module and imports
+    another leaves the size as it was, and the new one is watched all the same."""
+    rank = RankFolder()
+    FolderSync.open("auto", (), (), ask=lambda roots, c: [rank.open(roots, c)], send=pytest.fail)
+    (notebook_folder / "other.py").write_text("Y = 1\n")
+    import importlib
+
+    for name in ("model", "other"):
+        sys.modules.pop(name, None)
+    importlib.import_module("model")
+    rank.after_cell()
+    try:
+        assert rank.before_cell(None) == [], "nothing changed"
+        size = len(sys.modules)
+        del sys.modules["model"]
+        other = importlib.import_module("other")
+        assert len(sys.modules) == size, "the same count as before the swap"
+        rank.after_cell()
+        time.sleep(0.01)
+        (notebook_folder / "other.py").write_text("Y = 2\n")
+        assert rank.before_cell(None) == ["rtnb: reloaded other (changed since imported)"]
+        assert other.Y == 2
+    finally:
+        for name in ("model", "other"):
+            sys.modules.pop(name, None)
+
+
 def test_a_local_package_imported_from_outside_site_packages_goes_with_the_folder(
     notebook_folder, tmp_path
 ):

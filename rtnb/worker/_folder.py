@@ -45,9 +45,11 @@ class RankFolder:
         self._held: dict[str, str] = {}
         self._watched: tuple[str, ...] = ()
         self._installed: tuple[str, ...] = ()
-        # module name -> (its file, the file's stat when last loaded); None: not from
-        # the folders
-        self._modules: dict[str, tuple[str, FileStat] | None] = {}
+        # Every module name already looked at, and of those the ones imported from the
+        # folders: name -> (its file, the file's stat when last loaded).
+        self._seen: set[str] = set()
+        self._modules: dict[str, tuple[str, FileStat]] = {}
+        self._seen_at: tuple[int, str | None] = (0, None)
 
     def open(self, roots: list[FolderRoot], copy_all: bool) -> tuple[str, ...]:
         """Work in the kernel's folder where this node sees it, else in a private copy
@@ -131,9 +133,19 @@ class RankFolder:
             self._note_new_modules()
 
     def _note_new_modules(self) -> None:
+        # Twice a cell on every rank, against thousands of modules (torch, Ray): a cell
+        # that imported nothing leaves sys.modules' size and its newest entry as they
+        # were (imports append), so it costs a comparison.
+        now = _modules_mark()
+        if now == self._seen_at:
+            return
         for name, module in list(sys.modules.items()):
-            if name not in self._modules:
-                self._modules[name] = self._classify(module)
+            if name not in self._seen:
+                self._seen.add(name)
+                known = self._classify(module)
+                if known is not None:
+                    self._modules[name] = known
+        self._seen_at = now
 
     def reload_stale(self) -> tuple[list[str], list[tuple[str, str]]]:
         """Reload the modules imported from the folders whose file changed since they
@@ -146,7 +158,7 @@ class RankFolder:
         stale = []
         for name, known in list(self._modules.items()):
             module = sys.modules.get(name)
-            if known is None or module is None:
+            if module is None:
                 continue
             filename, loaded = known
             now = _stat(filename)
@@ -174,6 +186,10 @@ class RankFolder:
             return None
         stat = _stat(filename)
         return (filename, stat) if stat is not None else None
+
+
+def _modules_mark() -> tuple[int, str | None]:
+    return len(sys.modules), next(reversed(sys.modules), None)
 
 
 def _reload_in_place(module: Any) -> None:
