@@ -52,7 +52,7 @@ def train(report, get_checkpoint, checkpoint_of, load, stamps):
         dist.all_reduce(t)
         if dist.get_rank() == 0:
             with open(stamps, "a") as f:
-                f.write(f"{{i}} {{time.time()}}\\n")
+                f.write(f"{{i}} {{time.time()}} {{dist.get_world_size()}}\\n")
         save = dist.get_rank() == 0 and i % 10 == 0
         report({{"i": i}}, checkpoint=checkpoint_of(i) if save else None)
         i += 1
@@ -96,18 +96,19 @@ def _wait_cpus(n: float, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-def _stamps(path: Path) -> list[tuple[int, float]]:
+def _stamps(path: Path) -> list[tuple[int, float, int]]:
+    """(step, when, world size) of each step rank 0 finished."""
     if not path.exists():
         return []
     return [
-        (int(a), float(b))
-        for a, b in (line.split() for line in path.read_text().split("\n") if line)
+        (int(a), float(b), int(c))
+        for a, b, c in (line.split() for line in path.read_text().split("\n") if line)
     ]
 
 
 def _after_kill(stamps: Path, worker: subprocess.Popen, done: threading.Event) -> float:
     """Kill the worker node once step KILL_AT is done; the kill's time."""
-    while not any(i >= KILL_AT for i, _ in _stamps(stamps)):
+    while not any(i >= KILL_AT for i, _, _ in _stamps(stamps)):
         if done.is_set():
             raise SystemExit("the run ended before the node could be killed")
         time.sleep(0.01)
@@ -117,19 +118,20 @@ def _after_kill(stamps: Path, worker: subprocess.Popen, done: threading.Event) -
 
 
 def _figures(stamps: Path, killed: float) -> dict:
-    """From the kill: to the first step of the rebuilt group (it starts again from the
-    checkpoint, so its step is not above one already done; a step that was already
-    past its all-reduce when the node died can still land just after the kill), and
-    to the run's last step."""
-    seen = -1
+    """From the kill: to the first step of the rebuilt group, and to the run's last
+    step. The rebuilt group is the smaller one (a step that was already past its
+    all-reduce when the node died can still land just after the kill, at the old
+    size); its first step may come right after the last one done, when the
+    checkpoint of the step the node died at was committed."""
     resumed = None
     after = []
-    for i, t in _stamps(stamps):
+    before = [w for _, t, w in _stamps(stamps) if t <= killed]
+    world = max(before, default=0)
+    for i, t, w in _stamps(stamps):
         if t > killed:
             after.append((i, t))
-            if resumed is None and i <= seen:
+            if resumed is None and w < world:
                 resumed = t
-        seen = max(seen, i)
     return {
         "next_step_s": round(resumed - killed, 2) if resumed else None,
         "to_end_s": round(after[-1][1] - killed, 2) if after else None,
