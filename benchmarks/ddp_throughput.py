@@ -121,8 +121,11 @@ if "{device}" == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 exec(compile({source!r}, "<loop>", "exec"))
 if dist.get_rank() == 0:
-    print("RESULT " + json.dumps({{"step_s": step_s, "steps": STEPS}}))
-dist.destroy_process_group()
+    print("RESULT " + json.dumps({{"step_s": step_s, "steps": STEPS}}), flush=True)
+# Past the loop's last barrier nothing is measured: the ranks leave without torch's
+# teardown, which aborted a rank (gloo, "terminate called without an active
+# exception") now and then in the first full run, after the figure was printed.
+os._exit(0)
 """
 
 
@@ -199,9 +202,10 @@ def phase_trainer(device: str, workers: int) -> dict:
 
 def _why_failed(message: str) -> str:
     """A failed phase's reason in a few words: the signal it died of, else its last line."""
-    signal = re.search(r"Signal \d+ \(\w+\)", message)
-    if signal:
-        return f"a rank died of {signal.group(0)}"
+    # torchrun lists the rank it stopped first and the root cause last.
+    signals = re.findall(r"Signal \d+ \(\w+\)", message)
+    if signals:
+        return f"a rank died of {signals[-1]}"
     lines = [line for line in message.splitlines() if line.strip()]
     return lines[-1][:200] if lines else "failed"
 
