@@ -676,8 +676,11 @@ def _merged(base: dict, run: dict) -> dict:
     return base
 
 
-def _result(args: argparse.Namespace, rounds: int, seconds: float, report: list[dict]) -> dict:
-    """This run's record (merged into ``--merge``'s file where one is named)."""
+def _result(
+    args: argparse.Namespace, rounds: int, seconds: float, report: list[dict], base: str
+) -> dict:
+    """This run's record, merged into ``base`` (``--merge``'s file as it was when the
+    run began: the run rewrites that file as it goes when it is also ``--json``)."""
     result = {
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -687,8 +690,8 @@ def _result(args: argparse.Namespace, rounds: int, seconds: float, report: list[
         "minutes": round(seconds / 60, 1),
         "benchmarks": report,
     }
-    if args.merge:
-        result = _merged(json.loads(Path(args.merge).read_text()), result)
+    if base:
+        result = _merged(json.loads(base), result)
     return result
 
 
@@ -763,6 +766,7 @@ def main() -> int:
     if unknown:
         parser.error(f"no benchmark named {', '.join(sorted(unknown))}")
     rounds = args.rounds or (3 if args.quick else 5)
+    base = Path(args.merge).read_text() if args.merge else ""
     compile_rtnb()
     began = time.perf_counter()
     rows: list[Row] = []
@@ -794,7 +798,7 @@ def main() -> int:
         # A full run takes hours on 2 cores: what is measured is kept as it is
         # measured, so a run cut short can be finished with --only and --merge.
         if args.json:
-            partial = _result(args, rounds, time.perf_counter() - began, report)
+            partial = _result(args, rounds, time.perf_counter() - began, report, base)
             Path(args.json).write_text(json.dumps(partial, indent=1))
     total = time.perf_counter() - began
     print()
@@ -807,7 +811,7 @@ def main() -> int:
         f"{rounds} rounds{' (quick)' if args.quick else ''}, "
         f"{total / 60:.1f} min"
     )
-    result = _result(args, rounds, total, report)
+    result = _result(args, rounds, total, report, base)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.docs:

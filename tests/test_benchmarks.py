@@ -160,3 +160,19 @@ def test_a_run_finished_in_parts_reads_as_one_run_and_a_later_one_says_so():
     later = runner._merged(whole, _stored("def5678", ["soak"], 3.0))
     (soak,) = [b for b in later["benchmarks"] if b["benchmark"] == "soak"]
     assert soak["measured"]["commit"] == "def5678" and later["minutes"] == 85.5
+
+
+def test_a_run_merged_into_the_file_it_rewrites_as_it_goes_counts_its_minutes_once():
+    """--merge F --json F: the run writes F after each benchmark; each write merges
+    into F as it was when the run began, so the parts' minutes are added once."""
+    import argparse
+
+    first = _stored(runner._commit(), ["cell_latency"], 20.0)
+    base = json.dumps(first)
+    args = argparse.Namespace(quick=False, merge="F")
+    report: list[dict] = [{"benchmark": "soak", "rounds": [], "figures": []}]
+    runner._result(args, 3, 600.0, report, base)
+    report.append({"benchmark": "sweep", "rounds": [], "figures": []})
+    whole = runner._result(args, 3, 1200.0, report, base)
+    assert whole["minutes"] == 40.0, "20 min of the first part and 20 of this one"
+    assert [b["benchmark"] for b in whole["benchmarks"]] == ["cell_latency", "sweep", "soak"]
