@@ -125,9 +125,9 @@ def _figures(stamps: Path, killed: float) -> dict:
     checkpoint of the step the node died at was committed."""
     resumed = None
     after = []
-    before = [w for _, t, w in _stamps(stamps) if t <= killed]
-    world = max(before, default=0)
-    for i, t, w in _stamps(stamps):
+    done = _stamps(stamps)
+    world = max((w for _, t, w in done if t <= killed), default=0)
+    for i, t, w in done:
         if t > killed:
             after.append((i, t))
             if resumed is None and w < world:
