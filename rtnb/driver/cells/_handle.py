@@ -27,7 +27,13 @@ from rtnb.core._output import CellOutput, OutputSink
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank
 from rtnb.driver.cells._controls import CellControls
-from rtnb.driver.cells._outcome import Completion, first_cause, judge, storage_stopped
+from rtnb.driver.cells._outcome import (
+    Completion,
+    first_cause,
+    judge,
+    ray_lost_ending,
+    storage_stopped,
+)
 from rtnb.driver.lifecycle import Failure, GroupState, RankDied, RecoveryOutcome
 from rtnb.driver.ranks import Execution, RankGroup, StopProtocol
 from rtnb.driver.tools import Breakpoints, HangWatch
@@ -224,8 +230,7 @@ class CellHandle:
 
         Never hangs on a group that is gone: a cell whose group was stopped and that
         has not ended within the stop grace raises one SessionError line."""
-        context = self._context
-        return self._end.wait(timeout, self.name, lambda: context.state, context.stop_grace_s)
+        return self._end.wait(timeout, self.name, self._context)
 
     result = wait
 
@@ -585,7 +590,8 @@ class CellHandle:
         )
 
     def _finish_ray_lost(self) -> None:
-        self._finish(error=ClusterError(f"{self.name} ended: {self._context.ray_lost}"))
+        lost = self._context.ray_lost or "the Ray under the worker group is gone"
+        self._finish(error=ClusterError(ray_lost_ending(self.name, lost)))
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
         self._end.begin()

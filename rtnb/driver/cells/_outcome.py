@@ -13,15 +13,30 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rtnb.core._messages import CellState, RankUpdate, StopPhase
 from rtnb.core._values import PerRank, from_portable
 from rtnb.driver.lifecycle import GroupState
 from rtnb.driver.ranks import StopProtocol
-from rtnb.errors import CellError, CellInterrupted, SessionError, StorageError, WaitTimeout
+from rtnb.errors import (
+    CellError,
+    CellInterrupted,
+    ClusterError,
+    SessionError,
+    StorageError,
+    WaitTimeout,
+)
 
-__all__ = ["Completion", "Outcome", "first_cause", "judge", "storage_stopped"]
+__all__ = [
+    "Completion",
+    "Outcome",
+    "WatchedGroup",
+    "first_cause",
+    "judge",
+    "ray_lost_ending",
+    "storage_stopped",
+]
 
 # What gloo and NCCL raise in a rank whose peer process went away.
 _PEER_LOST = (
@@ -35,6 +50,24 @@ _PEER_LOST = (
 _SETTLE_S = 30.0
 # A group in these states is gone: a cell waited on there will not end by itself.
 _GONE = (GroupState.STOPPED, GroupState.FAILED, GroupState.NEW)
+
+
+class WatchedGroup(Protocol):
+    """What a waiter reads of the group a cell runs on."""
+
+    @property
+    def state(self) -> GroupState: ...
+
+    @property
+    def stop_grace_s(self) -> float: ...
+
+    @property
+    def ray_lost(self) -> str | None: ...
+
+
+def ray_lost_ending(name: str, lost: str) -> str:
+    """How a cell whose Ray went away ends (``lost``: the session's line)."""
+    return f"{name} ended: {lost}"
 
 
 @dataclass(frozen=True)
@@ -197,12 +230,14 @@ class Completion:
         self,
         timeout: float | None,
         name: str,
-        group_state: Callable[[], GroupState],
-        grace_s: float,
+        group: WatchedGroup,
     ) -> PerRank:
         """Block until the cell ends; its value, or its error raised. Never hangs on
-        a group that is gone: one that has not ended ``grace_s`` + 1 s after its
-        group went away raises one SessionError line."""
+        a group that is gone: one that has not ended the stop grace + 1 s after its
+        group went away raises one SessionError line, or, when the Ray under it is
+        gone, after 1 s the ClusterError the cell itself
+        ends with: a cell thread held in a call to the dying Ray must not decide
+        what the user is told, nor when."""
         deadline = None if timeout is None else time.monotonic() + timeout
         gone_since: float | None = None
         while not self._done.wait(0.2):
@@ -212,10 +247,13 @@ class Completion:
                     f"{name} is still running after {timeout:g} s; wait again, "
                     "or stop it (`handle.stop()`, or interrupt the kernel)"
                 )
-            state = group_state()
+            state = group.state
             if state in _GONE:
                 gone_since = gone_since or now
-                if now - gone_since > grace_s + 1.0:
+                lost = group.ray_lost
+                if lost is not None and now - gone_since > 1.0:
+                    raise ClusterError(ray_lost_ending(name, lost))
+                if now - gone_since > group.stop_grace_s + 1.0:
                     raise SessionError(
                         f"{name} lost its worker group (the group is {state}); nothing is "
                         "left to wait for"
