@@ -153,7 +153,7 @@ def _storages(args) -> list[tuple[str, str]]:
     found = []
     for kind in args.storage.split(","):
         if kind == "local":
-            found.append((kind, tempfile.mkdtemp(prefix="bench-runs-", dir="/tmp")))
+            found.append((kind, tempfile.mkdtemp(prefix="bench-runs-")))
         else:
             endpoint = os.environ["BENCH_S3_ENDPOINT"]
             found.append(

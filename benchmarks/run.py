@@ -28,6 +28,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -383,16 +384,22 @@ def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
     args = bench.quick_args if quick else bench.args
     env = {**os.environ, "RTNB_BENCH_PEER_FIRST": "1" if peer_first else "0"}
     env.pop("RAY_ADDRESS", None)  # each round starts what it measures
+    # The round's temporary folders (checkpoints the loops write with mkdtemp, as
+    # Ray's examples do, run folders, kernels' homes) go with it: a full run left
+    # ~10 GB in /tmp. Ray keeps its own place, so its sockets are where they'd be.
+    scratch = tempfile.TemporaryDirectory(prefix="rtnb-bench-round-", ignore_cleanup_errors=True)
+    env.update(TMPDIR=scratch.name, RAY_TMPDIR=env.get("RAY_TMPDIR") or tempfile.gettempdir())
     began = time.perf_counter()
     try:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / bench.path), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=bench.timeout_s,
-            cwd=HERE.parent,
-        )
+        with scratch:
+            proc = subprocess.run(
+                [sys.executable, str(HERE / bench.path), *args],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=bench.timeout_s,
+                cwd=HERE.parent,
+            )
     except subprocess.TimeoutExpired:
         return Round(
             peer_first,
