@@ -622,3 +622,15 @@ def test_the_rank_runtime_and_its_parts_touch_no_others_private_fields():
     assert offenders == []
     sizes = _class_sizes(ast.parse((REPO / "rtnb" / "worker" / "_runtime.py").read_text()))
     assert sizes["RankRuntime"] <= 450, sizes["RankRuntime"]
+
+
+def test_load_ext_imports_neither_ray_nor_torch_nor_numpy():
+    """``%load_ext rtnb`` is on every kernel's way to its first result: what the
+    magics import there is paid before a group exists (Ray comes with the start,
+    numpy with the first plot, torch only on the ranks)."""
+    probe = (
+        "import sys, IPython, rtnb, rtnb.magics; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'numpy'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"%load_ext rtnb imported {out.stdout.strip()}"
