@@ -402,8 +402,10 @@ def run_round(bench: Benchmark, quick: bool, peer_first: bool) -> Round:
     env.pop("RAY_ADDRESS", None)  # each round starts what it measures
     # The round's temporary folders (checkpoints the loops write with mkdtemp, as
     # Ray's examples do, run folders, kernels' homes) go with it: a full run left
-    # ~10 GB in /tmp. Ray keeps its own place, so its sockets are where they'd be.
-    scratch = tempfile.TemporaryDirectory(prefix="rtnb-bench-round-", ignore_cleanup_errors=True)
+    # ~10 GB in /tmp. Ray keeps its own place, so its sockets are where they'd be;
+    # the name is short, as Ray's socket paths under a benchmark's own --temp-dir in
+    # it must fit 107 bytes.
+    scratch = tempfile.TemporaryDirectory(prefix="rb-", ignore_cleanup_errors=True)
     env.update(TMPDIR=scratch.name, RAY_TMPDIR=env.get("RAY_TMPDIR") or tempfile.gettempdir())
     began = time.perf_counter()
     try:

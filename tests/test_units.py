@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
 import pickle
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -761,3 +763,26 @@ def test_a_wait_on_a_cell_whose_group_went_away_ends_in_one_line_saying_why(ray_
     else:
         assert "cell [4] lost its worker group (the group is failed)" in str(raised.value)
         assert waited >= 3.3
+
+
+def test_the_warm_rays_folder_leaves_a_tmpdir_too_long_for_rays_sockets(tmp_path, monkeypatch):
+    """Ray's sockets go ~64 bytes under the warm Ray's folder and a socket path holds
+    107: a TMPDIR that fits keeps the folder; a longer one (a job's scratch folder)
+    gives way to /tmp instead of a warm Ray that cannot start."""
+    import shutil
+
+    from rtnb.driver.cluster._warm_host import private_ray_dir
+
+    short = pathlib.Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    long_ = tmp_path / ("scratch-of-a-batch-job-" * 2)
+    long_.mkdir()
+    try:
+        for tmpdir, kept in ((short, True), (long_, False)):
+            monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+            made = private_ray_dir()
+            shutil.rmtree(made)
+            assert (made.parent == tmpdir) is kept, (tmpdir, made)
+            socket = made / "session_2026-11-29_14-10-45_051662_4194304/sockets/plasma_store"
+            assert len(str(socket)) <= 107, socket
+    finally:
+        shutil.rmtree(short)

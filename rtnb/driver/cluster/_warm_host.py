@@ -281,6 +281,26 @@ def start_spare(background: bool) -> tuple[Any, Any]:
     return actor, actor.warm_up.remote(background)
 
 
+# A Unix socket's path holds at most 107 bytes, and Ray puts its sockets at
+# TEMP/session_<date>_<time>_<pid>/sockets/plasma_store: this many after TEMP.
+_RAY_SOCKET_TAIL = len("/session_2026-11-29_14-10-45_051662_4194304/sockets/plasma_store")
+_UNIX_PATH_MAX = 107
+
+
+def private_ray_dir() -> Path:
+    """The warm Ray's temp dir: fresh for each warm Ray (a dead Ray's files in a
+    reused one can make a later one wait for it), and apart from /tmp/ray, which is
+    the user's Ray's. Under the user's TMPDIR, unless that is too long for Ray's
+    socket paths (a job's scratch folder can be): then under /tmp, as Ray does on
+    macOS, rather than a start that fails."""
+    prefix = f"rtnb-warm-{os.getuid()}-"
+    base = tempfile.gettempdir()
+    made = len(os.path.join(base, prefix)) + len("12345678")  # mkdtemp's random part
+    if made + _RAY_SOCKET_TAIL > _UNIX_PATH_MAX and os.access("/tmp", os.W_OK):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
 def _write_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
@@ -308,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(args.state.parent)
     import ray
 
-    # Fresh for each warm Ray (a dead Ray's files in a reused temp dir can make a
-    # later one wait for it), short (Ray's socket paths must fit 107 bytes), and
-    # apart from /tmp/ray, which is the user's Ray's.
-    private_dir = Path(tempfile.mkdtemp(prefix=f"rtnb-warm-{os.getuid()}-"))
+    private_dir = private_ray_dir()
     start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir)
     try:
         # The first spares begin with the pool, not once its process is up: their
