@@ -114,6 +114,23 @@ def test_a_figure_quick_cannot_miss_is_not_counted_by_quick():
     assert full.verdict == "MET"
 
 
+def test_quick_runs_one_round_of_a_benchmark_whose_goals_only_the_full_run_judges():
+    """DDP's 5 s quick windows cannot resolve its 2 % goal: one round shows the figure;
+    a benchmark with a goal quick judges keeps its rounds, and the full run all."""
+    by_name = {b.name: b for b in runner.BENCHMARKS}
+    assert by_name["ddp_throughput"].rounds(3, quick=True) == 1
+    assert by_name["ddp_throughput"].rounds(5, quick=False) == 5
+    assert by_name["cell_latency"].rounds(3, quick=True) == 3
+    shown = runner.summarise(
+        by_name["ddp_throughput"],
+        [runner.Round(False, 1.0, {"rtnb_vs_torchrun": 0.9, "trainer_vs_torchrun": 0.8})],
+        quick=True,
+    )
+    assert [(r.verdict, r.note) for r in shown if r.figure == "rtnb_vs_torchrun"] == [
+        ("", "judged by the full run only")
+    ]
+
+
 def test_a_failed_round_is_a_failure_not_a_skip():
     rounds = [runner.Round(False, 1.0, {"f": 0.5}), runner.Round(True, 1.0, error="exit 1: boom")]
     (row,) = runner.summarise(_bench(1.0), rounds)
