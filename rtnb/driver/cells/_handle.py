@@ -229,7 +229,8 @@ class CellHandle:
         """Block until the cell ends; its value per rank, or its error raised.
 
         Never hangs on a group that is gone: a cell whose group was stopped and that
-        has not ended within the stop grace raises one SessionError line."""
+        has not ended within the stop grace raises one SessionError line; one whose
+        Ray went away, the cell's own ClusterError line within a second."""
         return self._end.wait(timeout, self.name, self._context)
 
     result = wait

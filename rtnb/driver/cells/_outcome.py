@@ -234,10 +234,9 @@ class Completion:
     ) -> PerRank:
         """Block until the cell ends; its value, or its error raised. Never hangs on
         a group that is gone: one that has not ended the stop grace + 1 s after its
-        group went away raises one SessionError line, or, when the Ray under it is
-        gone, after 1 s the ClusterError the cell itself
-        ends with: a cell thread held in a call to the dying Ray must not decide
-        what the user is told, nor when."""
+        group went away raises one SessionError line; when the Ray under it went,
+        after 1 s the ClusterError the cell itself ends with (a cell thread held in
+        a call to the dying Ray must not decide what the user is told, nor when)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         gone_since: float | None = None
         while not self._done.wait(0.2):
