@@ -786,3 +786,22 @@ def test_the_warm_rays_folder_leaves_a_tmpdir_too_long_for_rays_sockets(tmp_path
             assert len(str(socket)) <= 107, socket
     finally:
         shutil.rmtree(short)
+
+
+def test_the_warm_rays_fingerprint_changes_with_the_ranks_code():
+    """A kernel joins a warm Ray only if its spare ranks run the same rtnb: an edit to
+    the rank runtime (not only the driver's code) makes a new one."""
+    import os
+
+    from rtnb.driver.cluster._warm_client import _fingerprint
+    from rtnb.worker import _runtime
+
+    before = _fingerprint()
+    source = pathlib.Path(_runtime.__file__)
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, time.time_ns() + 10**9 * 3600))  # now newest
+    try:
+        assert _fingerprint() != before
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _fingerprint() == before

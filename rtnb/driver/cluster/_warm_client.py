@@ -92,7 +92,7 @@ def _fingerprint() -> str:
     server has the server's ``sys.prefix``."""
     from importlib.metadata import version
 
-    package = Path(__file__).resolve().parent.parent
+    package = Path(__file__).resolve().parents[2]  # rtnb/: the ranks' code is all of it
     newest = max(
         (entry.stat().st_mtime_ns for entry in package.rglob("*.py")),
         default=0,
