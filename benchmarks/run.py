@@ -88,8 +88,15 @@ class Benchmark:
         return asked if judged else 1
 
 
-def _x(key: str, label: str, goal: float | None = None, lower: bool = True) -> Figure:
-    return Figure(key, label, "x", goal, lower)
+def _x(
+    key: str,
+    label: str,
+    goal: float | None = None,
+    lower: bool = True,
+    *,
+    quick_unjudged: bool = False,
+) -> Figure:
+    return Figure(key, label, "x", goal, lower, quick_unjudged=quick_unjudged)
 
 
 BENCHMARKS: tuple[Benchmark, ...] = (
@@ -128,10 +135,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "ddp_throughput",
         (
-            Figure(
+            _x(
                 "rtnb_vs_torchrun",
                 "rtnb cell's DDP throughput / torchrun's",
-                "x",
                 0.98,
                 False,
                 quick_unjudged=True,
@@ -148,10 +154,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "fsdp_throughput",
         (
-            Figure(
+            _x(
                 "rtnb_vs_torchrun",
                 "rtnb cell's FSDP2 throughput / torchrun's",
-                "x",
                 0.98,
                 False,
                 quick_unjudged=True,

@@ -29,12 +29,13 @@ from rtnb.core._values import PerRank
 from rtnb.driver.cells._controls import CellControls
 from rtnb.driver.cells._outcome import (
     Completion,
+    WatchedGroup,
     first_cause,
     judge,
     ray_lost_ending,
     storage_stopped,
 )
-from rtnb.driver.lifecycle import Failure, GroupState, RankDied, RecoveryOutcome
+from rtnb.driver.lifecycle import Failure, RankDied, RecoveryOutcome
 from rtnb.driver.ranks import Execution, RankGroup, StopProtocol
 from rtnb.driver.tools import Breakpoints, HangWatch
 from rtnb.errors import (
@@ -64,24 +65,16 @@ class _RayLost(Exception):
     """Internal: the Ray under the group is gone; nothing to rebuild on."""
 
 
-class CellContext(Protocol):
-    """What a cell needs of the session's other flows (the cell flow gives it)."""
+class CellContext(WatchedGroup, Protocol):
+    """What a cell needs of the session's other flows (the cell flow gives it): what
+    its waiters read of the group, and more."""
 
     run_name: str
     metrics: MetricsStore
     checkpoints: CheckpointStore
 
     @property
-    def stop_grace_s(self) -> float: ...
-
-    @property
     def logs(self) -> RankLogs | None: ...
-
-    @property
-    def state(self) -> GroupState: ...
-
-    @property
-    def ray_lost(self) -> str | None: ...
 
     def check_ray_lost(self, settle_s: float = 0.0) -> str | None: ...
 
