@@ -476,23 +476,29 @@ def _ws_decode(raw: str | bytes) -> dict[str, Any]:
     return json.loads(raw[offsets[0] : end].decode())
 
 
-def _ws_request(code: str, session_id: str, msg_id: str) -> str:
+def _ws_request(code: str | None, session_id: str, msg_id: str) -> str:
+    """An execute request of ``code``, or with None a kernel_info request (which a
+    kernel answers once it has booted)."""
     header = {
         "msg_id": msg_id,
-        "msg_type": "execute_request",
+        "msg_type": "execute_request" if code is not None else "kernel_info_request",
         "username": "benchmark",
         "session": session_id,
         "date": datetime.now(timezone.utc).isoformat(),
         "version": "5.3",
     }
-    content = {
-        "code": code,
-        "silent": False,
-        "store_history": True,
-        "user_expressions": {},
-        "allow_stdin": False,
-        "stop_on_error": True,
-    }
+    content = (
+        {
+            "code": code,
+            "silent": False,
+            "store_history": True,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        }
+        if code is not None
+        else {}
+    )
     return json.dumps(
         {
             "header": header,

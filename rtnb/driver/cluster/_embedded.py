@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -109,32 +110,85 @@ def start_embedded_ray(
         node_ip_as_given((listen or LOOPBACK) == LOOPBACK),
         lazy_imports_for_children(),
         _lean_embedded_ray(),
-        _no_fixed_agent_port(),
+        _agent_ports_chosen(listen or LOOPBACK),
         _raylet_named_apart(private_dir),
     ):
         ray.init(**kwargs)
 
 
 @contextlib.contextmanager
-def _no_fixed_agent_port() -> Iterator[None]:
-    """Let the dashboard agent take any free port instead of Ray's fixed 52365.
+def _agent_ports_chosen(listen: str) -> Iterator[None]:
+    """Give the node's agents ports chosen here instead of Ray's fixed ones, and
+    tell the raylet them before it starts.
 
-    ``ray.init`` has no option for it; on the fixed port, a ``ray start --head``
-    the user runs beside this Ray has no dashboard agent, so their ``ray job
-    submit`` fails. The agent reports the port it bound (0 = any)."""
-    from ray._private import parameter
+    ``ray.init`` has no option for the agents' ports; on Ray's fixed dashboard
+    agent port (52365), a ``ray start --head`` the user runs beside this Ray has
+    no dashboard agent, so their ``ray job submit`` fails. Left to pick their own
+    ports, the agents write them to port files once up, and the raylet waits for
+    those files before it registers its node: ~0.7 s here of the dashboard agent
+    importing its modules, on the path of every start (nothing in a session
+    waits for the agents otherwise). With the ports chosen first and their
+    files written before the raylet starts, it registers at once and the agents
+    bind the same ports when they are up. A Ray without port files (older) gets
+    only the free listen port, as before."""
+    from ray._private import node, parameter
 
-    original = parameter.RayParams.__init__
+    try:
+        from ray._raylet import (
+            DASHBOARD_AGENT_LISTEN_PORT_NAME,
+            METRICS_AGENT_PORT_NAME,
+            METRICS_EXPORT_PORT_NAME,
+            RUNTIME_ENV_AGENT_PORT_NAME,
+            persist_port,
+        )
 
-    def init(self, *args, **kwargs) -> None:
-        kwargs.setdefault("dashboard_agent_listen_port", 0)
-        original(self, *args, **kwargs)
+        port_files = {
+            "metrics_agent_port": METRICS_AGENT_PORT_NAME,
+            "metrics_export_port": METRICS_EXPORT_PORT_NAME,
+            "dashboard_agent_listen_port": DASHBOARD_AGENT_LISTEN_PORT_NAME,
+            "runtime_env_agent_port": RUNTIME_ENV_AGENT_PORT_NAME,
+        }
+    except ImportError:
+        port_files = {}
+    if not callable(getattr(node.Node, "start_raylet", None)) or _full_ray_wanted():
+        port_files = {}
 
-    parameter.RayParams.__init__ = init
+    original_params = parameter.RayParams.__init__
+    original_start_raylet = getattr(node.Node, "start_raylet", None)
+
+    def params(self, *args, **kwargs) -> None:
+        for name in port_files or ("dashboard_agent_listen_port",):
+            if not kwargs.get(name):
+                kwargs[name] = _free_port(listen) if port_files else 0
+        original_params(self, *args, **kwargs)
+
+    def start_raylet(self, *args, **kwargs):
+        for name, file_name in port_files.items():
+            persist_port(
+                self._session_dir, self._node_id, file_name, getattr(self._ray_params, name)
+            )
+        return original_start_raylet(self, *args, **kwargs)
+
+    parameter.RayParams.__init__ = params
+    if port_files:
+        node.Node.start_raylet = start_raylet
     try:
         yield
     finally:
-        parameter.RayParams.__init__ = original
+        parameter.RayParams.__init__ = original_params
+        if port_files:
+            node.Node.start_raylet = original_start_raylet
+
+
+def _free_port(listen: str) -> int:
+    """A TCP port free on ``listen`` now (the agent binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("" if listen in ("0.0.0.0", "::") else listen, 0))
+        return int(probe.getsockname()[1])
+
+
+def _full_ray_wanted() -> bool:
+    return os.environ.get("RTNB_FULL_EMBEDDED_RAY", "") not in ("", "0")
 
 
 @contextlib.contextmanager
@@ -199,14 +253,20 @@ def _lean_embedded_ray() -> Iterator[None]:
 
     Private Ray functions: each is only replaced if it exists, around this call.
     """
-    if os.environ.get("RTNB_FULL_EMBEDDED_RAY", "") not in ("", "0"):
+    if _full_ray_wanted():
         yield
         return
     from ray._private import node, services
 
     replaced = []
+    python_command = getattr(services, "_build_python_executable_command_memory_profileable", None)
     for owner, name, stand_in in (
         (services, "start_api_server", lambda *args, **kwargs: (None, None)),
+        (
+            services,
+            "_build_python_executable_command_memory_profileable",
+            _agents_niced(python_command),
+        ),
         (node.Node, "start_monitor", lambda self: None),
         (node.Node, "start_log_monitor", lambda self: None),
         (services, "get_node", _get_node_when_registered(getattr(services, "get_node", None))),
@@ -219,6 +279,29 @@ def _lean_embedded_ray() -> Iterator[None]:
     finally:
         for owner, name, original in replaced:
             setattr(owner, name, original)
+
+
+def _agents_niced(build_command):
+    """Ray's Python command builder, starting the node's two agents at a lower CPU
+    priority: their start is ~1.2 s of imports that nothing in a session waits
+    for, which on two cores would take it from the ranks' start."""
+    import shutil
+
+    nice = shutil.which("nice")
+    if build_command is None or nice is None:
+        return build_command
+    from ray._private import ray_constants
+
+    agents = {
+        getattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT", None),
+        getattr(ray_constants, "PROCESS_TYPE_RUNTIME_ENV_AGENT", None),
+    } - {None}
+
+    def build(component, *args, **kwargs):
+        command = build_command(component, *args, **kwargs)
+        return [nice, "-n", "10", *command] if component in agents else command
+
+    return build
 
 
 def _get_node_when_registered(get_node):
