@@ -88,6 +88,8 @@ def test_a_started_ray_registers_its_node_before_its_agents_are_up():
             capture_output=True,
             text=True,
             timeout=300,
+            # A Ray of its own, not the suite's cluster that RAY_ADDRESS names.
+            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
         )
         assert out.returncode == 0, out.stderr[-2000:]
         seen = json.loads(out.stdout.strip().splitlines()[-1])
