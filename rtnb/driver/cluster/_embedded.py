@@ -157,9 +157,12 @@ def _agent_ports_chosen(listen: str) -> Iterator[None]:
     original_start_raylet = getattr(node.Node, "start_raylet", None)
 
     def params(self, *args, **kwargs) -> None:
-        for name in port_files or ("dashboard_agent_listen_port",):
-            if not kwargs.get(name):
-                kwargs[name] = _free_port(listen) if port_files else 0
+        if port_files:
+            for name in port_files:
+                if not kwargs.get(name):
+                    kwargs[name] = _free_port(listen)
+        else:
+            kwargs.setdefault("dashboard_agent_listen_port", 0)  # 0: any free port
         original_params(self, *args, **kwargs)
 
     def start_raylet(self, *args, **kwargs):
@@ -182,8 +185,10 @@ def _agent_ports_chosen(listen: str) -> Iterator[None]:
 
 def _free_port(listen: str) -> int:
     """A TCP port free on ``listen`` now (the agent binds it a moment later)."""
-    with socket.socket() as probe:
-        probe.bind(("" if listen in ("0.0.0.0", "::") else listen, 0))
+    every_interface = listen in ("0.0.0.0", "::")
+    family = socket.AF_INET6 if ":" in listen and not every_interface else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.bind(("" if every_interface else listen, 0))
         return int(probe.getsockname()[1])
 
 
@@ -259,14 +264,10 @@ def _lean_embedded_ray() -> Iterator[None]:
     from ray._private import node, services
 
     replaced = []
-    python_command = getattr(services, "_build_python_executable_command_memory_profileable", None)
+    python_command = "_build_python_executable_command_memory_profileable"
     for owner, name, stand_in in (
         (services, "start_api_server", lambda *args, **kwargs: (None, None)),
-        (
-            services,
-            "_build_python_executable_command_memory_profileable",
-            _agents_niced(python_command),
-        ),
+        (services, python_command, _agents_niced(getattr(services, python_command, None))),
         (node.Node, "start_monitor", lambda self: None),
         (node.Node, "start_log_monitor", lambda self: None),
         (services, "get_node", _get_node_when_registered(getattr(services, "get_node", None))),
