@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,37 @@ class Kernel:
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = False) -> None:
+        """Ask the kernel to exit. Its exit (about a second, mostly idle: IPython's
+        reset, the Ray driver's end) is waited for in the background unless ``wait``
+        (a test that needs it gone); the run's end waits for every one
+        (:func:`wait_for_exits`), killing one still there after 10 s."""
         self.kc.stop_channels()
-        self.km.shutdown_kernel(now=False)
+        if wait:
+            self.km.shutdown_kernel(now=False)
+            return
+        self.km.request_shutdown()
+        process = self.km.provisioner.process
+
+        def reap() -> None:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+        exit_watch = threading.Thread(target=reap, name="kernel-exit", daemon=True)
+        exit_watch.start()
+        _exiting.append((self.km, exit_watch))
+
+
+_exiting: list[tuple[KernelManager, threading.Thread]] = []
+
+
+def wait_for_exits() -> None:
+    """Every kernel shut down without waiting has exited (killed if it would not)
+    and its connection files are gone."""
+    while _exiting:
+        km, exit_watch = _exiting.pop()
+        exit_watch.join()
+        km.cleanup_resources()

@@ -10,6 +10,7 @@ condition, with the report built in.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ class Wait:
 
 _current_test = ""
 _close: list[Wait] = []
+# A thread that runs beside the tests (tests/_background.py) names its own waits.
+_thread_test = threading.local()
 
 
 def begin_test(nodeid: str) -> None:
@@ -42,11 +45,17 @@ def begin_test(nodeid: str) -> None:
     _current_test = nodeid
 
 
+def begin_thread_test(name: str) -> None:
+    """The waits of this thread belong to ``name``, whatever test runs meanwhile."""
+    _thread_test.name = name
+
+
 def waited(what: str, took_s: float, bound_s: float) -> None:
     """A wait of the running test ended after ``took_s`` of the ``bound_s`` it allowed
     (one that timed out reports its whole bound)."""
     if bound_s > 0 and took_s > CLOSE * bound_s:
-        _close.append(Wait(_current_test, what, took_s, bound_s))
+        test = getattr(_thread_test, "name", None) or _current_test
+        _close.append(Wait(test, what, took_s, bound_s))
 
 
 def close_waits() -> list[Wait]:

@@ -26,6 +26,7 @@ import pytest
 
 from rtnb.core._startup import with_lazy_imports
 from tests import _margins
+from tests._background import Lane
 from tests._lending import GroupLoans
 
 
@@ -82,6 +83,34 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (
             f"CI=true but {item.nodeid} skipped ({reason}): only tests marked gpu may skip in CI"
         )
+
+
+_lane = Lane()
+# How long a test waits for the lane to run its scenario (the scenarios before it
+# included); its pytest timeout is longer.
+BACKGROUND_WAIT_S = 1200
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """The background scenarios the selected tests ask for start with the run
+    (tests/_background.py)."""
+    if not session.config.option.collectonly:
+        _lane.start([m.args[0] for item in session.items for m in item.iter_markers("background")])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests._kernel import wait_for_exits
+
+    wait_for_exits()
+    _lane.close()
+
+
+@pytest.fixture
+def background(request):
+    """What this test's background scenario returned (``pytest.mark.background``)."""
+    (marker,) = list(request.node.iter_markers("background"))
+    return _lane.result(marker.args[0], timeout_s=BACKGROUND_WAIT_S)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -329,6 +358,9 @@ def ray_head():
     try:
         yield head
     finally:
+        from tests._kernel import wait_for_exits
+
+        wait_for_exits()  # the kernels' drivers end before their cluster
         try:
             import ray
 

@@ -7,8 +7,10 @@ same process works, and --replay brings the ranks' variables back from the journ
 
 Ray's timeout is 60 s by default; these tests shorten it to RAYS_RULE_S (Ray reads it
 from the environment) and tell rtnb to take that for Ray's default and lift it all the
-same, so the kernel outliving it takes seconds of the suite, not a minute. The last
-test shows the shortened rule does end a driver rtnb did not make."""
+same, so the kernel outliving it takes seconds, not a minute. The last test shows
+the shortened rule does end a driver rtnb did not make. Every scenario, mostly
+waiting, runs beside the rest of the suite (tests/_background.py); the tests assert
+on what it printed."""
 
 from __future__ import annotations
 
@@ -17,10 +19,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests._background import scenario as background_scenario
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300)]
 
 RAYS_RULE_S = 8
 RAYS_RULE = {
@@ -150,15 +156,15 @@ print("OUT " + json.dumps(out), flush=True)
 )
 
 
-def _in_a_jupyter_kernel(tmp_path, victim: str, env: dict[str, str]) -> str:
+def _in_a_jupyter_kernel(folder: Path, victim: str, env: dict[str, str]) -> str:
     """The script run as cells of a real Jupyter kernel (ipykernel's threads, signal
     handlers and event loop around the Ray driver); the kernel must answer after."""
     from tests._kernel import Kernel
 
-    kernel = Kernel(cwd=str(tmp_path), env=env)
+    kernel = Kernel(cwd=str(folder), env=env)
     try:
         run = kernel.execute(
-            f"import sys\nsys.argv = ['kernel', {victim!r}, {str(tmp_path)!r}]\n"
+            f"import sys\nsys.argv = ['kernel', {victim!r}, {str(folder)!r}]\n"
             f"exec(compile({KERNEL!r}, '<ray-lost>', 'exec'))",
             timeout=280,
         )
@@ -170,28 +176,43 @@ def _in_a_jupyter_kernel(tmp_path, victim: str, env: dict[str, str]) -> str:
         kernel.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("victim", "where"), [("host", "kernel"), ("gcs", "process"), ("address", "process")]
-)
-def test_the_kernel_outlives_its_ray(tmp_path, victim, where):
-    """Each victim killed during a foreground cell, then (after an immediate new
-    start with --replay) during a background cell, in one kernel or process."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(tmp_path / "home"), RTNB_WARM_RAY_IDLE_S="5")
-    env.update(RAYS_RULE)
-    if where == "kernel":
-        stdout = _in_a_jupyter_kernel(tmp_path, victim, env)
-    else:
+def _outlived(victim: str, where: str) -> Callable[[Path], str]:
+    def run(folder: Path) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RTNB_WARM_RAY="1", RTNB_HOME=str(folder / "home"), RTNB_WARM_RAY_IDLE_S="5")
+        env.update(RAYS_RULE)
+        if where == "kernel":
+            return _in_a_jupyter_kernel(folder, victim, env)
         proc = subprocess.run(
-            [sys.executable, "-c", KERNEL, victim, str(tmp_path)],
+            [sys.executable, "-c", KERNEL, victim, str(folder)],
             capture_output=True,
             text=True,
             env=env,
-            cwd=tmp_path,
+            cwd=folder,
             timeout=280,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        stdout = proc.stdout
+        return proc.stdout
+
+    return run
+
+
+VICTIMS = [("host", "kernel"), ("gcs", "process"), ("address", "process")]
+for _victim, _where in VICTIMS:
+    background_scenario(f"ray-lost-{_victim}-{_where}")(_outlived(_victim, _where))
+
+
+@pytest.mark.parametrize(
+    ("victim", "where"),
+    [
+        pytest.param(v, w, marks=pytest.mark.background(f"ray-lost-{v}-{w}"), id=f"{v}-{w}")
+        for v, w in VICTIMS
+    ],
+)
+def test_the_kernel_outlives_its_ray(background, victim, where):
+    """Each victim killed during a foreground cell, then (after an immediate new
+    start with --replay) during a background cell, in one kernel or process."""
+    stdout = background
     line = next(x for x in stdout.splitlines() if x.startswith("OUT "))
     out = json.loads(line[4:])
     print(victim, [(k["how"], round(k["ended_after_kill_s"], 2)) for k in out["kills"]])
@@ -253,41 +274,53 @@ print("ALIVE", flush=True)
 
 
 def _run_script(
-    script: str, tmp_path, rule_s: int = RAYS_RULE_S, timeout: float = 120
+    script: str, folder: Path, rule_s: int = RAYS_RULE_S, timeout: float = 120
 ) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAYS_RULE, RAY_gcs_rpc_server_reconnect_timeout_s=str(rule_s))
     began = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)],
+        [sys.executable, "-c", script, str(folder)],
         capture_output=True,
         text=True,
         env=env,
-        cwd=tmp_path,
+        cwd=folder,
         timeout=timeout,
     )
     return proc, time.monotonic() - began
 
 
-def test_the_shortened_rule_ends_a_ray_driver_rtnb_has_no_part_in(tmp_path):
+@background_scenario("ray-lost-plain-driver")
+def _plain_driver(folder: Path) -> tuple[subprocess.CompletedProcess, float]:
+    return _run_script(PLAIN_DRIVER, folder)
+
+
+# Here nothing lifts the rule: the watch's ray.shutdown (~1.5 s to notice, ~5 s to
+# shut down) races it, so the rule stays long enough for a slow day.
+@background_scenario("ray-lost-user-init")
+def _user_init(folder: Path) -> tuple[subprocess.CompletedProcess, float]:
+    return _run_script(USER_INIT, folder, rule_s=30)
+
+
+@pytest.mark.background("ray-lost-plain-driver")
+def test_the_shortened_rule_ends_a_ray_driver_rtnb_has_no_part_in(background):
     """The control of the tests above: with Ray's timeout at RAYS_RULE_S, a plain
     Ray driver whose GCS died is ended by Ray, so a kernel that outlives twice that
     outlived Ray's rule."""
-    proc, took = _run_script(PLAIN_DRIVER, tmp_path)
+    proc, took = background
     assert "KILLED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ALIVE" not in proc.stdout and proc.returncode != 0, (proc.returncode, proc.stdout)
     assert took < 60, "Ray's rule, not the script's end, ended it"
 
 
+@pytest.mark.background("ray-lost-user-init")
 def test_a_kernel_whose_own_ray_init_came_first_lives_on_and_is_told_its_connection_closed(
-    tmp_path,
+    background,
 ):
     """A Ray driver the user's code made keeps Ray's rule, but rtnb's watch closes it
     first: the cell ends at once, the kernel outlives the rule, and its line says the
     user's own connection closed too."""
-    # Here nothing lifts the rule: the watch's ray.shutdown (~1.5 s to notice, ~5 s
-    # to shut down) races it, so the rule stays long enough for a slow day.
-    proc, _took = _run_script(USER_INIT, tmp_path, rule_s=30)
+    proc, _took = background
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ERROR ")), None)
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert line.startswith("ERROR ClusterError "), line

@@ -20,9 +20,16 @@ from pathlib import Path
 
 import pytest
 
+from tests._background import scenario as background_scenario
 from tests.conftest import missing
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),
+    pytest.mark.background("warm-neighbour"),
+]
+# Its whole run, a few times what it takes alone beside the suite.
+NEIGHBOUR_TIMEOUT_S = 900
 
 SCENARIO = Path(__file__).with_name("_neighbour.py")
 NOT_FOUND = "Could not find any running Ray instance"
@@ -64,9 +71,7 @@ def _fresh_tmp_keeping(paths: list[str]) -> str:
 
 
 class NeighbourScenario:
-    """tests/_neighbour.py in its own PID and mount namespace. (Started beside the
-    Ray-lost runs, both mostly waiting, a Ray of its own timed out starting on two
-    cores: it runs alone.)"""
+    """tests/_neighbour.py in its own PID and mount namespace."""
 
     def __init__(self) -> None:
         self.why_not = (
@@ -112,7 +117,7 @@ class NeighbourScenario:
         if self._results is None:
             assert self._proc is not None
             try:
-                self._proc.wait(timeout=1400)
+                self._proc.wait(timeout=NEIGHBOUR_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
@@ -134,13 +139,24 @@ def _read_all(file) -> str:
     return file.read()
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
+@background_scenario("warm-neighbour")
+def _neighbour(folder: Path) -> dict:
+    """Run in the suite's background lane (tests/_background.py): two minutes of
+    Ray starts and waits for the user's head, its job agent and a fit."""
     scenario = NeighbourScenario()
+    if scenario.why_not:
+        return {"why_not": scenario.why_not}
     try:
-        yield scenario.results()
+        return scenario.results()
     finally:
         scenario.close()
+
+
+@pytest.fixture
+def results(background) -> dict:
+    if "why_not" in background:
+        missing(background["why_not"])
+    return background
 
 
 def test_without_a_user_cluster_ray_finds_nothing_at_once(results):

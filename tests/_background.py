@@ -1,0 +1,120 @@
+"""Scenarios that mostly wait, run beside the rest of the suite.
+
+A few tests prove what happens over Ray's own timeouts or in a machine of their own:
+a Ray killed under a kernel that must outlive Ray's "GCS gone, exit" rule, the
+user's own Ray tools in a PID namespace of their own. Each starts its own Ray (never
+the session's cluster) and spends most of its minute waiting, which on 2 cores left
+a core idle for minutes. So such a scenario is registered by its module at import
+(:func:`scenario`), asked for by a test with ``pytest.mark.background(key)``, and
+run in one lane beside the suite from the start of the run: one scenario at a time
+(two of them together once made a Ray of one time out starting), at a lower CPU
+priority than the suite's own tests (inherited by every process the scenario
+starts), so the suite's tests keep their pace and the scenario takes the idle
+core. The test then asserts on what its scenario returned, or on its exception.
+
+A test run alone (``pytest tests/test_ray_lost.py::...``) still waits only for its
+own scenario: the lane runs just what the selected tests ask for.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests import _margins
+
+# Nice value of the lane's thread, so of every process a scenario starts: at 5 a
+# scenario gets about a quarter of a core the suite's own test wants, and any idle one.
+LANE_NICE = 5
+
+_registered: dict[str, Callable[[Path], Any]] = {}
+
+
+def scenario(key: str) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
+    """Register ``run(folder)`` under ``key``; it gets an empty folder of its own
+    (removed at the end of the run) and returns what its test asserts on."""
+
+    def register(run: Callable[[Path], Any]) -> Callable[[Path], Any]:
+        if key in _registered and _registered[key] is not run:
+            raise ValueError(f"two background scenarios named {key!r}")
+        _registered[key] = run
+        return run
+
+    return register
+
+
+@dataclass
+class _Outcome:
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+    took_s: float = 0.0
+
+
+class Lane:
+    """Runs the asked-for scenarios in order in one thread (see the module's
+    docstring)."""
+
+    def __init__(self) -> None:
+        self._outcomes: dict[str, _Outcome] = {}
+        self._folders: list[str] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self, keys: list[str]) -> None:
+        unknown = [k for k in keys if k not in _registered]
+        if unknown:
+            raise ValueError(f"no background scenario registered as {unknown}")
+        order = list(dict.fromkeys(keys))
+        self._outcomes = {key: _Outcome() for key in order}
+        if order:
+            self._thread = threading.Thread(
+                target=self._run, args=(order,), name="rtnb-suite-background", daemon=True
+            )
+            self._thread.start()
+
+    def result(self, key: str, timeout_s: float) -> Any:
+        """What the scenario returned (its exception raised here, with its traceback
+        in the message), waiting up to ``timeout_s`` for the lane to get to it."""
+        outcome = self._outcomes.get(key)
+        if outcome is None:
+            raise RuntimeError(
+                f"background scenario {key!r} was not asked for: mark the test "
+                f"pytest.mark.background({key!r})"
+            )
+        if not outcome.done.wait(timeout_s):
+            raise TimeoutError(f"background scenario {key!r} did not end within {timeout_s} s")
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value
+
+    def close(self) -> None:
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _run(self, order: list[str]) -> None:
+        import time
+
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
+        for key in order:
+            outcome = self._outcomes[key]
+            folder = tempfile.mkdtemp(prefix=f"rtnb-bg-{key}-")
+            self._folders.append(folder)
+            began = time.monotonic()
+            _margins.begin_thread_test(f"background scenario {key}")
+            try:
+                outcome.value = _registered[key](Path(folder))
+            except BaseException as exc:  # handed to the test that asks
+                outcome.error = RuntimeError(
+                    f"background scenario {key!r} failed:\n{traceback.format_exc()}"
+                )
+                outcome.error.__cause__ = exc
+            finally:
+                outcome.took_s = time.monotonic() - began
+                outcome.done.set()
