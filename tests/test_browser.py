@@ -42,27 +42,35 @@ def _require_tools() -> None:
         missing("jupyterlab is not installed in this environment")
 
 
-@pytest.fixture
-def lab(ray_cluster, tmp_path):
-    yield from _lab(tmp_path)
+@pytest.fixture(scope="module")
+def _lab_server(ray_cluster, tmp_path_factory):
+    """One JupyterLab for the module's tests (each in a folder of its own, with no
+    kernel, session or saved layout of the test before it)."""
+    yield from _lab(tmp_path_factory.mktemp("lab"))
 
 
 @pytest.fixture
-def dark_lab(ray_cluster, tmp_path):
-    yield from _lab(tmp_path, theme="JupyterLab Dark")
+def lab(_lab_server, tmp_path):
+    yield from _visit(_lab_server, tmp_path)
 
 
-def _lab(tmp_path, theme: str | None = None):
+@pytest.fixture
+def dark_lab(_lab_server, tmp_path):
+    yield from _visit(_lab_server, tmp_path, theme="JupyterLab Dark")
+
+
+THEMES = Path("@jupyterlab") / "apputils-extension" / "themes.jupyterlab-settings"
+
+
+def _lab(folder: Path):
     _require_tools()
     port = free_port()
-    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings = folder / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
     )
-    if theme is not None:
-        (settings / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
-    root = tmp_path / "nb"
+    root = folder / "nb"
     root.mkdir()
     cmd = [
         str(Path(sys.executable).parent / "jupyter-lab"),
@@ -75,9 +83,10 @@ def _lab(tmp_path, theme: str | None = None):
         f"--ServerApp.root_dir={root}",
         "--LabApp.news_url=None",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+        f"--LabApp.user_settings_dir={folder / 'settings'}",
+        f"--LabApp.workspaces_dir={folder / 'workspaces'}",
     ]
-    log = open(tmp_path / "lab.log", "w")
+    log = open(folder / "lab.log", "w")
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ}
     )
@@ -91,9 +100,9 @@ def _lab(tmp_path, theme: str | None = None):
             time.sleep(0.3)
     else:
         proc.kill()
-        pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-2000:]}")
+        pytest.fail(f"JupyterLab did not start:\n{(folder / 'lab.log').read_text()[-2000:]}")
     try:
-        yield url, root
+        yield url, root, folder
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -101,6 +110,32 @@ def _lab(tmp_path, theme: str | None = None):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def _visit(server, tmp_path: Path, theme: str | None = None):
+    """A test's folder in the module's JupyterLab (``theme`` its setting meanwhile);
+    after it, its kernels are shut down and its layout forgotten, as a JupyterLab of
+    its own would end them."""
+    url, root, folder = server
+    themes = folder / "settings" / THEMES
+    if theme is not None:
+        themes.write_text(json.dumps({"theme": theme}))
+    mine = root / tmp_path.name
+    mine.mkdir()
+    try:
+        yield url, mine
+    finally:
+        themes.unlink(missing_ok=True)
+        for kernel in _api(url, "api/kernels"):
+            _api(url, f"api/kernels/{kernel['id']}", method="DELETE")
+        shutil.rmtree(folder / "workspaces", ignore_errors=True)
+
+
+def _api(url: str, path: str, method: str = "GET"):
+    request = urllib.request.Request(f"{url}/{path}?token={TOKEN}", method=method)
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        body = answer.read()
+    return json.loads(body) if body else None
 
 
 def _doc_picture(target, name: str) -> None:
@@ -123,11 +158,12 @@ def _doc_picture(target, name: str) -> None:
         page.set_viewport_size(size)
 
 
-def _notebook(root: Path, cells: list[str]) -> str:
+def _notebook(folder: Path, cells: list[str]) -> str:
+    """The notebook written in the test's folder; its path in JupyterLab."""
     import nbformat
 
-    nbformat.write(new_notebook(cells), root / "live.ipynb")
-    return "live.ipynb"
+    nbformat.write(new_notebook(cells), folder / "live.ipynb")
+    return f"{folder.name}/live.ipynb"
 
 
 def _listen_for_comm_noise(page, noise: list[str]) -> None:
@@ -476,7 +512,7 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:  # JupyterLab may be writing the file right now
-                saved = json.loads((root / name).read_text())["cells"][2].get("outputs", [])
+                saved = json.loads((root / "live.ipynb").read_text())["cells"][2].get("outputs", [])
             except ValueError:
                 saved = []
             if any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in saved):
@@ -844,11 +880,8 @@ def test_a_saved_notebook_reopened_with_a_new_kernel_keeps_its_figure(lab, tmp_p
         page.keyboard.press("Control+s")
         page.wait_for_timeout(1500)
     # A new kernel: forget the old one, as closing JupyterLab would.
-    for session in json.load(urllib.request.urlopen(f"{url}/api/sessions?token={TOKEN}")):
-        request = urllib.request.Request(
-            f"{url}/api/sessions/{session['id']}?token={TOKEN}", method="DELETE"
-        )
-        urllib.request.urlopen(request)
+    for session in _api(url, "api/sessions"):
+        _api(url, f"api/sessions/{session['id']}", method="DELETE")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
