@@ -101,6 +101,20 @@ class Lane:
         return {k: o.took_s for k, o in self._outcomes.items() if o.done.is_set()}
 
     def close(self) -> None:
+        """At the run's end. A scenario still running (the run was interrupted or
+        stopped at a first failure) has its processes killed: every descendant of
+        this process at the lane's nice or above (Ray's workers add to it); the
+        suite's own run at 0."""
+        if self._thread is not None and self._thread.is_alive():
+            import psutil
+
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    if proc.nice() >= LANE_NICE:
+                        proc.kill()
+                except psutil.Error:
+                    pass
+            self._thread.join(timeout=30)
         for folder in self._folders:
             shutil.rmtree(folder, ignore_errors=True)
 
