@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,8 +104,9 @@ class Lane:
     def close(self) -> None:
         """At the run's end. A scenario still running (the run was interrupted or
         stopped at a first failure) has its processes killed: every descendant of
-        this process at the lane's nice or above (Ray's workers add to it); the
-        suite's own run at 0."""
+        this process at the lane's nice or above (Ray's workers add to it). The
+        suite's own tests run at 0; what of theirs runs niced (Ray's agents and idle
+        workers) belongs to Rays their fixtures have ended by now."""
         if self._thread is not None and self._thread.is_alive():
             import psutil
 
@@ -119,8 +121,6 @@ class Lane:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _run(self, order: list[str]) -> None:
-        import time
-
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
         for key in order:
             outcome = self._outcomes[key]

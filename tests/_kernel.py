@@ -143,15 +143,12 @@ class Kernel:
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply
 
-    def shutdown(self, wait: bool = False) -> None:
+    def shutdown(self) -> None:
         """Ask the kernel to exit. Its exit (about a second, mostly idle: IPython's
-        reset, the Ray driver's end) is waited for in the background unless ``wait``
-        (a test that needs it gone); the run's end waits for every one
-        (:func:`wait_for_exits`), killing one still there after 10 s."""
+        reset, the Ray driver's end) is waited for in the background; the session
+        cluster's end waits for every one (:func:`wait_for_exits`), killing one still
+        there after 10 s."""
         self.kc.stop_channels()
-        if wait:
-            self.km.shutdown_kernel(now=False)
-            return
         self.km.request_shutdown()
         process = self.km.provisioner.process
 

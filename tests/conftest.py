@@ -135,10 +135,11 @@ def pytest_terminal_summary(terminalreporter, config):
             f"{nodeid} wrote {_MACHINE_TOKEN} (a Ray of its own started by ray.init()); "
             "removed after it"
         )
-    if _lane.took():
+    scenarios = _lane.took()
+    if scenarios:
         terminalreporter.write_line(
             "background scenarios: "
-            + ", ".join(f"{key} {took:.0f} s" for key, took in _lane.took().items())
+            + ", ".join(f"{key} {took:.0f} s" for key, took in scenarios.items())
         )
     if _loans.started:
         terminalreporter.write_line(

@@ -112,8 +112,6 @@ class NeighbourScenario:
         )
 
     def results(self) -> dict:
-        if self.why_not:
-            missing(self.why_not)
         if self._results is None:
             assert self._proc is not None
             try:
