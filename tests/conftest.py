@@ -26,7 +26,7 @@ import pytest
 
 from rtnb.core._startup import with_lazy_imports
 from tests import _margins
-from tests._background import SHARED_ENV, Lane, shared_folder
+from tests._background import Lane
 from tests._lending import GroupLoans
 
 
@@ -49,21 +49,6 @@ def _use_the_suites_own_ray_token() -> None:
 # Ray reads its auth mode once, when first imported: so here, before any unit test
 # imports Ray (e.g. through ray.cloudpickle).
 _use_the_suites_own_ray_token()
-
-
-def _share_a_folder_with_the_runs_other_test_processes() -> None:
-    """The run's test processes (pytest-xdist's, which inherit this process's
-    environment) meet in one folder: the background lane's outcomes, each process's
-    lines for the run's summary. The process that made it removes it at its exit."""
-    if SHARED_ENV not in os.environ:
-        folder = tempfile.mkdtemp(prefix="rtnb-suite-run-")
-        os.environ[SHARED_ENV] = folder
-        atexit.register(shutil.rmtree, folder, True)
-
-
-_share_a_folder_with_the_runs_other_test_processes()
-# pytest-xdist's name for this test process ("gw0"); None when pytest runs alone.
-XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 # Kernels the tests start embed their own Ray (or join the test cluster): a warm Ray
 # would outlive the test that started it. tests/test_warm_ray.py turns it on itself.
 os.environ["RTNB_WARM_RAY"] = "0"
@@ -110,21 +95,15 @@ BACKGROUND_WAIT_S = 1200
 def pytest_runtestloop(session):
     """The background scenarios the selected tests ask for start with the run
     (tests/_background.py)."""
-    # pytest-xdist's controller collects nothing (its test processes do).
-    items = getattr(session, "items", [])
     if not session.config.option.collectonly:
-        _lane.start([m.args[0] for item in items for m in item.iter_markers("background")])
+        _lane.start([m.args[0] for item in session.items for m in item.iter_markers("background")])
 
 
 def pytest_sessionfinish(session, exitstatus):
     from tests._kernel import wait_for_exits
 
     wait_for_exits()
-    _lane.close(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop))
-    if XDIST_WORKER is not None:  # the summary is printed by the process that started it
-        lines = _summary_lines()
-        if lines:
-            (shared_folder() / f"summary-{XDIST_WORKER}.txt").write_text("\n".join(lines))
+    _lane.close()
 
 
 @pytest.fixture
@@ -150,42 +129,34 @@ def pytest_runtest_protocol(item, nextitem):
     _margins.waited("the whole test (pytest-timeout)", time.monotonic() - began, bound)
 
 
-def _summary_lines() -> list[str]:
-    """This process's lines for the run's summary."""
-    lines = [
-        f"{nodeid} wrote {_MACHINE_TOKEN} (a Ray of its own started by ray.init()); "
-        "removed after it"
-        for nodeid in _wrote_machine_token
-    ]
+def pytest_terminal_summary(terminalreporter, config):
+    for nodeid in _wrote_machine_token:
+        terminalreporter.write_line(
+            f"{nodeid} wrote {_MACHINE_TOKEN} (a Ray of its own started by ray.init()); "
+            "removed after it"
+        )
     scenarios = _lane.took()
     if scenarios:
-        lines.append(
+        terminalreporter.write_line(
             "background scenarios: "
             + ", ".join(f"{key} {took:.0f} s" for key, took in scenarios.items())
         )
     if _loans.started:
-        lines.append(f"lent groups: {_loans.started} started, {_loans.lent_again} starts saved")
+        terminalreporter.write_line(
+            f"lent groups: {_loans.started} started, {_loans.lent_again} starts saved"
+        )
     close = _margins.close_waits()
-    if close:
-        lines += [
-            "",
-            f"waits that used over {_margins.CLOSE:.0%} of their bound (a slower machine fails them):",
-        ]
-        lines += [
-            f"  {wait.used:4.0%}  {wait.took_s:6.1f} s of {wait.bound_s:g} s  {wait.what}  ({wait.test})"
-            for wait in sorted(close, key=lambda w: -w.used)
-        ]
-    return lines
-
-
-def pytest_terminal_summary(terminalreporter, config):
+    if not close:
+        return
     write = terminalreporter.write_line
-    for line in _summary_lines():
-        write(line)
-    for worker in sorted(shared_folder().glob("summary-*.txt")):
-        write(f"test process {worker.stem.removeprefix('summary-')}:")
-        for line in worker.read_text().splitlines():
-            write(f"  {line}" if line else "")
+    write("")
+    write(
+        f"waits that used over {_margins.CLOSE:.0%} of their bound (a slower machine fails them):"
+    )
+    for wait in sorted(close, key=lambda w: -w.used):
+        write(
+            f"  {wait.used:4.0%}  {wait.took_s:6.1f} s of {wait.bound_s:g} s  {wait.what}  ({wait.test})"
+        )
 
 
 # Ray writes this the first time a plain ray.init() starts a local Ray; from then on
