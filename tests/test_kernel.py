@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -152,6 +153,45 @@ def test_background_cell_runs_while_other_cells_work(kernel):
     finally:
         if waited is None:  # the module's next tests share this kernel: leave it free
             kernel.execute("%rtnb wait --timeout 120")
+
+
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def test_a_background_cell_ending_between_cells_leaves_its_figure_in_the_next(kernel, tmp_path):
+    """A background cell that ends while no cell runs sends its lasting figure with the
+    finished cell's parent, which nbclient (papermill, `rtnb run`) drops, so the saved
+    notebook kept the widget: the same update comes again as the next cell starts."""
+    go = tmp_path / "go"
+    # The live view, as JupyterLab gets it (this client is no widget frontend).
+    assert kernel.execute("import os\nos.environ['RTNB_LIVE'] = '1'").status == "ok"
+    back_to_detection = "os.environ.pop('RTNB_LIVE', None)"
+    following = None
+    try:
+        run = kernel.execute(
+            "%%rtrain --background\nimport os, time, rtnb\n"
+            f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+            "for i in range(3):\n    rtnb.report({'loss': 1.0 / (i + 1)})"
+        )
+        assert run.status == "ok", run.text
+        go.touch()  # the kernel is idle: the cell ends between cells
+        deadline = time.monotonic() + 120
+        while True:
+            msg = kernel.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["msg_type"] == "update_display_data" and PLOTLY in msg["content"]["data"]:
+                break
+        following = kernel.execute(back_to_detection)  # the next cell
+    finally:
+        if following is None:
+            kernel.execute(back_to_detection)
+    assert following.status == "ok", following.text
+    again = [u for u in following.updates if PLOTLY in u]
+    assert again and again[-1] == msg["content"]["data"], (
+        "the lasting figure did not come again under the next cell"
+    )
+    assert not [u for u in kernel.execute("x_after = 1").updates if PLOTLY in u], (
+        "sent again a second time"
+    )
 
 
 def test_interrupt_stops_a_reporting_loop_at_the_same_step_on_every_rank(kernel):

@@ -12,6 +12,7 @@ import ipywidgets as w
 from rtnb.widgets._chips import RankChips
 from rtnb.widgets._comms import close_tree
 from rtnb.widgets._header import format_header
+from rtnb.widgets._late import send_within_a_cell
 from rtnb.widgets._plot import (
     BAND_FROM_RANKS,
     RANK_COLORS,
@@ -356,14 +357,17 @@ class LiveMetrics(w.VBox):
         # The cell's live changes, kept in the saved notebook for `rtnb run`.
         controls = getattr(self.handle, "controls", None)  # a cell of this kernel's
         record = controls.record() if controls is not None else None
+        updates = []
         if bundle is None:
-            self._display.update({"text/plain": "\n".join(filter(None, [header, logs]))}, raw=True)
+            updates.append((self._display, {"text/plain": "\n".join(filter(None, [header, logs]))}))
             if record is not None and self._logs_display is not None:
-                self._logs_display.update(_changes_bundle(record, ""), raw=True)
+                updates.append((self._logs_display, _changes_bundle(record, "")))
         else:
-            self._display.update(bundle, raw=True)
+            updates.append((self._display, bundle))
             if (logs or record is not None) and self._logs_display is not None:
-                self._logs_display.update(_changes_bundle(record, logs), raw=True)
+                updates.append((self._logs_display, _changes_bundle(record, logs)))
+        send_within_a_cell(lambda: [shown.update(data, raw=True) for shown, data in updates])
+        if bundle is not None:
             redraw_for_the_page_theme(self._display, self.store, header, self.max_points)
         self.close()
 
