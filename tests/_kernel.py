@@ -83,7 +83,10 @@ class Kernel:
                 remaining = timeout - (time.monotonic() - start)
                 if remaining <= 0:
                     waited(f"a kernel cell ({code.splitlines()[0][:50]})", timeout, timeout)
-                    raise TimeoutError(f"kernel did not finish within {timeout} s:\n{code}")
+                    raise TimeoutError(
+                        f"kernel did not finish within {timeout} s:\n{code}\n"
+                        f"what it printed by then:\n{result.text[-3000:]}"
+                    )
                 if stdin is not None and request is None:
                     with contextlib.suppress(queue.Empty):
                         request = self.kc.get_stdin_msg(timeout=0)

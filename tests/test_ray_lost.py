@@ -51,21 +51,32 @@ def end(proc):
 def user_head():
     # Its dashboard (started even with --include-dashboard=false) off Ray's default
     # port, which the neighbour scenario's user head needs; the head ends with this
-    # script whatever fails in it.
-    free = free_port()
-    proc = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-         f"--port={free}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-         "--include-dashboard=false", f"--dashboard-port={free_port()}",
-         f"--temp-dir={tempfile.mkdtemp(prefix='rl-')}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    atexit.register(end, proc)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", free), 0.5).close(); break
-        except OSError:
+    # script whatever fails in it. Up means its raylet says it started: it first waits
+    # 15 s for its agents' port files and dies without them, taking the head with it,
+    # which a suite busy on 2 cores met (Ray's "Timed out waiting for file
+    # .../metrics_agent_port_..."); such a head, not what the scenario is about, is
+    # started again.
+    for _ in range(3):
+        free, temp = free_port(), tempfile.mkdtemp(prefix="rl-")
+        proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+             f"--port={free}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+             "--include-dashboard=false", f"--dashboard-port={free_port()}",
+             f"--temp-dir={temp}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        atexit.register(end, proc)
+        raylet_log = os.path.join(temp, "session_latest", "logs", "raylet.out")
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with open(raylet_log) as log:
+                    if "started. Raylet consists of" in log.read():
+                        return proc, f"127.0.0.1:{free}"
+            except OSError:
+                pass
             time.sleep(0.2)
-    return proc, f"127.0.0.1:{free}"
+        end(proc)
+    raise RuntimeError("a user's `ray start --head` did not come up in three tries")
 """
 
 KERNEL = (
@@ -96,11 +107,17 @@ def kill():
 
 loop = "import time, rtnb\nfor i in range(100000):\n    time.sleep(0.02)\n    rtnb.report({'i': i})\n"
 first_kill = None
+
+def stage(what):
+    # Where the scenario stood, should it fail or hang (on stderr, in the failure).
+    print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
 for n, how in enumerate(("foreground", "background")):
     # The second start comes straight after the first loss (no waiting for the dead
     # Ray's processes to go), and replays the run onto the new Ray.
     if victim == "address":
         start_head()
+    stage(f"start {n}")
     s = rtnb.Session(**options, replay=n > 0)
     s.start()
     kill_out = {"how": how, "x": s.run("x") if n else None}
@@ -127,6 +144,7 @@ for n, how in enumerate(("foreground", "background")):
     except Exception as exc:
         kill_out["error"] = [type(exc).__name__, str(exc)]
     killed.join()
+    stage(f"killed during the {how} cell")
     unsubscribe()
     first_kill = first_kill or killed_at[0]
     kill_out["ended_after_kill_s"] = time.monotonic() - killed_at[0]
@@ -142,6 +160,7 @@ if victim == "host":
 out["alive_after_s"] = time.monotonic() - first_kill
 if victim == "address":  # the user starts a head again
     start_head()
+stage("start again")
 again = rtnb.Session(**options, replay=True)
 again.start()
 out["after"] = again.run("x + 1")
