@@ -4,7 +4,6 @@ and what a kernel leaves behind when it shuts down."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,6 @@ import time
 import pytest
 
 from tests._kernel import Kernel
-from tests._margins import until
 from tests.conftest import CLUSTER_CPUS, free_port, wait_for_free_cpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -92,43 +90,38 @@ def test_a_cluster_without_auth_is_joined_without_the_users_token(ray_cluster, t
     cluster started without token auth. Sending the token there made every rank's
     actor "die unexpectedly" (the cluster calls a token-mode driver back without one):
     rtnb asks the GCS first and joins as the cluster expects."""
-    from tests.conftest import end_process_group
+    from tests.conftest import end_process_group, start_head_until_up
 
     token = tmp_path / "auth_token"
     token.write_text("0123456789abcdef0123456789abcdef\n")
     port = free_port()
     env = _env_without_ray_address()
-    head = subprocess.Popen(
-        [
-            os.path.join(os.path.dirname(sys.executable), "ray"),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=1",
-            "--include-dashboard=false",
-            "--object-store-memory=100000000",
-            # Short: Ray's Unix sockets live under it (a path of at most 107 bytes).
-            f"--temp-dir={tempfile.mkdtemp(prefix='rtnb-noauth-')}",
-        ],
-        env={**env, "RAY_AUTH_MODE": "disabled"},
-        stdout=(tmp_path / "head.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # Short: Ray's Unix sockets live under it (a path of at most 107 bytes).
+    temp_dir = tempfile.mkdtemp(prefix="rtnb-noauth-")
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                os.path.join(os.path.dirname(sys.executable), "ray"),
+                "start",
+                "--head",
+                "--block",
+                f"--port={port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=1",
+                "--include-dashboard=false",
+                "--object-store-memory=100000000",
+                f"--temp-dir={temp_dir}",
+            ],
+            env={**env, "RAY_AUTH_MODE": "disabled"},
+            stdout=(tmp_path / "head.log").open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    head = start_head_until_up(start, temp_dir)
     kernel = None
     try:
-
-        def listening() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                return True
-            except OSError:
-                return head.poll() is not None  # died: the kernel's line will say so
-
-        until("the head without auth listens", listening, 60)
-        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
         kernel = Kernel(cwd=str(tmp_path), env={**env, "RAY_AUTH_TOKEN_PATH": str(token)})
         run = kernel.execute(
             f"%load_ext rtnb\n%rtnb start --address 127.0.0.1:{port} --workers 1 "
