@@ -957,12 +957,23 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
             view = page.locator(".jp-OutputArea-output:has(.rtnb-sweep-rows)")
             view.wait_for(timeout=240_000)
             # Both trials started (one after the other: the second's group starts later).
-            page.wait_for_function(
+            both_drawn = (
                 "() => { const c = document.querySelectorAll('.jp-Cell')[2];"
                 " const p = c && c.querySelector('.js-plotly-plot');"
-                " return p && p.data && p.data.length === 3 && p.data[1].y && p.data[1].y.length > 0; }",
-                timeout=240_000,
+                " return p && p.data && p.data.length === 3 && p.data[1].y && p.data[1].y.length > 0; }"
             )
+            try:
+                page.wait_for_function(both_drawn, timeout=240_000)
+            except Exception:
+                # Once seen under load (fresh clone, stop 68): both trials reported, the
+                # page's figure had not drawn the second; what it showed is kept.
+                page.screenshot(path=str(tmp_path / "no_second_trial.png"), full_page=True)
+                drawn = page.evaluate(
+                    "() => [...document.querySelectorAll('.jp-Cell')[2]"
+                    ".querySelectorAll('.js-plotly-plot')].map(p => (p.data || [])"
+                    ".map(t => [t.name, t.y ? t.y.length : 0]))"
+                )
+                raise AssertionError(f"the sweep's live figure drew {drawn} in 240 s") from None
             # The points of all trials together: on a slow machine the first trial may have
             # finished all its steps by the time the second one drew its first point.
             samples = _seen_growing(page, 60, cell=2, size=sum)
