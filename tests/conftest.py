@@ -280,6 +280,10 @@ class HeadNode:
         end_process_group(self.proc)
 
 
+# What a raylet logs once it waited for its agents and runs (Ray 2.60's raylet.out).
+RAYLET_STARTED = "started. Raylet consists of"
+
+
 def raylet_started(temp_dir: str) -> bool:
     """Whether the newest Ray session under ``temp_dir`` has a raylet that says it
     started. Before that it waits 15 s for its agents' port files and dies without
@@ -287,7 +291,7 @@ def raylet_started(temp_dir: str) -> bool:
     2 cores meets (``Timed out waiting for file .../metrics_agent_port_...``)."""
     try:
         log = Path(temp_dir) / "session_latest" / "logs" / "raylet.out"
-        return "started. Raylet consists of" in log.read_text()
+        return RAYLET_STARTED in log.read_text()
     except OSError:
         return False
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests._background import scenario as background_scenario
+from tests.conftest import RAYLET_STARTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300)]
 
@@ -70,14 +71,14 @@ def user_head():
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 with open(raylet_log) as log:
-                    if "started. Raylet consists of" in log.read():
+                    if RAYLET_STARTED in log.read():
                         return proc, f"127.0.0.1:{free}"
             except OSError:
                 pass
             time.sleep(0.2)
         end(proc)
     raise RuntimeError("a user's `ray start --head` did not come up in three tries")
-"""
+""".replace("RAYLET_STARTED", repr(RAYLET_STARTED))
 
 KERNEL = (
     HEAD

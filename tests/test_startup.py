@@ -13,6 +13,7 @@ import tempfile
 import pytest
 
 from rtnb.core._startup import LAZY_IMPORTS_PATH, with_lazy_imports
+from tests.conftest import RAYLET_STARTED
 
 PROBE = r"""
 import json, sys, time
@@ -94,7 +95,7 @@ def test_a_started_ray_registers_its_node_before_its_agents_are_up():
         assert out.returncode == 0, out.stderr[-2000:]
         seen = json.loads(out.stdout.strip().splitlines()[-1])
         with open(os.path.join(seen["logs"], "raylet.out")) as raylet:
-            registered = _first_time(raylet.read(), "started. Raylet consists of")
+            registered = _first_time(raylet.read(), RAYLET_STARTED)
         with open(os.path.join(seen["logs"], "dashboard_agent.log")) as agent:
             agent_up = _first_time(agent.read(), "Dashboard agent grpc address")
     finally:

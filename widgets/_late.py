@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["follow_cells", "send_within_a_cell", "stop_following_cells"]
+__all__ = ["follow_cells", "stop_following_cells", "update_within_a_cell"]
 
 # How often an update is made again while cells keep starting and ending under it
 # before it is left to the next cell's start.
@@ -83,9 +84,14 @@ def stop_following_cells(shell) -> None:
             pass
 
 
-def send_within_a_cell(send: Callable[[], None]) -> None:
-    """``send()`` (display updates, safe to repeat) now, and again until one send fell
-    wholly inside a running cell; else once more when the next cell starts."""
+def update_within_a_cell(updates: list[tuple[Any, dict]]) -> None:
+    """Each ``(display handle, raw bundle)`` updated now, and again until one round
+    fell wholly inside a running cell; else once more when the next cell starts."""
+
+    def send() -> None:
+        for shown, data in updates:
+            shown.update(data, raw=True)
+
     for _ in range(_TRIES):
         with _WINDOW.lock:
             followed, running, changes = _WINDOW.followed, _WINDOW.running, _WINDOW.changes

@@ -12,7 +12,7 @@ import ipywidgets as w
 from rtnb.widgets._chips import RankChips
 from rtnb.widgets._comms import close_tree
 from rtnb.widgets._header import format_header
-from rtnb.widgets._late import send_within_a_cell
+from rtnb.widgets._late import update_within_a_cell
 from rtnb.widgets._plot import (
     BAND_FROM_RANKS,
     RANK_COLORS,
@@ -366,7 +366,7 @@ class LiveMetrics(w.VBox):
             updates.append((self._display, bundle))
             if (logs or record is not None) and self._logs_display is not None:
                 updates.append((self._logs_display, _changes_bundle(record, logs)))
-        send_within_a_cell(lambda: [shown.update(data, raw=True) for shown, data in updates])
+        update_within_a_cell(updates)
         if bundle is not None:
             redraw_for_the_page_theme(self._display, self.store, header, self.max_points)
         self.close()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
-from rtnb.widgets._late import send_within_a_cell
+from rtnb.widgets._late import update_within_a_cell
 from rtnb.widgets._plot import RANK_COLORS, see_through
 from rtnb.widgets._table import Column, DataTable, Row, Tone
 from rtnb.widgets._theme import follow_theme, redraw_when_theme_known
@@ -361,7 +361,7 @@ class SweepView(w.VBox):
         updates = [(self._display, {**bundle, "text/plain": self.sweep.state_text()})]
         if self._table_display is not None:
             updates.append((self._table_display, {"text/plain": table}))
-        send_within_a_cell(lambda: [shown.update(data, raw=True) for shown, data in updates])
+        update_within_a_cell(updates)
         display_ = self._display
 
         def redraw() -> None:
