@@ -183,10 +183,36 @@ def _listen_for_comm_noise(page, noise: list[str]) -> None:
     page.on("websocket", lambda ws: ws.on("framereceived", frame))
 
 
+# A page too busy to load a large module in anywidget's 2 s for a model to initialize
+# (seen beside CI's suite): its main thread held 2.5 s as a module of over 1 MB (the
+# size of plotly's page code) is handed to it. plotly's own FigureWidget then stays
+# empty for good; rtnb's figures draw (widgets/_figure.py).
+SLOW_LARGE_MODULES = """
+(() => {
+  const makeUrl = URL.createObjectURL;
+  URL.createObjectURL = function (object) {
+    const url = makeUrl.call(this, object);
+    if (object instanceof Blob && object.size > 1000000) {
+      const until = Date.now() + 2500;
+      while (Date.now() < until) {}
+    }
+    return url;
+  };
+})();
+"""
+
+
 @contextlib.contextmanager
-def _opened(url: str, name: str, tmp_path: Path, noise: list[str] | None = None):
+def _opened(
+    url: str,
+    name: str,
+    tmp_path: Path,
+    noise: list[str] | None = None,
+    init_script: str | None = None,
+):
     """The notebook open in headless Chromium with its first cell (`%rtnb start`) run;
-    ``noise`` collects the kernel's "No such comm" lines over the whole visit."""
+    ``noise`` collects the kernel's "No such comm" lines over the whole visit;
+    ``init_script`` runs in the page before its own scripts."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -206,6 +232,8 @@ def _opened(url: str, name: str, tmp_path: Path, noise: list[str] | None = None)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             if noise is not None:
                 _listen_for_comm_noise(page, noise)
+            if init_script is not None:
+                page.add_init_script(init_script)
             page.goto(f"{url}/lab/tree/{name}?token={TOKEN}")
             page.wait_for_selector(
                 ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=240_000
@@ -441,8 +469,9 @@ SEEN_BY_ALL = """def seen_by_all(path):
 
 
 def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
-    """In the dark theme: the live plot grows, fills the output width and has no white
-    box; reloaded while a background cell runs, the tab shows the plot live again."""
+    """In the dark theme, on a page slow to load plotly's code: the live plot grows,
+    fills the output width and has no white box; reloaded while a background cell
+    runs, the tab shows the plot live again."""
     url, root = dark_lab
     name = _notebook(
         root,
@@ -466,7 +495,7 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         ],
     )
     noise: list[str] = []
-    with _opened(url, name, tmp_path, noise) as page:
+    with _opened(url, name, tmp_path, noise, init_script=SLOW_LARGE_MODULES) as page:
         page.keyboard.press("Shift+Enter")  # the reporting cell
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         samples = _seen_growing(page, 150)
@@ -950,6 +979,9 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
     )
     noise: list[str] = []
     with _opened(url, name, tmp_path, noise) as page:
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
         try:
             page.keyboard.press("Shift+Enter")  # the space
             _wait_idle(page)
@@ -965,15 +997,21 @@ def test_a_sweeps_trials_grow_live_and_its_best_resumes_with_a_click(lab, tmp_pa
             try:
                 page.wait_for_function(both_drawn, timeout=240_000)
             except Exception:
-                # Once seen under load (fresh clone, stop 68): both trials reported, the
-                # page's figure had not drawn the second; what it showed is kept.
+                # Seen beside CI's suite before widgets/_figure.py: a figure whose page
+                # code took over 2 s to load stayed empty ([[]]); what it shows is kept.
                 page.screenshot(path=str(tmp_path / "no_second_trial.png"), full_page=True)
+                # Plotly's widget draws an empty placeholder (no ticks) as it is
+                # attached, then the figure's data once attached.
                 drawn = page.evaluate(
                     "() => [...document.querySelectorAll('.jp-Cell')[2]"
-                    ".querySelectorAll('.js-plotly-plot')].map(p => (p.data || [])"
-                    ".map(t => [t.name, t.y ? t.y.length : 0]))"
+                    ".querySelectorAll('.js-plotly-plot')].map(p => ({traces: (p.data || [])"
+                    ".map(t => [t.name, t.y ? t.y.length : 0]), placeholder: !!(p.layout"
+                    " && p.layout.xaxis && Array.isArray(p.layout.xaxis.tickvals)),"
+                    " attached: p.isConnected, height: p.offsetHeight}))"
                 )
-                raise AssertionError(f"the sweep's live figure drew {drawn} in 240 s") from None
+                raise AssertionError(
+                    f"the sweep's live figure drew {drawn} in 240 s; page errors {errors[-5:]}"
+                ) from None
             # The points of all trials together: on a slow machine the first trial may have
             # finished all its steps by the time the second one drew its first point.
             samples = _seen_growing(page, 60, cell=2, size=sum)

@@ -8,6 +8,7 @@ import time
 
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
+from rtnb.widgets._figure import figure_widget
 from rtnb.widgets._plot import see_through
 from rtnb.widgets._table import Column, DataTable, Row
 from rtnb.widgets._theme import follow_theme
@@ -314,7 +315,7 @@ class CheckpointBrowser(w.VBox):
         for trace in traces:
             shape.add_trace(trace)
         shape.layout.yaxis.title.text = metric or ""
-        figure = go.FigureWidget(shape)
+        figure = figure_widget(shape)
         for trace in figure.data:
             trace.on_click(self._on_marker)
         old, self.timeline = self.timeline, figure
@@ -351,9 +352,8 @@ class CheckpointBrowser(w.VBox):
 
 
 def _timeline_figure():
-    import plotly.graph_objects as go
 
-    figure = go.FigureWidget()
+    figure = figure_widget()
     see_through(figure, height=220, margin={"l": 50, "r": 20, "t": 10, "b": 35})
     figure.update_layout(legend={"orientation": "h", "y": -0.25}, clickmode="event")
     figure.update_xaxes(title_text="step", gridcolor="rgba(128,128,128,0.25)")

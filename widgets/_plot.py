@@ -7,6 +7,7 @@ import threading
 from html import escape as html_escape
 
 import plotly.graph_objects as go
+from rtnb.widgets._figure import figure_widget, send_plotly_code
 from rtnb.widgets._theme import figure_text_color
 
 __all__ = [
@@ -313,7 +314,7 @@ def build_figure(
     # A FigureWidget made whole carries every trace in its synced state; traces added
     # to a live FigureWidget only travel as messages, so a tab reloaded later would
     # restore an empty plot that no update can fill.
-    figure_type = go.FigureWidget if widget else go.Figure
+    figure_type = figure_widget if widget else go.Figure
     return figure_type(data=traces, layout=layout)
 
 
@@ -355,13 +356,14 @@ def add_markers(layout: dict, markers: list[tuple[int, str]], rows: int) -> None
 
 
 def import_figure_widget_in_background() -> None:
-    """Import plotly's FigureWidget in a daemon thread. The first one a kernel makes
-    imports its machinery (nbformat, jsonschema, anywidget: ~1.5 s of a free core
-    here, several seconds on a busy one), which a live view's first draw would
-    otherwise pay while the cell's first steps go by without a plot."""
+    """Import plotly's FigureWidget and send plotly's page code, in a daemon thread.
+    The first figure a kernel makes imports its machinery (nbformat, jsonschema,
+    anywidget: ~1.5 s of a free core here, several seconds on a busy one) and the page
+    evaluates plotly's code (~1.3 s), which a live view's first draw would otherwise
+    pay while the cell's first steps go by without a plot."""
 
     def load() -> None:
         with contextlib.suppress(Exception):
-            from plotly.graph_objects import FigureWidget  # noqa: F401
+            send_plotly_code()
 
     threading.Thread(target=load, name="rtnb-plotly-import", daemon=True).start()

@@ -19,6 +19,7 @@ import time
 import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._comms import close_tree, close_view
+from rtnb.widgets._figure import figure_widget
 from rtnb.widgets._plot import (
     RANK_COLORS,
     ema_control,
@@ -139,7 +140,7 @@ def runs_figure(
         title_text=metric, type="log" if log_y else "linear", gridcolor="rgba(128,128,128,0.25)"
     )
     # built whole, then wrapped: a widget keeps its traces in its synced state
-    return go.FigureWidget(fig) if widget else fig
+    return figure_widget(fig) if widget else fig
 
 
 def _same_shape(shown, drawn) -> bool:
@@ -410,7 +411,7 @@ class RunsDashboard(w.VBox):
                 self.figure.layout.yaxis.update(drawn.layout.yaxis.to_plotly_json())
                 self.figure.layout.title.text = drawn.layout.title.text  # the metric's name
             return
-        old, self.figure = self.figure, go.FigureWidget(drawn)
+        old, self.figure = self.figure, figure_widget(drawn)
         self.plot.children = (self.figure,)
         if old is not None:
             close_tree(old)

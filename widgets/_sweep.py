@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
+from rtnb.widgets._figure import figure_widget
 from rtnb.widgets._late import update_within_a_cell
 from rtnb.widgets._plot import RANK_COLORS, see_through
 from rtnb.widgets._table import Column, DataTable, Row, Tone
@@ -135,7 +136,7 @@ def sweep_figure(sweep, shown: set[int] | None = None, widget: bool = False):
         legend={"font": {"size": 10}},
         title={"text": sweep.state_text(), "font": {"size": 12}},
     )
-    return go.FigureWidget(fig) if widget else fig
+    return figure_widget(fig) if widget else fig
 
 
 def sweep_bundle(sweep) -> dict:
@@ -249,8 +250,9 @@ class SweepView(w.VBox):
             self._dirty.clear()
             try:
                 self.redraw()
-            except Exception:  # noqa: BLE001 - a drawing error must not kill the loop
-                pass
+            except Exception as exc:  # noqa: BLE001 - a drawing error must not kill the loop
+                # ... nor leave a still figure unexplained: one line under the header.
+                self._header.value += f" · drawing failed: {html.escape(repr(exc))}"
             self._stopped.wait(self._period)
 
     def redraw(self) -> None:
