@@ -95,8 +95,8 @@ _holder = None
 def send_plotly_code() -> None:
     """Send plotly's page code to the page now (5 MB), so that the first figure does
     not wait for it."""
-    _figure_class()
-    _plotly_code()
+    if _shares_plotly_code():
+        _plotly_code()
 
 
 def _plotly_code():
@@ -128,10 +128,24 @@ def _holder_class():
 
 
 @functools.cache
+def _shares_plotly_code() -> bool:
+    """Whether plotly's FigureWidget is an anywidget with its page code in one file
+    (plotly 6 on); plotly 5's is a classic widget whose code a JupyterLab extension
+    brings once, which needs none of this."""
+    import anywidget
+    import plotly.graph_objects as go
+
+    return issubclass(go.FigureWidget, anywidget.AnyWidget) and _bundle_path().is_file()
+
+
+@functools.cache
 def _figure_class():
     import plotly
     import plotly.graph_objects as go
     import traitlets
+
+    if not _shares_plotly_code():
+        return go.FigureWidget
 
     class Figure(go.FigureWidget):
         _esm = _FIGURE_ESM
