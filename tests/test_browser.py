@@ -202,6 +202,38 @@ SLOW_LARGE_MODULES = """
 """
 
 
+# The residual case: anywidget gives up on the tab's first figure (its small module
+# held up 2.5 s, as behind another figure's evaluation of plotly's code). Such a model
+# hears nothing more; its view tells the kernel, which draws a new figure. The tab
+# records that it held the module up (once: not again after a reload).
+FIRST_FIGURE_GIVEN_UP = """
+(() => {
+  if (sessionStorage.getItem("rtnb-test-held-figure")) return;
+  const held = new WeakSet();
+  const PlainBlob = Blob;
+  globalThis.Blob = class extends PlainBlob {
+    constructor(parts, options) {
+      super(parts, options);
+      const text = (parts || []).filter((p) => typeof p === "string").join("");
+      if (!globalThis.__rtnb_test_held_figure && text.includes("MISSED_AFTER_MS")) {
+        globalThis.__rtnb_test_held_figure = true;
+        sessionStorage.setItem("rtnb-test-held-figure", "1");
+        held.add(this);
+      }
+    }
+  };
+  const makeUrl = URL.createObjectURL;
+  URL.createObjectURL = function (object) {
+    if (held.has(object)) {
+      const until = Date.now() + 2500;
+      while (Date.now() < until) {}
+    }
+    return makeUrl.call(this, object);
+  };
+})();
+"""
+
+
 @contextlib.contextmanager
 def _opened(
     url: str,
@@ -268,7 +300,16 @@ def _opened(
                     )
                     if attempt == 3:
                         raise
-            page.wait_for_selector(".jp-OutputArea-output:has-text('gloo')", timeout=180_000)
+            try:
+                page.wait_for_selector(".jp-OutputArea-output:has-text('gloo')", timeout=180_000)
+            except Exception as exc:
+                page.screenshot(path=str(tmp_path / "start_not_seen.png"), full_page=True)
+                shown = first.locator(".jp-OutputArea").inner_text()[-2000:]
+                raise AssertionError(
+                    f"`%rtnb start` did not say it started within 180 s: the kernel "
+                    f"{_kernel_status(page)!r}, its prompt {prompt.inner_text()!r}, "
+                    f"its output {shown!r} (screenshot: {tmp_path}/start_not_seen.png)"
+                ) from exc
             yield page
         finally:
             browser.close()
@@ -469,9 +510,10 @@ SEEN_BY_ALL = """def seen_by_all(path):
 
 
 def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
-    """In the dark theme, on a page slow to load plotly's code: the live plot grows,
-    fills the output width and has no white box; reloaded while a background cell
-    runs, the tab shows the plot live again."""
+    """In the dark theme, on a page slow to load plotly's code and that anywidget's
+    2 s cost the first figure: the live plot grows (a new figure for the one that
+    could not hear the kernel), fills the output width and has no white box;
+    reloaded while a background cell runs, the tab shows the plot live again."""
     url, root = dark_lab
     name = _notebook(
         root,
@@ -495,10 +537,12 @@ def test_live_plot_grows_while_the_cell_runs(dark_lab, tmp_path):
         ],
     )
     noise: list[str] = []
-    with _opened(url, name, tmp_path, noise, init_script=SLOW_LARGE_MODULES) as page:
+    slow_page = SLOW_LARGE_MODULES + FIRST_FIGURE_GIVEN_UP
+    with _opened(url, name, tmp_path, noise, init_script=slow_page) as page:
         page.keyboard.press("Shift+Enter")  # the reporting cell
         page.wait_for_selector(".js-plotly-plot", timeout=240_000)
         samples = _seen_growing(page, 150)
+        assert page.evaluate("() => globalThis.__rtnb_test_held_figure === true")
         # While it runs: how far behind the header's step each rank's trace is.
         lags = []
         for _ in range(10):

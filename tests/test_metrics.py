@@ -134,6 +134,59 @@ def test_live_widget_draws_one_trace_per_rank_plus_mean_and_stays_bounded(tmp_pa
         view.close()
 
 
+def test_a_figure_the_page_says_missed_its_updates_is_drawn_anew_with_its_data(tmp_path):
+    """anywidget gives up on a figure model whose module took over 2 s to load (a busy
+    page); such a model hears nothing more. Each view of a figure asks the kernel,
+    through the holder of plotly's code, to answer it; one that heard no answer says
+    so (frontend messages on the holder's comm): the live view then draws a new
+    figure, which opens with its traces in its opening state."""
+    import comm
+    from rtnb.widgets import LiveMetrics
+    from rtnb.widgets._figure import _plotly_code
+
+    store, _ = _store(tmp_path)
+    store.begin([0, 1])
+    opened: list[dict] = []
+    create = comm.create_comm
+
+    def seen(**kwargs):
+        opened.append(kwargs.get("data", {}).get("state", {}))
+        return create(**kwargs)
+
+    comm.create_comm = seen
+    view = LiveMetrics(store, max_points=200)
+    try:
+        store.add(0, [(1, 1.0, {"loss": 1.0})])
+        view.redraw()
+        first = view.figure
+        holder = _plotly_code()
+        store.add(0, [(2, 2.0, {"loss": 0.5})])
+        view.redraw()
+        assert view.figure is first, "a redraw updates the figure it has"
+
+        def from_the_page(content: dict) -> None:
+            message = {"content": {"data": {"method": "custom", "content": content}}, "buffers": []}
+            holder._handle_msg(message)
+
+        answers: list[dict] = []
+        first.send = answers.append  # what the kernel sends the figure's model
+        from_the_page({"hello": first._figure_key})
+        assert answers == [{"hello": first._figure_key}]
+        from_the_page({"missed": "a key of no figure"})
+        view.redraw()
+        assert view.figure is first and not first.missed
+        from_the_page({"missed": first._figure_key})
+        assert first.missed
+        view.redraw()
+        assert view.figure is not first and not view.figure.missed
+        state = next(s for s in reversed(opened) if s.get("_figure_key") == view.figure._figure_key)
+        drawn = {(t["name"], tuple(t["y"])) for t in state["_widget_data"]}
+        assert ("rank 0", (1.0, 0.5)) in drawn, state["_widget_data"]
+    finally:
+        comm.create_comm = create
+        view.close()
+
+
 def test_the_figure_is_laid_out_as_plotlys_make_subplots_lays_it_out(tmp_path):
     """The live view builds its figure from plain data (make_subplots was most of a
     rebuild's cost): the subplots, their titles, the shared x axis and the marker

@@ -8,7 +8,7 @@ from rtnb.widgets._header import format_header
 from rtnb.widgets._live import LiveMetrics, LiveOnFirstReport
 from rtnb.widgets._logs import RankLog
 from rtnb.widgets._output import NotebookOutput
-from rtnb.widgets._plot import import_figure_widget_in_background
+from rtnb.widgets._plot import prepare_figures_in_background
 from rtnb.widgets._profile import profile_figure
 from rtnb.widgets._runs import RunsDashboard, runs_bundle
 from rtnb.widgets._static import ProgressLines, show_static_figure, static_figure_bundle
@@ -28,7 +28,7 @@ __all__ = [
     "ask_page_theme",
     "format_header",
     "has_live_frontend",
-    "import_figure_widget_in_background",
+    "prepare_figures_in_background",
     "profile_figure",
     "runs_bundle",
     "show_static_figure",

@@ -8,7 +8,7 @@ import time
 
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
-from rtnb.widgets._figure import figure_widget
+from rtnb.widgets._figure import figure_widget, missed_updates
 from rtnb.widgets._plot import see_through
 from rtnb.widgets._table import Column, DataTable, Row
 from rtnb.widgets._theme import follow_theme
@@ -302,7 +302,11 @@ class CheckpointBrowser(w.VBox):
                 )
             )
         current = self.timeline
-        if [t.name for t in current.data] == [t.name for t in traces] and current.data:
+        if (
+            [t.name for t in current.data] == [t.name for t in traces]
+            and current.data
+            and not missed_updates(current)
+        ):
             # Same traces: update them in place (a new FigureWidget sends plotly.js along).
             with current.batch_update():
                 for old_trace, trace in zip(current.data, traces):
@@ -352,13 +356,15 @@ class CheckpointBrowser(w.VBox):
 
 
 def _timeline_figure():
+    import plotly.graph_objects as go
 
-    figure = figure_widget()
-    see_through(figure, height=220, margin={"l": 50, "r": 20, "t": 10, "b": 35})
-    figure.update_layout(legend={"orientation": "h", "y": -0.25}, clickmode="event")
-    figure.update_xaxes(title_text="step", gridcolor="rgba(128,128,128,0.25)")
-    figure.update_yaxes(gridcolor="rgba(128,128,128,0.25)")
-    return figure
+    # Laid out before it becomes a widget: its opening state holds the whole look.
+    shape = go.Figure()
+    see_through(shape, height=220, margin={"l": 50, "r": 20, "t": 10, "b": 35})
+    shape.update_layout(legend={"orientation": "h", "y": -0.25}, clickmode="event")
+    shape.update_xaxes(title_text="step", gridcolor="rgba(128,128,128,0.25)")
+    shape.update_yaxes(gridcolor="rgba(128,128,128,0.25)")
+    return figure_widget(shape)
 
 
 def _line_of(c) -> int:

@@ -11,6 +11,7 @@ from collections import deque
 import ipywidgets as w
 from rtnb.widgets._chips import RankChips
 from rtnb.widgets._comms import close_tree
+from rtnb.widgets._figure import missed_updates
 from rtnb.widgets._header import format_header
 from rtnb.widgets._late import update_within_a_cell
 from rtnb.widgets._plot import (
@@ -448,7 +449,12 @@ class LiveMetrics(w.VBox):
         if not keys:
             return
         markers = len(store.markers)
-        if keys != self._keys or self.figure is None or markers != self._markers_drawn:
+        if (
+            keys != self._keys
+            or self.figure is None
+            or markers != self._markers_drawn
+            or missed_updates(self.figure)
+        ):
             # A control change's line is drawn by a new figure (few: by hand).
             self._markers_drawn = markers
             self._keys = keys
@@ -461,6 +467,7 @@ class LiveMetrics(w.VBox):
                 weight=self._smoothing.value,
                 log_y=self._log_y.value,
                 max_points=self.max_points,
+                on_missed=lambda: self._on_control(None),  # drawn anew at the next redraw
             )
             old, self._plot_box.children = self._plot_box.children, (self.figure,)
             for figure in old:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rtnb.widgets._frontend import has_live_frontend
-from rtnb.widgets._plot import import_figure_widget_in_background
+from rtnb.widgets._plot import prepare_figures_in_background
 from rtnb.widgets._theme import ask_page_theme
 
 __all__ = ["NotebookOutput"]
@@ -39,5 +39,5 @@ class NotebookOutput:
         """Once a group started, while the user writes the next cell: the first live
         plot then draws at once, its text in the page theme's colours."""
         if self.live:
-            import_figure_widget_in_background()
+            prepare_figures_in_background()
             ask_page_theme()

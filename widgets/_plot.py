@@ -17,7 +17,7 @@ __all__ = [
     "build_figure",
     "column_layout",
     "hover",
-    "import_figure_widget_in_background",
+    "prepare_figures_in_background",
     "robust_range",
     "see_through",
     "see_through_layout",
@@ -241,6 +241,7 @@ def build_figure(
     log_y: bool = False,
     max_points: int = 1000,
     height_per_metric: int = 220,
+    on_missed=None,
 ):
     metrics = list(dict.fromkeys(k[0] for k in keys))  # the order they were reported in
     rows = max(1, len(metrics))
@@ -314,8 +315,9 @@ def build_figure(
     # A FigureWidget made whole carries every trace in its synced state; traces added
     # to a live FigureWidget only travel as messages, so a tab reloaded later would
     # restore an empty plot that no update can fill.
-    figure_type = figure_widget if widget else go.Figure
-    return figure_type(data=traces, layout=layout)
+    if widget:
+        return figure_widget(data=traces, layout=layout, on_missed=on_missed)
+    return go.Figure(data=traces, layout=layout)
 
 
 def _axis(kind: str, row: int) -> str:
@@ -355,7 +357,7 @@ def add_markers(layout: dict, markers: list[tuple[int, str]], rows: int) -> None
         )
 
 
-def import_figure_widget_in_background() -> None:
+def prepare_figures_in_background() -> None:
     """Import plotly's FigureWidget and send plotly's page code, in a daemon thread.
     The first figure a kernel makes imports its machinery (nbformat, jsonschema,
     anywidget: ~1.5 s of a free core here, several seconds on a busy one) and the page

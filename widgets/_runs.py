@@ -19,7 +19,7 @@ import time
 import ipywidgets as w
 import plotly.graph_objects as go
 from rtnb.widgets._comms import close_tree, close_view
-from rtnb.widgets._figure import figure_widget
+from rtnb.widgets._figure import figure_widget, missed_updates
 from rtnb.widgets._plot import (
     RANK_COLORS,
     ema_control,
@@ -400,7 +400,11 @@ class RunsDashboard(w.VBox):
             band=self.band.value,
             outliers=self.outliers.value,
         )
-        if self.figure is not None and _same_shape(self.figure, drawn):
+        if (
+            self.figure is not None
+            and _same_shape(self.figure, drawn)
+            and not missed_updates(self.figure)
+        ):
             # A refresh of the same curves: new points into the figure on the page.
             # Replacing the widget every few seconds made the page's plotly view of
             # the closed one answer into a comm the kernel no longer had ("No such

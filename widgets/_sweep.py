@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import ipywidgets as w
 from rtnb.widgets._comms import close_tree, close_view
-from rtnb.widgets._figure import figure_widget
+from rtnb.widgets._figure import figure_widget, missed_updates
 from rtnb.widgets._late import update_within_a_cell
 from rtnb.widgets._plot import RANK_COLORS, see_through
 from rtnb.widgets._table import Column, DataTable, Row, Tone
@@ -273,7 +273,7 @@ class SweepView(w.VBox):
         self._draw_table(trials)
         best = sweep.best_trial()
         shape = (len(trials), best.index if best else None, tuple(t.stopped_at for t in trials))
-        if self.figure is None or shape != self._drawn:
+        if self.figure is None or shape != self._drawn or missed_updates(self.figure):
             # A new trial, a new best or a stop: the figure is made anew, so a reloaded
             # tab restores every trace (traces added to a live figure are not kept).
             old, self.figure = self.figure, sweep_figure(sweep, self._shown, widget=True)
