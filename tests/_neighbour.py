@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests._heads import start_head_until_up
+
 BIN = Path(sys.executable).parent
 WORK = Path(os.environ["NEIGHBOUR_WORK"])
 results: dict[str, dict] = {}
@@ -102,37 +104,19 @@ def python(
 
 
 def start_user_head() -> subprocess.Popen:
-    """`ray start --head` as a user types it, up once its raylet says it started (in
-    Ray's default folder, this namespace's own /tmp/ray). On a busy machine a raylet
-    that waited 15 s for its agents exits and takes the head with it, which is not
-    what the scenario is about: such a head is started again, up to three times."""
-    latest = Path("/tmp/ray/session_latest")
-    started = os.environ["NEIGHBOUR_RAYLET_STARTED"]
-    for _ in range(3):
-        before = os.path.realpath(latest) if latest.exists() else None
-        head = subprocess.Popen(
+    """`ray start --head` as a user types it (its sessions in Ray's default folder,
+    this namespace's own /tmp/ray, where an earlier `ray.init()` left one), up once
+    its raylet says it started (tests/_heads.py)."""
+    return start_head_until_up(
+        lambda: subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=3"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             cwd=WORK,
-        )
-        deadline = time.monotonic() + 120
-        while head.poll() is None and time.monotonic() < deadline:
-            # session_latest may still name the session of an earlier ray.init().
-            if latest.exists() and os.path.realpath(latest) != before:
-                try:
-                    if started in (latest / "logs" / "raylet.out").read_text():
-                        return head
-                except OSError:
-                    pass
-            time.sleep(0.2)
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        head.wait()
-    raise RuntimeError("the user's `ray start --head` did not come up in three tries")
+        ),
+        "/tmp/ray",
+    )
 
 
 def listening() -> list[list]:

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ import pytest
 from rtnb.core._startup import with_lazy_imports
 from tests import _margins
 from tests._background import Lane
+from tests._heads import end_process_group
 from tests._lending import GroupLoans
 
 
@@ -278,53 +278,6 @@ class HeadNode:
 
     def stop(self) -> None:
         end_process_group(self.proc)
-
-
-# What a raylet logs once it waited for its agents and runs (Ray 2.60's raylet.out).
-RAYLET_STARTED = "started. Raylet consists of"
-
-
-def raylet_started(temp_dir: str) -> bool:
-    """Whether the newest Ray session under ``temp_dir`` has a raylet that says it
-    started. Before that it waits 15 s for its agents' port files and dies without
-    them, taking a ``ray start --head --block`` with it: a Ray bug that a suite busy on
-    2 cores meets (``Timed out waiting for file .../metrics_agent_port_...``)."""
-    try:
-        log = Path(temp_dir) / "session_latest" / "logs" / "raylet.out"
-        return RAYLET_STARTED in log.read_text()
-    except OSError:
-        return False
-
-
-def start_head_until_up(
-    start: Callable[[], subprocess.Popen], temp_dir: str, tries: int = 3, timeout_s: float = 120
-) -> subprocess.Popen:
-    """``start()`` (a ``ray start --head --block --temp-dir=temp_dir``) until its raylet
-    is up; a head that died first, not what a test is about, is started again."""
-    for _ in range(tries):
-        proc = start()
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None and time.monotonic() < deadline:
-            if raylet_started(temp_dir):
-                return proc
-            time.sleep(0.2)
-        end_process_group(proc)
-    raise RuntimeError(f"`ray start --head` did not come up in {tries} tries (logs: {temp_dir})")
-
-
-def end_process_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    # ray start --block drains for up to 30 s on SIGTERM; the node's processes (raylet,
-    # workers) share its process group, so end them all directly.
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
 
 
 class WorkerNode:

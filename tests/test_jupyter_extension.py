@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from jupyter_client import BlockingKernelClient
 
+from tests._heads import end_process_group
 from tests._kernel import Execution
-from tests.conftest import end_process_group, free_port
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from tests._background import scenario as background_scenario
-from tests.conftest import RAYLET_STARTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300)]
 
@@ -38,9 +37,15 @@ RAYS_RULE = {
     "RTNB_LIFT_RAY_RULE_OVER_ENV": "1",
 }
 
-# A user's `ray start --head` on a free loopback port: (its process, its address).
+# A user's `ray start --head` on a free loopback port: (its process, its address),
+# up once its raylet says it started (tests/_heads.py; the scripts run outside pytest,
+# so the repository is appended to their path for it). Its dashboard (started even
+# with --include-dashboard=false) is off Ray's default port, which the neighbour
+# scenario's user head needs; the head ends with the script whatever fails in it.
 HEAD = r"""
 import atexit, os, signal, socket, subprocess, sys, tempfile, time
+sys.path.append(REPO)
+from tests._heads import start_head_until_up
 
 def free_port():
     port = socket.socket(); port.bind(("127.0.0.1", 0)); free = port.getsockname()[1]; port.close()
@@ -53,15 +58,8 @@ def end(proc):
         pass
 
 def user_head():
-    # Its dashboard (started even with --include-dashboard=false) off Ray's default
-    # port, which the neighbour scenario's user head needs; the head ends with this
-    # script whatever fails in it. Up means its raylet says it started: it first waits
-    # 15 s for its agents' port files and dies without them, taking the head with it,
-    # which a suite busy on 2 cores met (Ray's "Timed out waiting for file
-    # .../metrics_agent_port_..."); such a head, not what the scenario is about, is
-    # started again.
-    for _ in range(3):
-        free, temp = free_port(), tempfile.mkdtemp(prefix="rl-")
+    free, temp = free_port(), tempfile.mkdtemp(prefix="rl-")
+    def start():
         proc = subprocess.Popen(
             [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
              f"--port={free}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
@@ -69,19 +67,9 @@ def user_head():
              f"--temp-dir={temp}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         atexit.register(end, proc)
-        raylet_log = os.path.join(temp, "session_latest", "logs", "raylet.out")
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with open(raylet_log) as log:
-                    if RAYLET_STARTED in log.read():
-                        return proc, f"127.0.0.1:{free}"
-            except OSError:
-                pass
-            time.sleep(0.2)
-        end(proc)
-    raise RuntimeError("a user's `ray start --head` did not come up in three tries")
-""".replace("RAYLET_STARTED", repr(RAYLET_STARTED))
+        return proc
+    return start_head_until_up(start, temp), f"127.0.0.1:{free}"
+""".replace("REPO", repr(str(Path(__file__).resolve().parent.parent)))
 
 KERNEL = (
     HEAD

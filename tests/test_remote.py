@@ -90,7 +90,7 @@ def test_a_cluster_without_auth_is_joined_without_the_users_token(ray_cluster, t
     cluster started without token auth. Sending the token there made every rank's
     actor "die unexpectedly" (the cluster calls a token-mode driver back without one):
     rtnb asks the GCS first and joins as the cluster expects."""
-    from tests.conftest import end_process_group, start_head_until_up
+    from tests._heads import end_process_group, start_head_until_up
 
     token = tmp_path / "auth_token"
     token.write_text("0123456789abcdef0123456789abcdef\n")

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from rtnb.core._startup import LAZY_IMPORTS_PATH, with_lazy_imports
-from tests.conftest import RAYLET_STARTED
+from tests._heads import RAYLET_STARTED
 
 PROBE = r"""
 import json, sys, time

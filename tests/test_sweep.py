@@ -146,9 +146,13 @@ def test_interrupting_a_sweep_stops_every_trial_at_a_step_and_frees_every_cpu(
     )
     try:
         with pytest.raises(rtnb.CellInterrupted, match="interrupted"):
+            # Trials long enough (60 s) that the first cannot end before the second's
+            # group has started on a busy machine: the interrupt, at both trials' 8th
+            # step, ends them well before that. (At 8 s, a slow second start let the
+            # third trial begin and the interrupt never came: "DID NOT RAISE".)
             rtnb.sweep(
                 TRIAL,
-                {"lr": tune.uniform(0.01, 0.1), "steps": 400, "pause": 0.02},
+                {"lr": tune.uniform(0.01, 0.1), "steps": 3000, "pause": 0.02},
                 metric="loss",
                 mode="min",
                 num_samples=3,

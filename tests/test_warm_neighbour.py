@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests._background import scenario as background_scenario
-from tests.conftest import RAYLET_STARTED, missing
+from tests.conftest import missing
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,7 +95,6 @@ class NeighbourScenario:
             RTNB_WARM_RAY_IDLE_S="120",
             RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.1",
             PYTHONPATH=str(SCENARIO.parent.parent),
-            NEIGHBOUR_RAYLET_STARTED=RAYLET_STARTED,
         )
         script = (
             _fresh_tmp_keeping(_needed_under_tmp())
