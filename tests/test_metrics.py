@@ -134,7 +134,9 @@ def test_live_widget_draws_one_trace_per_rank_plus_mean_and_stays_bounded(tmp_pa
         view.close()
 
 
-def test_a_figure_the_page_says_missed_its_updates_is_drawn_anew_with_its_data(tmp_path):
+def test_a_figure_the_page_says_missed_its_updates_is_drawn_anew_with_its_data(
+    tmp_path, monkeypatch
+):
     """anywidget gives up on a figure model whose module took over 2 s to load (a busy
     page); such a model hears nothing more. Each view of a figure asks the kernel,
     through the holder of plotly's code, to answer it; one that heard no answer says
@@ -153,7 +155,7 @@ def test_a_figure_the_page_says_missed_its_updates_is_drawn_anew_with_its_data(t
         opened.append(kwargs.get("data", {}).get("state", {}))
         return create(**kwargs)
 
-    comm.create_comm = seen
+    monkeypatch.setattr(comm, "create_comm", seen)
     view = LiveMetrics(store, max_points=200)
     try:
         store.add(0, [(1, 1.0, {"loss": 1.0})])
@@ -183,7 +185,6 @@ def test_a_figure_the_page_says_missed_its_updates_is_drawn_anew_with_its_data(t
         drawn = {(t["name"], tuple(t["y"])) for t in state["_widget_data"]}
         assert ("rank 0", (1.0, 0.5)) in drawn, state["_widget_data"]
     finally:
-        comm.create_comm = create
         view.close()
 
 

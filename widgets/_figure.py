@@ -176,8 +176,8 @@ def _on_holder_message(_holder, content, _buffers) -> None:
             figure.send({"hello": hello})
         return
     key = content.get("missed")
-    figure = _figures.pop(key, None) if isinstance(key, str) else None
-    if figure is None or figure.missed:
+    figure = _figures.pop(key, None) if isinstance(key, str) else None  # heard once
+    if figure is None:
         return
     with _lock:
         if _misses >= _MAX_MISSES:
@@ -262,7 +262,7 @@ def figure_widget(*args, on_missed: Callable[[], None] | None = None, **kwargs):
     the module's docstring): its owner should draw a new one rather than update it;
     ``on_missed`` is then called (in the thread that heard it)."""
     figure = _figure_class()(*args, **kwargs)
-    if hasattr(figure, "_figure_key"):
+    if _shares_plotly_code():  # plotly 5's own widget hears every update
         figure.on_missed = on_missed
     return figure
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from html import escape as html_escape
 
 import plotly.graph_objects as go
@@ -241,7 +242,7 @@ def build_figure(
     log_y: bool = False,
     max_points: int = 1000,
     height_per_metric: int = 220,
-    on_missed=None,
+    on_missed: Callable[[], None] | None = None,
 ):
     metrics = list(dict.fromkeys(k[0] for k in keys))  # the order they were reported in
     rows = max(1, len(metrics))
