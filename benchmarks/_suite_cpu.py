@@ -8,19 +8,111 @@ the cores perfectly).
     .venv/bin/python benchmarks/_suite_cpu.py compare SLOW.json NORMAL.json
 
 It counts the whole machine (the session's Ray, kernels and rank processes the tests
-start are the point), so run nothing else beside it.
+start are the point), so run nothing else beside it. A thread also reads ``/proc``
+every 0.25 s and gives each process it had not seen to the test then running, by kind
+(a rank, another Ray worker, a kernel, a Ray node's own processes, Chromium, other):
+how many each test started and the CPU they used by their last reading. A process
+that lived under 0.25 s is not seen; the busy core-s above count it still.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 
 import pytest
 
 _seen: list[dict] = []
+
+_CENSUS_EVERY_S = 0.25
+# First match wins: a Ray worker's title changes once it holds an actor, so a worker
+# is classed again at each reading until it is a rank.
+_KINDS = (
+    ("rank", ("ray::RankActor",)),
+    ("ray worker", ("default_worker.py", "ray::")),
+    ("kernel", ("ipykernel_launcher", "ipykernel")),
+    (
+        "ray node",
+        ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py"),
+    ),
+    ("chromium", ("chromium", "chrome")),
+)
+
+
+def _kind(cmdline: str) -> str:
+    for kind, marks in _KINDS:
+        if any(mark in cmdline for mark in marks):
+            return kind
+    return "other"
+
+
+class _Census:
+    """Every process started during the run, by the test running when it was first
+    seen (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.test = "(before the first test)"
+        self._known: dict[int, list] = {}  # pid -> [test, kind, cpu_s]
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._own = os.getpid()
+        self._stop = threading.Event()
+        self._before = set(self._pids())
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _pids() -> list[int]:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+    def _read(self, pid: int) -> tuple[str, float] | None:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as raw:
+                cmdline = raw.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as raw:
+                fields = raw.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return cmdline, (int(fields[11]) + int(fields[12])) / self._tick
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_CENSUS_EVERY_S):
+            for pid in self._pids():
+                if pid in self._before or pid == self._own:
+                    continue
+                read = self._read(pid)
+                if read is None:
+                    continue
+                cmdline, cpu_s = read
+                known = self._known.get(pid)
+                if known is None:
+                    self._known[pid] = [self.test, _kind(cmdline), cpu_s]
+                    continue
+                known[2] = cpu_s
+                if known[1] in ("ray worker", "other"):
+                    known[1] = _kind(cmdline)
+
+    def by_test(self) -> dict[str, dict[str, list[float]]]:
+        """test -> kind -> [processes, CPU seconds]."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        found: dict[str, dict[str, list[float]]] = defaultdict(
+            lambda: defaultdict(lambda: [0, 0.0])
+        )
+        for test, kind, cpu_s in self._known.values():
+            found[test][kind][0] += 1
+            found[test][kind][1] += cpu_s
+        return found
+
+
+_census: _Census | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _census
+    _census = _Census()
 
 
 def _busy_and_total() -> tuple[int, int]:
@@ -36,6 +128,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if _census is not None:
+        _census.test = item.nodeid
     busy_before, _ = _busy_and_total()
     began = time.monotonic()
     yield
@@ -65,10 +159,24 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         f"tests' wall {wall / 60:.1f} min, {busy / wall:.2f} cores busy on average; "
         f"{busy:.0f} busy core-s: at best {busy / cores / 60:.1f} min on {cores} cores"
     )
+    census = _census.by_test() if _census is not None else {}
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for started in census.values():
+        for kind, (count, cpu_s) in started.items():
+            kinds[kind][0] += count
+            kinds[kind][1] += cpu_s
+    write("processes started, by kind: count, CPU s they used")
+    for kind, (count, cpu_s) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        write(f"  {kind:12} {count:5d} {cpu_s:8.0f}")
+    ranks = sorted(census.items(), key=lambda kv: -kv[1].get("rank", [0, 0.0])[0])
+    write("tests that started the most ranks: ranks, their CPU s")
+    for test, started in ranks[:30]:
+        if started.get("rank"):
+            write(f"  {started['rank'][0]:4d} {started['rank'][1]:7.0f}  {test}")
     out = config.getoption("--suite-cpu-json")
     if out:
         with open(out, "w") as dest:
-            json.dump({"cores": cores, "tests": _seen}, dest, indent=1)
+            json.dump({"cores": cores, "tests": _seen, "started": census}, dest, indent=1)
 
 
 def compare(slow_path: str, normal_path: str, top: int = 25) -> str:
