@@ -19,6 +19,9 @@ from pathlib import Path
 
 # What a raylet logs once it waited for its agents and runs (Ray 2.60's raylet.out).
 RAYLET_STARTED = "started. Raylet consists of"
+# Ray's own start of a local node giving up on a busy machine (its raylet registers
+# late, or dies waiting for its agents): the user would run the cell again.
+RAYS_START_GAVE_UP = "The current node timed out during startup"
 
 
 def _latest_session(temp_dir: str) -> str | None:

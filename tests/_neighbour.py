@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests._heads import start_head_until_up
+from tests._heads import RAYS_START_GAVE_UP, start_head_until_up
 
 BIN = Path(sys.executable).parent
 WORK = Path(os.environ["NEIGHBOUR_WORK"])
@@ -60,11 +60,6 @@ TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
              run_config=RunConfig(storage_path=os.environ["NEIGHBOUR_WORK"] + "/fit")).fit()
 print("FIT OK")
 """
-
-
-# Ray's own start of a local node giving up on a busy machine (its raylet registers
-# late, or dies waiting for its agents): the user would run the cell again.
-RAYS_START_GAVE_UP = "The current node timed out during startup"
 
 
 def run(

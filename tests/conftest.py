@@ -142,6 +142,10 @@ def pytest_terminal_summary(terminalreporter, config):
             "background scenarios: "
             + ", ".join(f"{key} {took:.0f} s" for key, took in scenarios.items())
         )
+    for key, why in _lane.ran_again().items():
+        terminalreporter.write_line(
+            f"background scenario {key} failed beside the suite ({why}); run again alone"
+        )
     if _loans.started:
         terminalreporter.write_line(
             f"lent groups: {_loans.started} started, {_loans.lent_again} starts saved"

@@ -1,10 +1,14 @@
-"""CI cannot go green without the tools the browser, S3 and TensorBoard tests need."""
+"""CI cannot go green without the tools the browser, S3 and TensorBoard tests need,
+nor by skipping; and the suite's background lane gives a starved scenario one try
+alone."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -106,3 +110,49 @@ def test_a_skip_fails_in_ci_unless_the_test_is_a_gpu_one(tmp_path):
     assert "no_such_module_rtnb" in in_ci.stdout
     local = run("")
     assert local.returncode == 0 and "3 skipped" in local.stdout, local.stdout
+
+
+def test_a_background_scenario_that_failed_beside_the_suite_runs_again_alone():
+    """The lane's second try (tests/_background.py): a scenario that raised, or whose
+    value its ``passed`` rejects, runs once more in the asking test's thread, which
+    then gets that run; one that fails alone too fails its test."""
+    import threading
+
+    from tests import _background
+
+    tries: dict[str, list[str]] = {"raises": [], "rejected": [], "always": []}
+
+    def attempt(key: str, fails_first: bool):
+        def run(folder):
+            tries[key].append(threading.current_thread().name)
+            if key == "always" or (fails_first and len(tries[key]) == 1):
+                if key == "rejected":
+                    return {"gave up": True}
+                raise RuntimeError(f"{key}: Ray's own start gave up")
+            return {"try": len(tries[key])}
+
+        return run
+
+    passed = lambda value: "its start gave up" if value.get("gave up") else ""  # noqa: E731
+    _background.scenario("lane-raises")(attempt("raises", True))
+    _background.scenario("lane-rejected", passed=passed)(attempt("rejected", True))
+    _background.scenario("lane-always")(attempt("always", True))
+    lane = _background.Lane()
+    try:
+        lane.start(["lane-raises", "lane-rejected", "lane-always"])
+        assert lane.result("lane-raises", timeout_s=60) == {"try": 2}
+        assert lane.result("lane-rejected", timeout_s=60) == {"try": 2}
+        with pytest.raises(RuntimeError, match="always: Ray's own start gave up"):
+            lane.result("lane-always", timeout_s=60)
+        # The first try ran in the lane, the second in the test's own thread.
+        here = threading.current_thread().name
+        assert [t == here for t in tries["raises"]] == [False, True]
+        assert len(tries["always"]) == 2, "a scenario is run again once, not until it passes"
+        again = lane.ran_again()
+        assert again["lane-raises"] == "RuntimeError: raises: Ray's own start gave up"
+        assert again["lane-rejected"] == "its start gave up"
+        assert "lane-always" in again
+    finally:
+        lane.close()
+        for key in ("lane-raises", "lane-rejected", "lane-always"):
+            _background._registered.pop(key, None)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests._background import scenario as background_scenario
+from tests._heads import RAYS_START_GAVE_UP
 from tests.conftest import missing
 
 pytestmark = [
@@ -137,7 +138,25 @@ def _read_all(file) -> str:
     return file.read()
 
 
-@background_scenario("warm-neighbour")
+def _failed_beside_the_suite(results: dict) -> str:
+    """Why a run of the scenario is not one to assert on: it ended before its last
+    step, or Ray's own node start gave up in a step (a starved Ray, not what the
+    scenario is about); "" otherwise."""
+    if "why_not" in results:
+        return ""
+    if "detached.fit" not in results:
+        return f"it ended after {list(results)[-1:] or 'no step'}"
+    gave_up = [
+        name
+        for name, step in results.items()
+        if isinstance(step, dict)
+        and step.get("rc") not in (0, None)
+        and RAYS_START_GAVE_UP in step.get("out", "")
+    ]
+    return f"Ray's own node start gave up in {gave_up}" if gave_up else ""
+
+
+@background_scenario("warm-neighbour", passed=_failed_beside_the_suite)
 def _neighbour(folder: Path) -> dict:
     """Run in the suite's background lane (tests/_background.py): two minutes of
     Ray starts and waits for the user's head, its job agent and a fit."""
