@@ -51,7 +51,7 @@ def _notes(into: list[str]):
     return lambda rank, stream, text: into.append(text) if rank < 0 else None
 
 
-def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(ray_cluster, tmp_path):
+def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(lend, tmp_path):
     def setup(config):  # local: cloudpickle journals it by value
         import torch.distributed as dist
 
@@ -63,7 +63,12 @@ def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(ray_cluste
         return extra["from_fn"]
 
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="push", max_failures=2, stop_grace_s=1.0
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="push",
+        max_failures=2,
+        stop_grace_s=1.0,
     ) as session:
         session.push({"scale": 3})
         assert session.run(setup, config={"base": 10}) == {0: 10, 1: 11}
@@ -95,10 +100,15 @@ def test_push_function_and_rank_subset_are_replayed_after_a_rank_dies(ray_cluste
 
 
 def test_a_loaded_checkpoint_applies_to_the_next_cell_only_and_recovery_uses_the_latest(
-    ray_cluster, tmp_path
+    lend, tmp_path
 ):
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="load", max_failures=1, stop_grace_s=1.0
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="load",
+        max_failures=1,
+        stop_grace_s=1.0,
     ) as session:
         session.run("STEPS, SLEEP = 10, 0.0")
         session.run(TRAIN.format(tail="i"))
@@ -144,10 +154,15 @@ def test_a_loaded_checkpoint_applies_to_the_next_cell_only_and_recovery_uses_the
 
 
 def test_replaying_finished_resume_pattern_cells_costs_their_setup_not_their_training(
-    ray_cluster, tmp_path
+    lend, tmp_path
 ):
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="cheap", max_failures=1, stop_grace_s=1.0
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="cheap",
+        max_failures=1,
+        stop_grace_s=1.0,
     ) as session:
         trained_s = 0.0
         for k in range(1, 6):
@@ -235,9 +250,14 @@ def test_restart_during_a_background_cell_rebuilds_once_and_wait_does_not_hang(
         assert session.run("1") == {0: 1, 1: 1}
 
 
-def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_recovering(ray_cluster, tmp_path):
+def test_pull_during_a_recovery_waits_for_the_group_or_says_it_is_recovering(lend, tmp_path):
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="pull", max_failures=1, stop_grace_s=1.0
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="pull",
+        max_failures=1,
+        stop_grace_s=1.0,
     ) as session:
         session.run("import time\nanswer = 42")
         handle = session.run_background("time.sleep(3)\n1")

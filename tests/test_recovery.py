@@ -55,14 +55,17 @@ def _killer(session, kills: int, done: threading.Event, committed_seen: list, ga
             pass
 
 
-def test_five_kills_recover_without_losing_a_checkpoint_and_the_sixth_fails_cleanly(
-    ray_cluster, tmp_path
-):
+def test_five_kills_recover_without_losing_a_checkpoint_and_the_sixth_fails_cleanly(lend, tmp_path):
     # Five, not more: each recovery rebuilds the group (~6 s here), and five already
     # land at random points of training, commit and rebuild.
     kills = 5
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="chaos", max_failures=kills, stop_grace_s=1.0
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="chaos",
+        max_failures=kills,
+        stop_grace_s=1.0,
     ) as session:
         session.run(SETUP.format(steps=400))
         done, seen = threading.Event(), []
@@ -165,10 +168,15 @@ BIG_SAVE = (
 )
 
 
-def test_kills_during_shard_writes_never_leave_a_partial_checkpoint_listed(ray_cluster, tmp_path):
+def test_kills_during_shard_writes_never_leave_a_partial_checkpoint_listed(lend, tmp_path):
     kills = 5
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="torn", max_failures=kills, keep=3
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="torn",
+        max_failures=kills,
+        keep=3,
     ) as session:
         stop_file = tmp_path / "stop"
         session.run(f"resumed_from = []\nSTOP_FILE = {str(stop_file)!r}")
@@ -200,11 +208,16 @@ def test_kills_during_shard_writes_never_leave_a_partial_checkpoint_listed(ray_c
         assert folders == {c.id for c in listed}, "half-written folders are cleaned up"
 
 
-def test_the_live_widget_shows_the_restart(ray_cluster, tmp_path):
+def test_the_live_widget_shows_the_restart(lend, tmp_path):
     from rtnb.widgets import LiveMetrics
 
     with rtnb.Session(
-        workers=2, storage=str(tmp_path), name="shown", max_failures=1, stop_grace_s=1.0
+        workers=2,
+        group_factory=lend,
+        storage=str(tmp_path),
+        name="shown",
+        max_failures=1,
+        stop_grace_s=1.0,
     ) as session:
         session.run(SETUP.format(steps=80))
         handle = session.run_background(TRAIN.format(), total_steps=80)
