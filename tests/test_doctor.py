@@ -4,7 +4,9 @@ doctor, which shows them unasked once a cell has been quiet for ``--hang-after``
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +78,12 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_the_cell_line_each_rank_w
         _wait_for(lambda: any("reported and printed nothing" in n for n in notes), 10, "the note")
         note = next(n for n in notes if "reported and printed nothing" in n)
         assert "rank 1: in <module> at cell [7] line 6" in note
+        # The full stacks outlast the kernel: in each rank's log, which the note names.
+        kept = re.search(r"kept in (\S+rank-0\.log) and the other ranks' logs", note)
+        assert kept, note
+        for rank, line in ((0, "cell [7] line 7"), (1, "cell [7] line 6")):
+            log = Path(kept.group(1)).with_name(f"rank-{rank}.log").read_text()
+            assert "[rtnb] hang doctor" in log and f"{line} in <module>" in log, log[-2000:]
         # Asked again from the notebook while the cell still hangs: the same answer,
         # each stack taken by the rank itself.
         began = time.monotonic()

@@ -13,6 +13,7 @@ failed until a flush succeeds again; the owner decides what to stop.
 from __future__ import annotations
 
 import posixpath
+import threading
 import time
 
 from rtnb.errors import one_line
@@ -41,6 +42,9 @@ class RankAppendLog:
         self._last_flush = time.monotonic()
         # What the last flush could not write, and where; None once one succeeds.
         self.failure: str | None = None
+        # The driver's loop adds the ranks' output; the hang doctor's thread adds
+        # their stacks: one flush at a time, so no part is written twice or lost.
+        self._lock = threading.RLock()
         run_dir.fs.create_dir(self.dir, recursive=True)
 
     def where(self, rank: int) -> str:
@@ -49,15 +53,20 @@ class RankAppendLog:
         return self.run_dir.shown(f"{folder}/{name}")
 
     def add(self, rank: int, data: bytes) -> None:
-        self._buffers.setdefault(rank, []).append(data)
-        self._buffered += len(data)
-        if (
-            self._buffered >= _FLUSH_EVERY_BYTES
-            or time.monotonic() - self._last_flush >= _FLUSH_EVERY_S
-        ):
-            self.flush()
+        with self._lock:
+            self._buffers.setdefault(rank, []).append(data)
+            self._buffered += len(data)
+            if (
+                self._buffered >= _FLUSH_EVERY_BYTES
+                or time.monotonic() - self._last_flush >= _FLUSH_EVERY_S
+            ):
+                self.flush()
 
     def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         try:
             for rank, parts in self._buffers.items():
                 if parts:

@@ -154,7 +154,9 @@ class HangWatch:
     """A running cell's hang doctor: once its ranks have reported and printed nothing
     for ``after_s`` (0: off), every rank's stack is read in a thread (a rank that does
     not answer is read with py-spy, which takes a while) and one line says where each
-    waits; :attr:`stacks` keeps them until the ranks move again."""
+    waits; :attr:`stacks` keeps them until the ranks move again, and ``keep`` writes
+    them where they outlast the kernel (an unattended run has nobody to ask
+    ``%rtnb stacks``), returning where ("" when nowhere)."""
 
     def __init__(
         self,
@@ -163,6 +165,7 @@ class HangWatch:
         read: Callable[[float], GroupStacks],
         note: Callable[[str], None],
         ended: Callable[[], bool],
+        keep: Callable[[GroupStacks], str] = lambda stacks: "",
     ) -> None:
         self.after_s = after_s
         self.stacks: GroupStacks | None = None
@@ -170,6 +173,7 @@ class HangWatch:
         self._read = read
         self._note = note
         self._ended = ended
+        self._keep = keep
         self._last_activity = time.monotonic()
         self._reading = False
 
@@ -203,7 +207,12 @@ class HangWatch:
         if time.monotonic() - self._last_activity < quiet or self._ended():
             return  # it moved on while the stacks were read
         self.stacks = stacks
+        try:
+            kept = self._keep(stacks)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must never end the cell
+            kept = f"nowhere: {one_line(exc)}"
+        where = f"; kept in {kept}" if kept else ""
         self._note(
             f"[rtnb] {self._cell_name()} has reported and printed nothing for {quiet:.0f} s: "
-            f"{stacks.headline()} (`%rtnb stacks` for the full stacks)\n"
+            f"{stacks.headline()} (`%rtnb stacks` for the full stacks{where})\n"
         )
