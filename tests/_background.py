@@ -18,10 +18,10 @@ own scenario: the lane runs just what the selected tests ask for.
 On a slow day the suite keeps both cores busy and a scenario at the lane's priority
 starves: a Ray it starts misses Ray's own fixed bounds (a raylet's 30 s to register, a
 head that never comes up). So a scenario that failed beside the suite (raised, or
-returned what its ``passed`` rejects) runs once more when its test asks for it, alone
-and at the suite's priority (the suite waits on it meanwhile), and the test asserts on
-that run; the run's summary names every scenario run again, with why the first try
-failed. A scenario that fails alone fails its test as before.
+returned a value its ``failed_because`` names a failure) runs once more when its
+test asks for it, alone and at the suite's priority (the suite waits on it
+meanwhile), and the test asserts on that run; the run's summary names every scenario
+run again, with why the first try failed. A scenario that fails alone fails its test as before.
 """
 
 from __future__ import annotations
@@ -49,25 +49,25 @@ LANE_NICE = 10
 @dataclass(frozen=True)
 class _Scenario:
     run: Callable[[Path], Any]
-    passed: Callable[[Any], str]  # why a returned value is a failure; "" if it is not
+    failed_because: Callable[[Any], str]  # why a returned value is a failure; "" if not
 
 
 _registered: dict[str, _Scenario] = {}
 
 
 def scenario(
-    key: str, passed: Callable[[Any], str] = lambda value: ""
+    key: str, failed_because: Callable[[Any], str] = lambda value: ""
 ) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
     """Register ``run(folder)`` under ``key``; it gets an empty folder of its own
     (removed at the end of the run) and returns what its test asserts on.
-    ``passed(value)``: for a scenario that records failures in what it returns, why
+    ``failed_because(value)``: for a scenario that records failures in what it returns, why
     that value failed ("" when it did not), so that it is run again alone."""
 
     def register(run: Callable[[Path], Any]) -> Callable[[Path], Any]:
         known = _registered.get(key)
         if known is not None and known.run is not run:
             raise ValueError(f"two background scenarios named {key!r}")
-        _registered[key] = _Scenario(run, passed)
+        _registered[key] = _Scenario(run, failed_because)
         return run
 
     return register
@@ -82,11 +82,11 @@ class _Outcome:
     # Why the try beside the suite failed, when the scenario was run again alone.
     ran_again_after: str = ""
 
-    def failure(self, passed: Callable[[Any], str]) -> str:
+    def failure(self, failed_because: Callable[[Any], str]) -> str:
         if self.error is not None:
             lines = str(self.error).strip().splitlines()
             return lines[-1] if lines else type(self.error).__name__
-        return passed(self.value)
+        return failed_because(self.value)
 
 
 class Lane:
@@ -124,8 +124,7 @@ class Lane:
             )
         if not outcome.done.wait(timeout_s):
             raise TimeoutError(f"background scenario {key!r} did not end within {timeout_s} s")
-        passed = _registered[key].passed
-        why = outcome.failure(passed)
+        why = outcome.failure(_registered[key].failed_because)
         if why and not outcome.ran_again_after:
             # This thread is the suite's, at its priority, and the suite waits here.
             self._attempt(key, outcome)

@@ -114,7 +114,7 @@ def test_a_skip_fails_in_ci_unless_the_test_is_a_gpu_one(tmp_path):
 
 def test_a_background_scenario_that_failed_beside_the_suite_runs_again_alone():
     """The lane's second try (tests/_background.py): a scenario that raised, or whose
-    value its ``passed`` rejects, runs once more in the asking test's thread, which
+    value its ``failed_because`` names a failure, runs once more in the asking test's thread, which
     then gets that run; one that fails alone too fails its test."""
     import threading
 
@@ -133,9 +133,11 @@ def test_a_background_scenario_that_failed_beside_the_suite_runs_again_alone():
 
         return run
 
-    passed = lambda value: "its start gave up" if value.get("gave up") else ""  # noqa: E731
+    def failed_because(value: dict) -> str:
+        return "its start gave up" if value.get("gave up") else ""
+
     _background.scenario("lane-raises")(attempt("raises", True))
-    _background.scenario("lane-rejected", passed=passed)(attempt("rejected", True))
+    _background.scenario("lane-rejected", failed_because=failed_because)(attempt("rejected", True))
     _background.scenario("lane-always")(attempt("always", True))
     lane = _background.Lane()
     try:

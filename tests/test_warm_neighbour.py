@@ -156,7 +156,7 @@ def _failed_beside_the_suite(results: dict) -> str:
     return f"Ray's own node start gave up in {gave_up}" if gave_up else ""
 
 
-@background_scenario("warm-neighbour", passed=_failed_beside_the_suite)
+@background_scenario("warm-neighbour", failed_because=_failed_beside_the_suite)
 def _neighbour(folder: Path) -> dict:
     """Run in the suite's background lane (tests/_background.py): two minutes of
     Ray starts and waits for the user's head, its job agent and a fit."""
