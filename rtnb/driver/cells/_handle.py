@@ -169,27 +169,13 @@ class CellHandle:
             lambda quiet: context.stacks(self._unfinished(), stalled_s=quiet),
             self.note,
             self.done,
-            self._keep_stacks,
+            lambda stacks: _keep_stacks(context.logs, self.name, stacks),
         )
         self.controls = CellControls(lambda: self.name, code, replay, controls, triggers, saved)
         for step, text in self.controls.saved_markers():
             context.metrics.add_marker(step, text)
         self._breakpoints = Breakpoints(not (background or replay), self.note)
         self.profiles: dict[int, Any] = {}  # %rtnb profile: each rank's, as they arrive
-
-    def _keep_stacks(self, stacks: GroupStacks) -> str:
-        """The hang doctor's full stacks, appended to each rank's log; where rank
-        ``min``'s went (for the note), "" when the run keeps no logs."""
-        logs = self._context.logs
-        if logs is None or not stacks.stacks:
-            return ""
-        text = f"[rtnb] hang doctor, {time.strftime('%H:%M:%S')}, {self.name}:\n{stacks.text()}\n"
-        for rank in stacks.stacks:
-            logs.add(rank, text)
-        logs.flush()
-        first = min(stacks.stacks)
-        more = " and the other ranks' logs" if len(stacks.stacks) > 1 else ""
-        return f"{logs.where(first)}{more}"
 
     def _begin_attempt(self) -> None:
         """What one run of the cell on one group knows of its ranks; all of it starts
@@ -705,6 +691,20 @@ def _restart_origin(
         else "ranks " + ", ".join(str(r) for r, c in by_rank.items() if c)
     )
     return origin, f"[rtnb] {name} restarted from {origin} ({which} loaded it)\n"
+
+
+def _keep_stacks(logs: RankLogs | None, name: str, stacks: GroupStacks) -> str:
+    """The hang doctor's full stacks, appended to each rank's log; where rank
+    ``min``'s went (for the note), "" when the run keeps no logs."""
+    if logs is None or not stacks.stacks:
+        return ""
+    text = f"[rtnb] hang doctor, {time.strftime('%H:%M:%S')}, {name}:\n{stacks.text()}\n"
+    for rank in stacks.stacks:
+        logs.add(rank, text)
+    logs.flush()
+    first = min(stacks.stacks)
+    more = " and the other ranks' logs" if len(stacks.stacks) > 1 else ""
+    return f"{logs.where(first)}{more}"
 
 
 def _kept_where(logs: RankLogs | None, rank: int) -> str:
