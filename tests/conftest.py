@@ -142,10 +142,11 @@ def pytest_terminal_summary(terminalreporter, config):
             "background scenarios: "
             + ", ".join(f"{key} {took:.0f} s" for key, took in scenarios.items())
         )
-    for key, why in _lane.ran_again().items():
-        terminalreporter.write_line(
-            f"background scenario {key} failed beside the suite ({why}); run again alone"
-        )
+    for key, whys in _lane.ran_again().items():
+        line = f"background scenario {key} failed beside the suite ({whys[0]}); run again beside it"
+        if len(whys) > 1:
+            line += f", failed again ({whys[1]}); run a last time alone"
+        terminalreporter.write_line(line)
     if _loans.started:
         terminalreporter.write_line(
             f"lent groups: {_loans.started} started, {_loans.lent_again} starts saved"
