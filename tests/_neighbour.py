@@ -171,8 +171,10 @@ def detach(kernel: subprocess.Popen) -> str:
 
 
 def without_user_cluster(prefix: str) -> None:
-    run(f"{prefix}status", [str(BIN / "ray"), "status"], 60)
-    python(f"{prefix}auto", AUTO, 60)
+    # A bound for a wait that never ends, not a time to meet: CI's slow day took 27.5 s
+    # for a `ray status` beside a notebook's ranks (9 s with nothing running).
+    run(f"{prefix}status", [str(BIN / "ray"), "status"], 120)
+    python(f"{prefix}auto", AUTO, 120)
 
 
 def main() -> None:
