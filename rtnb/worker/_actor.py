@@ -235,10 +235,7 @@ class RankActor:
 
         ctx = self.runtime.context
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        if master_addr.startswith("127.") or master_addr == "::1":
-            # A group on loopback: gloo/NCCL's own sockets stay on loopback too.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        bind_collectives_to(_interface_of(_node_address(master_addr)))
         timeout = timedelta(seconds=timeout_s)
         listening = self._rendezvous
         store = dist.TCPStore(
@@ -583,3 +580,38 @@ class _KeySweeper:
                     self._store.delete_key(key)
                 except Exception:  # noqa: BLE001 - the store is gone with the group
                     return
+
+
+def _node_address(master_addr: str) -> str:
+    """The address Ray knows for this rank's node (loopback for a group on loopback)."""
+    if master_addr.startswith("127.") or master_addr == "::1":
+        return master_addr
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` on this machine."""
+    if address.startswith("127.") or address == "::1":
+        return "lo"
+    try:
+        import psutil
+
+        for name, addresses in psutil.net_if_addrs().items():
+            if any(a.address.split("%", 1)[0] == address for a in addresses):
+                return name
+    except Exception:  # noqa: BLE001 - without psutil gloo picks as it always did
+        pass
+    return None
+
+
+def bind_collectives_to(interface: str | None) -> None:
+    """gloo and NCCL's bootstrap on ``interface``, unless the user chose one. Left to
+    themselves they take the address the host name resolves to: loopback on many
+    machines (Debian maps its own name to 127.0.1.1), and then ranks on two machines
+    never connect ("Gloo connectFullMesh failed ... remote=[127.0.0.1]")."""
+    if interface is None:
+        return
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(name, interface)

@@ -28,6 +28,7 @@ from rtnb.driver.cluster._auth import (
     users_token,
 )
 from rtnb.driver.cluster._embedded import LOOPBACK, start_embedded_ray
+from rtnb.driver.cluster._outside import look_at_cluster, machine_name, resolve, start_own_node
 from rtnb.driver.cluster._ray_output import quiet_rank_machinery
 from rtnb.driver.cluster._versions import ray_mismatch_line
 from rtnb.errors import ClusterError, ConfigError, one_line
@@ -47,6 +48,8 @@ _RECONNECT_S = 7 * 24 * 3600
 # sets Ray's timeout, which then stands for Ray's default (the tests shorten Ray's rule
 # so, and the lift shows in seconds instead of a minute).
 _LIFT_OVER_ENV = "RTNB_LIFT_RAY_RULE_OVER_ENV"
+# The Ray Client port `ray start --head` opens by default.
+_CLIENT_PORT = 10001
 # How often the watch knocks on the GCS's port, and for how long it must stay shut.
 _WATCH_S = 0.5
 _LOST_AFTER_S = 1.0
@@ -228,6 +231,9 @@ class ClusterConnection:
     # Counted in _JOINED.open while open: a Ray rtnb joined is left for another
     # address only when no connection to it is open.
     joined: bool = field(default=False, repr=False)
+    # How a machine that is not one of the cluster's nodes joined it (the start line
+    # says so); None: this machine is a node, or the Ray is local.
+    joined_as: str | None = None
 
     @property
     def lost(self) -> str | None:
@@ -265,6 +271,7 @@ class _JoinedRay:
     target: str | None = None
     gcs: str | None = None  # the GCS it reached: a later ray.init() elsewhere is not rtnb's
     open: int = 0
+    joined_as: str | None = None  # ClusterConnection.joined_as of that join
 
 
 _JOINED = _JoinedRay()
@@ -379,6 +386,7 @@ def connect(
                     owned=False,
                     client_mode=_in_client_mode(),
                     driver_outlives_ray=_users_own_rule(),
+                    joined_as=_JOINED.joined_as if _JOINED.target is not None else None,
                 )
             ),
             "the Ray this process uses",
@@ -395,10 +403,15 @@ def connect(
         host, port = _split_host_port(bare)
         probe_tcp(host, port, min(timeout_s, 5.0))
     gcs = None  # the GCS asked whether it wants a token (Ray Client's server is not one)
+    joined_as = None
     if target and target.startswith("ray://"):
         kwargs.pop("log_to_driver")
     elif target != "auto":
         gcs = f"{host}:{port}"
+        target, joined_as = _join_from_here(host, port, target, kwargs, progress)
+        if target.startswith("ray://"):
+            gcs = None
+            kwargs.pop("log_to_driver", None)
     try:
         with _driver_outlives_its_ray(), joining_with(users_token(gcs)):
             _init_with_retry(ray, target, kwargs, timeout_s)
@@ -420,13 +433,53 @@ def connect(
     client_mode = _in_client_mode()
     if client_mode:
         _mute_client_log_stream()
-    _JOINED.target = target
+    _JOINED.target, _JOINED.joined_as = target, joined_as
     with contextlib.suppress(Exception):  # a Ray Client driver has no GCS address here
         _JOINED.gcs = ray.get_runtime_context().gcs_address
     return _watch(
-        _opened(ClusterConnection(address=target, owned=False, client_mode=client_mode)),
+        _opened(
+            ClusterConnection(
+                address=target, owned=False, client_mode=client_mode, joined_as=joined_as
+            )
+        ),
         f"the Ray at {redact_uri(target)}",
     )
+
+
+def _join_from_here(
+    host: str,
+    port: int,
+    target: str,
+    kwargs: dict,
+    progress: Callable[[str], None] | None,
+) -> tuple[str, str | None]:
+    """Before ``ray.init`` on a GCS address: where this machine is not one of the
+    cluster's nodes, join it as a node that takes no work (``_outside``'s docstring
+    says why), else its Ray Client port; the address to init with, and how this
+    machine joined (None: it is a node already)."""
+    host = resolve(host)  # Ray's gRPC, like look_at_cluster's, may not read /etc/hosts
+    gcs = f"{host}:{port}"
+    target = gcs
+    with joining_with(users_token(gcs)):
+        view = look_at_cluster(host, port)
+    if view.node_here() is not None:
+        return target, None
+    here = f"{machine_name()} ({view.this_machine})"
+    if progress is not None:
+        progress(f"{here} is not a node of the Ray at {gcs}: joining it as a node with no CPUs")
+    try:
+        start_own_node(host, port, view, env=users_token(gcs))
+    except ClusterError as refused:
+        client = f"{host}:{_CLIENT_PORT}"
+        try:
+            probe_tcp(host, _CLIENT_PORT, 3.0)
+        except ClusterError:
+            raise refused from None
+        if progress is not None:
+            progress(f"joining as a node failed; using the cluster's Ray Client at {client}")
+        return f"ray://{client}", f"from {here} through the Ray Client at {client}"
+    kwargs["_node_ip_address"] = view.this_machine
+    return target, f"from {here}, a node with no CPUs"
 
 
 def _embed(

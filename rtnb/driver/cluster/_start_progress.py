@@ -22,6 +22,8 @@ class StartReport:
     phases: list[tuple[str, float]] = field(default_factory=list)
     # Lines the user should read once the group runs (what was left out of the files).
     notes: list[str] = field(default_factory=list)
+    # How a machine that is not a node of the cluster joined it.
+    joined: str | None = None
 
     @property
     def total_s(self) -> float:
@@ -32,7 +34,8 @@ class StartReport:
 
     def __str__(self) -> str:
         parts = " · ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases)
-        return f"ready in {self.total_s:.1f} s ({parts})"
+        line = f"ready in {self.total_s:.1f} s ({parts})"
+        return f"{line}, joined {self.joined}" if self.joined else line
 
 
 class StartProgress:

@@ -111,6 +111,7 @@ class GroupBuilder:
                 ranks=config.workers,
                 progress=lambda text: steps.say(f"rtnb: {text}…"),
             )
+        steps.report.joined = self.connection.joined_as
         self._at_exit()
         if self.connection.watch is not None:
             self.connection.watch.subscribe(self._on_ray_lost)

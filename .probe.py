@@ -1,0 +1,10 @@
+import time, rtnb, sys
+t=time.time()
+s = rtnb.Session(address=sys.argv[1], storage='/machine/work/runs')
+s.start(progress=print)
+print('started', time.time()-t, s.last_start)
+print(s.run("import socket, torch, torch.distributed as dist\nt=torch.ones(1)\ndist.all_reduce(t)\n(socket.gethostname(), __import__('ray').util.get_node_ip_address(), t.item())"))
+t=time.time()
+for i in range(20): s.run("1")
+print('trivial', (time.time()-t)/20)
+s.stop()

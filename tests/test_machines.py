@@ -1,0 +1,328 @@
+"""A cluster of machines the notebook does not share (``tests/_machines.py``): a head
+that runs no ranks, three worker machines (two whose own names resolve to loopback,
+as Debian's and many images' ``/etc/hosts`` say, one to its own address; one of the
+three is spare), an object store machine (moto's S3 server) and two notebook
+machines that are not Ray nodes. Every machine has its own address, host name,
+disk, ``/tmp`` and ``HOME``; the cluster runs Ray's token authentication with one
+token that every machine of it holds.
+
+One cluster is shared by the module; each test leaves it as it found it (a machine
+a test takes down is booted again and rejoins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from jupyter_client.manager import KernelManager
+from jupyter_client.provisioning import local_provisioner as _provisioner
+
+from tests._kernel import Kernel
+from tests._machines import DISK, Machine, Network, wait_until, why_not
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+_WHY_NOT = why_not()
+if _WHY_NOT is not None and os.environ.get("CI") == "true":
+    raise RuntimeError(f"CI must run the simulated cluster: {_WHY_NOT}")
+if _WHY_NOT is not None:
+    pytest.skip(_WHY_NOT, allow_module_level=True)
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+}
+_BUCKET = "rtnb-machines"
+_RAY_STARTED = "Ray runtime started"
+
+
+class Cluster:
+    """The machines, and how to start Ray on them."""
+
+    def __init__(self) -> None:
+        self.net = Network()
+        try:
+            self._boot()
+        except BaseException:
+            self.net.close()
+            raise
+
+    def _boot(self) -> None:
+        self.token = secrets.token_hex(32)
+        self.head = self.net.machine("head")
+        self.workers = [
+            self.net.machine("w1", name_resolves_to_loopback=True),
+            self.net.machine("w2"),
+            self.net.machine("w3", name_resolves_to_loopback=True),
+        ]
+        self.store = self.net.machine("store")
+        self.nb = self.net.machine("nb")
+        self.nb2 = self.net.machine("nb2")
+        for machine in self.net.machines:
+            if machine is not self.store:
+                (machine.home / ".ray").mkdir()
+                (machine.home / ".ray" / "auth_token").write_text(self.token)
+        self.gcs = f"{self.head.name}:6379"
+        self.moto = self.store.popen(
+            ["moto_server", "-H", self.store.address, "-p", "5000"],
+            log=self.store.disk / "moto.log",
+        )
+        self._start_node(
+            self.head,
+            [
+                "--head",
+                "--port=6379",
+                "--num-cpus=0",
+                "--dashboard-host=0.0.0.0",
+                "--ray-client-server-port=10001",
+            ],
+        )
+        for worker in self.workers:
+            self.join(worker)
+        wait_until("moto's server", lambda: _answers(f"http://{self.store.address}:5000"), 60)
+        import boto3
+
+        self.s3 = boto3.client(
+            "s3",
+            endpoint_url=f"http://{self.store.address}:5000",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        self.s3.create_bucket(Bucket=_BUCKET)
+        self.storage = (
+            f"s3://{_BUCKET}/runs?endpoint_override={self.store.name}:5000&scheme=http"
+            "&region=us-east-1"
+        )
+
+    def env(self, machine: Machine, **extra: str) -> dict[str, str]:
+        return machine.env(**CREDENTIALS, **extra)
+
+    def _start_node(self, machine: Machine, args: list[str]) -> None:
+        log = machine.disk / "ray.log"
+        log.write_text("")
+        proc = machine.popen(
+            [
+                "ray",
+                "start",
+                "--block",
+                "--object-store-memory=100000000",
+                "--disable-usage-stats",
+                *args,
+            ],
+            env=self.env(machine, RAY_AUTH_MODE="token"),
+            log=log,
+        )
+        wait_until(
+            f"Ray on {machine.name}",
+            lambda: _RAY_STARTED in log.read_text() or proc.poll() is not None,
+            180,
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+
+    def join(self, worker: Machine) -> None:
+        # By address: gRPC's own resolver in Ray's C++ may not read /etc/hosts (rtnb
+        # resolves a name the user gives with the system's resolver first).
+        self._start_node(worker, [f"--address={self.head.address}:6379", "--num-cpus=1"])
+
+    def reboot(self, worker: Machine) -> None:
+        """A worker machine powered on again, its Ray joined anew."""
+        worker.reboot()
+        self.join(worker)
+
+    def raylets(self, machine: Machine) -> int:
+        """Raylets running on ``machine`` (its own PID namespace shows only its own)."""
+        out = machine.sh("ps -eo args").stdout.splitlines()
+        return sum(1 for line in out if line.split(" ", 1)[0].endswith("/raylet"))
+
+    def close(self) -> None:
+        self.net.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    made = Cluster()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _also_machines(is_local_ip):
+    # jupyter_client starts kernels on this host's interfaces only; a machine's kernel
+    # listens on the machine's address, which this host reaches over the bridge.
+    def local_or_a_machine(ip: str) -> bool:
+        return ip.startswith("10.") or is_local_ip(ip)
+
+    return local_or_a_machine
+
+
+_provisioner.is_local_ip = _also_machines(_provisioner.is_local_ip)
+
+
+class MachineKernel(Kernel):
+    """A real Jupyter kernel on ``machine``: its process in the machine's namespaces,
+    listening on the machine's address (this test reaches it over the bridge)."""
+
+    def __init__(self, machine: Machine, env: dict[str, str], cwd: str = f"{DISK}/work") -> None:
+        runtime = Path("/var/tmp") / f"rtnb-kernels-{os.getpid()}"
+        runtime.mkdir(exist_ok=True)
+        wrap = machine.command([sys.executable], cwd=cwd)[:-1]
+
+        class OnMachine(KernelManager):
+            def format_kernel_cmd(self, extra_arguments=None):
+                return [*wrap, *super().format_kernel_cmd(extra_arguments)]
+
+        km = OnMachine(
+            kernel_name="python3",
+            ip=machine.address,
+            transport="tcp",
+            connection_file=str(runtime / f"kernel-{uuid.uuid4().hex}.json"),
+            cache_ports=False,
+        )
+        km.kernel_spec.interrupt_mode = "message"  # SIGINT would reach nsenter only
+        # The machine's own ports (jupyter_client would look for free ones on this host).
+        base = 40000 + secrets.randbelow(20000)
+        km.shell_port, km.iopub_port, km.stdin_port, km.hb_port, km.control_port = range(
+            base, base + 5
+        )
+        self.km = km
+        km.start_kernel(env=env)
+        self.kc = km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+
+def _refusal(run) -> str:
+    """What a refused magic said: a UsageError's line (on stderr), or an error's value."""
+    assert run.status == "error", f"not refused: {run.text[-2000:]}"
+    said = (run.evalue or run.text).strip()
+    assert "Traceback" not in run.text and len(run.traceback) <= 3, run.traceback
+    return said.removeprefix("UsageError: ")
+
+
+@contextlib.contextmanager
+def kernel_on(cluster: Cluster, machine: Machine, **env: str):
+    kernel = MachineKernel(machine, cluster.env(machine, **env))
+    try:
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+def _checked(run, what: str):
+    print(f"{what}: {run.status} in {run.elapsed_s:.1f} s", flush=True)
+    assert run.status == "ok", f"{what}: {run.ename}: {run.evalue}\n{run.text[-3000:]}"
+    return run
+
+
+def _shown(run) -> str:
+    """Everything a cell showed: its streams and each display's text, updates too."""
+    shown = [d.get("text/plain", "") for d in (*run.results, *run.updates)]
+    return "\n".join([run.text, *shown])
+
+
+def _value(run) -> str:
+    return run.results[-1]["text/plain"] if run.results else ""
+
+
+def test_a_notebook_machine_that_is_no_node_trains_ddp_across_two_machines(cluster: Cluster):
+    """The join form the deploy page gives (HOST:PORT, a name from /etc/hosts) from a
+    machine that is not a Ray node; ranks on two machines with different addresses,
+    whose names resolve to loopback or not; the notebook's own module; checkpoints
+    that only the object store holds; the browser and resume."""
+    work = cluster.nb.work
+    (work / "model.py").write_text("VALUE = 1\n")
+    with kernel_on(cluster, cluster.nb) as kernel:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        refused = kernel.execute(
+            f"%rtnb start --address {cluster.gcs} --storage {DISK}/work/runs", timeout=150
+        )
+        assert "is a local path" in _refusal(refused)
+
+        start = _checked(
+            kernel.execute(
+                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name across",
+                timeout=300,
+            ),
+            "start",
+        )
+        assert f"joined from nb ({cluster.nb.address}), a node with no CPUs" in _shown(start)
+
+        where = _checked(
+            kernel.execute(
+                "%%rtrain\nimport socket, ray, torch, torch.distributed as dist\n"
+                "t = torch.ones(1)\ndist.all_reduce(t)\n"
+                "(socket.gethostname(), ray.util.get_node_ip_address(), t.item())",
+                timeout=120,
+            ),
+            "DDP cell",
+        )
+        placed = re.findall(r"\('(w\d)', '([\d.]+)', 2\.0\)", _value(where))
+        assert len(placed) == 2 and placed[0][1] != placed[1][1], _value(where)
+        workers = {w.name: w for w in cluster.workers}
+        assert all(workers[name].address == ip for name, ip in placed), placed
+        assert any(workers[name].loopback_name for name, _ in placed), placed
+
+        # The notebook's folder reaches ranks on machines that do not see it.
+        seen = _checked(kernel.execute("%%rtrain\nimport model\nmodel.VALUE"), "import")
+        assert _value(seen) == "[rank 0] 1\n[rank 1] 1", _value(seen)
+        (work / "model.py").write_text("VALUE = 2\n")
+        seen = _checked(kernel.execute("%rtrain model.VALUE"), "edit")
+        assert _value(seen) == "[rank 0] 2\n[rank 1] 2", _value(seen)
+
+        _checked(
+            kernel.execute(
+                "%%rtrain\nimport rtnb\nck = rtnb.get_checkpoint()\n"
+                "started_at = 0 if ck is None else ck.load_state()['step'] + 1\n"
+                "for step in range(started_at, 3):\n"
+                "    rtnb.report({'loss': 1.0 / (step + 1)},\n"
+                "                checkpoint=rtnb.Checkpoint.from_state({'step': step}))",
+                timeout=180,
+            ),
+            "checkpoints",
+        )
+        keys = {
+            o["Key"]
+            for o in cluster.s3.list_objects_v2(Bucket=_BUCKET, Prefix="runs/across/")["Contents"]
+        }
+        assert "runs/across/checkpoints/step-000000001/_manifest.json" in keys, sorted(keys)
+        assert not list(work.rglob("_manifest.json")), "a checkpoint on the notebook's disk"
+
+        browser = _checked(kernel.execute("%rtnb checkpoints"), "browser")
+        listed = re.findall(r"^(step-\d+) ", _shown(browser), re.M)
+        assert listed == [f"step-{n:09d}" for n in range(3)], _shown(browser)
+        _checked(kernel.execute("%rtnb resume step-000000000", timeout=180), "resume")
+        resumed = _checked(kernel.execute("%rtrain started_at"), "resumed")
+        assert _value(resumed) == "[rank 0] 1\n[rank 1] 1", _value(resumed)
+        _checked(kernel.execute("%rtnb stop"), "stop")
+    # The node the kernel started on its machine ends with the kernel.
+    wait_until("the notebook machine's node to end", lambda: cluster.raylets(cluster.nb) == 0, 60)
+
+
+def test_a_machine_without_the_clusters_token_gets_one_line(cluster: Cluster):
+    with kernel_on(cluster, cluster.nb2, HOME=f"{DISK}/work") as kernel:  # no ~/.ray there
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        said = _refusal(kernel.execute(f"%rtnb start --address {cluster.gcs}", timeout=120))
+        assert "RAY_AUTH_TOKEN" in said and "(nb2)" in said and "\n" not in said, said
+        alive = _checked(kernel.execute("1 + 1"), "after")
+        assert _value(alive) == "2"
+    assert cluster.raylets(cluster.nb2) == 0
