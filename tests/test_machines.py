@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -237,7 +238,7 @@ def _checked(run, what: str):
 def _shown(run) -> str:
     """Everything a cell showed: its streams and each display's text, updates too."""
     shown = [d.get("text/plain", "") for d in (*run.results, *run.updates)]
-    return "\n".join([run.text, *shown])
+    return "\n".join([run.text, *shown, f"{run.ename}: {run.evalue}" if run.ename else ""])
 
 
 def _value(run) -> str:
@@ -326,3 +327,91 @@ def test_a_machine_without_the_clusters_token_gets_one_line(cluster: Cluster):
         alive = _checked(kernel.execute("1 + 1"), "after")
         assert _value(alive) == "2"
     assert cluster.raylets(cluster.nb2) == 0
+
+
+_WHERE = (
+    "%rtrain (__import__('socket').gethostname(), __import__('ray').util.get_node_ip_address())"
+)
+
+
+def _places(kernel) -> dict[int, tuple[str, str]]:
+    """Each rank's machine: {rank: (host name, address)}."""
+    run = _checked(kernel.execute(_WHERE), "where")
+    return {
+        int(rank): (name, ip)
+        for rank, name, ip in re.findall(r"\[rank (\d+)\] \('([\w-]+)', '([\d.]+)'\)", _value(run))
+    }
+
+
+def _training(steps: int, pause_s: float) -> str:
+    return (
+        "%%rtrain --background\nimport time, socket, rtnb\nck = rtnb.get_checkpoint()\n"
+        "first = 0 if ck is None else ck.load_state()['step'] + 1\n"
+        f"for step in range(first, {steps}):\n"
+        f"    time.sleep({pause_s})\n"
+        "    rtnb.report({'step': step}, checkpoint=rtnb.Checkpoint.from_state({'step': step}))\n"
+        "(first, socket.gethostname())"
+    )
+
+
+def _committed(cluster: Cluster, run: str) -> int:
+    """How many checkpoints of ``run`` the object store holds (their manifests)."""
+    listed = cluster.s3.list_objects_v2(Bucket=_BUCKET, Prefix=f"runs/{run}/checkpoints/")
+    return sum(1 for o in listed.get("Contents", ()) if o["Key"].endswith("_manifest.json"))
+
+
+def test_a_lost_worker_machine_ends_the_cell_in_one_line_or_is_replaced_by_the_spare(
+    cluster: Cluster,
+):
+    """(a) Every process of the machine under rank 1 killed mid-cell: without failures
+    to spend the cell ends with one line naming the rank and the machine; with
+    ``--max-failures 1`` the cell finishes on the spare machine from its last
+    checkpoint."""
+    workers = {w.name: w for w in cluster.workers}
+    with kernel_on(cluster, cluster.nb) as kernel:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        _checked(
+            kernel.execute(
+                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name lost1",
+                timeout=300,
+            ),
+            "start",
+        )
+        lost = workers[_places(kernel)[1][0]]
+        _checked(kernel.execute(_training(200, 0.2)), "background")
+        wait_until("a checkpoint", lambda: _committed(cluster, "lost1") >= 2, 120)
+        killed_at = time.monotonic()
+        lost.kill()
+        ended = kernel.execute("%rtnb wait", timeout=180)
+        took = time.monotonic() - killed_at
+        print(f"the cell ended {took:.1f} s after the machine was lost", flush=True)
+        said = _shown(ended)
+        assert ended.status == "error", said
+        assert took < 60, f"{took:.1f} s"
+        assert "rank 1" in said and (lost.name in said or lost.address in said), said
+        cluster.reboot(lost)
+        _checked(kernel.execute("%rtnb stop"), "stop")
+
+        _checked(
+            kernel.execute(
+                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name lost2 "
+                "--max-failures 1",
+                timeout=300,
+            ),
+            "start again",
+        )
+        before = _places(kernel)
+        lost = workers[before[1][0]]
+        spare = next(w for w in cluster.workers if w.name not in {n for n, _ in before.values()})
+        _checked(kernel.execute(_training(12, 0.3)), "background")
+        wait_until("a checkpoint", lambda: _committed(cluster, "lost2") >= 3, 120)
+        killed_at = time.monotonic()
+        lost.kill()
+        done = _checked(kernel.execute("%rtnb wait", timeout=300), "wait")
+        print(f"finished {time.monotonic() - killed_at:.1f} s after the machine was lost")
+        after = _places(kernel)
+        assert spare.name in {name for name, _ in after.values()}, (before, after)
+        resumed_from = re.findall(r"\[rank \d\] \((\d+), '", _value(done))
+        assert resumed_from and all(int(n) >= 2 for n in resumed_from), _shown(done)
+        _checked(kernel.execute("%rtnb stop"), "stop")
+    cluster.reboot(lost)

@@ -53,6 +53,8 @@ class RankCalls(Protocol):
 
     def next_token(self) -> int | None: ...
 
+    def where(self, rank: int) -> str | None: ...
+
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any: ...
 
     def relay_answers(self, result: Any) -> dict[int, RankUpdate | None]: ...
@@ -133,7 +135,9 @@ class Execution:
                 continue
             rank = self._pending.pop(call)
             if isinstance(answer, BaseException):
-                self.dead[rank] = one_line(answer)
+                place = self.group.where(rank)
+                said = one_line(answer)
+                self.dead[rank] = f"on {place}: {said}" if place else said
                 continue
             updates.append(self._took(answer))
         return updates

@@ -338,6 +338,13 @@ class WorkerGroup:
         """The next cell's dispatch token (None in a group that does not relay)."""
         return next(self.relay_tokens) if self.relay_tokens is not None else None
 
+    def where(self, rank: int) -> str | None:
+        """The machine of ``rank``, as a lost rank's line names it."""
+        for info in self.ranks:
+            if info.rank == rank:
+                return f"{info.hostname} ({info.node_ip})"
+        return None
+
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any:
         """Rank 0 starts ``request`` on ``ranks`` and gathers their quick answers."""
         return self.actors[0].relay.remote(self._wire(request), ranks, wait_s)
