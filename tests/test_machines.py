@@ -415,3 +415,132 @@ def test_a_lost_worker_machine_ends_the_cell_in_one_line_or_is_replaced_by_the_s
         assert resumed_from and all(int(n) >= 2 for n in resumed_from), _shown(done)
         _checked(kernel.execute("%rtnb stop"), "stop")
     cluster.reboot(lost)
+
+
+def _ddp_on_two_machines(kernel) -> set[str]:
+    run = _checked(
+        kernel.execute(
+            "%%rtrain\nimport socket, torch, torch.distributed as dist\nt = torch.ones(1)\n"
+            "dist.all_reduce(t)\n(socket.gethostname(), t.item())",
+            timeout=120,
+        ),
+        "DDP",
+    )
+    hosts = re.findall(r"\('(w\d)', 2\.0\)", _value(run))
+    assert len(hosts) == 2, _value(run)
+    return set(hosts)
+
+
+def test_every_join_form_from_a_machine_that_is_no_node(cluster: Cluster):
+    """RAY_ADDRESS=HOST:PORT (as a KubeRay notebook pod sets it), then ray:// in the
+    same kernel; each says how it joined."""
+    with kernel_on(cluster, cluster.nb2, RAY_ADDRESS=cluster.gcs) as kernel:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        start = _checked(
+            kernel.execute(f"%rtnb start --storage {cluster.storage} --name envjoin", timeout=300),
+            "start by RAY_ADDRESS",
+        )
+        assert f"joined from nb2 ({cluster.nb2.address}), a node with no CPUs" in _shown(start)
+        assert len(_ddp_on_two_machines(kernel)) == 2
+        _checked(kernel.execute("%rtnb stop"), "stop")
+        start = _checked(
+            kernel.execute(
+                f"%rtnb start --address ray://{cluster.head.name}:10001 "
+                f"--storage {cluster.storage} --name clientjoin",
+                timeout=300,
+            ),
+            "start by ray://",
+        )
+        assert len(_ddp_on_two_machines(kernel)) == 2
+        _checked(kernel.execute("%rtnb stop"), "stop")
+
+
+def test_a_worker_machine_cut_off_mid_collective_ends_the_cell_and_the_session_goes_on(
+    cluster: Cluster,
+):
+    """(b) The link of rank 1's machine taken down while rank 0 waits in an
+    all-reduce (rank 1's processes alive): the cell ends in one line, never a silent
+    wait; once the link is back the session runs cells again."""
+    workers = {w.name: w for w in cluster.workers}
+    with kernel_on(cluster, cluster.nb) as kernel:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        _checked(
+            kernel.execute(
+                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name cut",
+                timeout=300,
+            ),
+            "start",
+        )
+        cut = workers[_places(kernel)[1][0]]
+        _checked(
+            kernel.execute(
+                "%%rtrain --background\nimport time, torch, torch.distributed as dist, rtnb\n"
+                "for step in range(100000):\n    t = torch.ones(1)\n    dist.all_reduce(t)\n"
+                "    rtnb.report({'step': step})\n    time.sleep(0.05)"
+            ),
+            "background",
+        )
+        wait_until("steps", lambda: "step" in _shown(kernel.execute("%rtnb status")), 60)
+        cut_at = time.monotonic()
+        cut.link(False)
+        try:
+            ended = kernel.execute("%rtnb wait", timeout=180)
+            took = time.monotonic() - cut_at
+        finally:
+            cut.link(True)
+        print(f"the cell ended {took:.1f} s after the link went down", flush=True)
+        said = _shown(ended)
+        assert ended.status == "error" and "rank 1" in said, said
+        assert took < 60, f"{took:.1f} s"
+        cluster.reboot(cut)  # its raylet was declared dead: it ends once it hears so
+        again = kernel.execute("%rtrain 1 + 1", timeout=120)
+        if again.status != "ok":  # at worst, start again
+            _checked(kernel.execute("%rtnb stop"), "stop")
+            _checked(
+                kernel.execute(
+                    f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name cut2",
+                    timeout=300,
+                ),
+                "start again",
+            )
+        assert len(_ddp_on_two_machines(kernel)) == 2
+        _checked(kernel.execute("%rtnb stop"), "stop")
+
+
+def test_the_heads_link_cut_for_ten_seconds_leaves_the_kernel_alive_and_saying_so(
+    cluster: Cluster,
+):
+    """(c) The head unreachable for 10 s while a group is up: the kernel lives, says
+    what it lost, and starts again once the head is back."""
+    with kernel_on(cluster, cluster.nb) as kernel:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        _checked(
+            kernel.execute(
+                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name headcut",
+                timeout=300,
+            ),
+            "start",
+        )
+        _checked(kernel.execute("%rtrain x = 41"), "state")
+        cluster.head.link(False)
+        try:
+            time.sleep(10)  # the cut itself is what this test is about
+            during = kernel.execute("%rtnb status", timeout=60)
+        finally:
+            cluster.head.link(True)
+        said = _shown(during)
+        print(f"status while cut: {said.strip()[:300]}", flush=True)
+        assert "gone" in said or "lost" in said, said
+        alive = _checked(kernel.execute("6 * 7"), "alive")
+        assert _value(alive) == "42"
+        wait_until("the head", lambda: _answers(f"http://{cluster.head.address}:8265"), 60)
+        _checked(kernel.execute("%rtnb stop"), "stop")
+        _checked(
+            kernel.execute(
+                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name headback",
+                timeout=300,
+            ),
+            "start again",
+        )
+        assert len(_ddp_on_two_machines(kernel)) == 2
+        _checked(kernel.execute("%rtnb stop"), "stop")

@@ -55,6 +55,8 @@ class RankCalls(Protocol):
 
     def where(self, rank: int) -> str | None: ...
 
+    def cut_off(self) -> dict[int, str]: ...
+
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any: ...
 
     def relay_answers(self, result: Any) -> dict[int, RankUpdate | None]: ...
@@ -119,10 +121,21 @@ class Execution:
     def unfinished(self) -> list[int]:
         return [r for r in self.ranks if r not in self.finished and r not in self.dead]
 
+    def _lose_cut_off(self) -> None:
+        """Ranks on a machine that stopped answering are lost now: their calls would
+        wait until Ray's health checks give up on the machine (over a minute)."""
+        for rank, why in self.group.cut_off().items():
+            if rank in self.ranks and rank not in self.finished and rank not in self.dead:
+                self.dead[rank] = why
+                for call, owner in list(self._pending.items()):
+                    if owner == rank:
+                        del self._pending[call]
+
     # ---- answers -----------------------------------------------------------------------
     def take(self, wait_s: float) -> list[RankUpdate]:
         """The updates that arrived within ``wait_s``, in order (a running rank is
         polled again; a rank whose call failed is in :attr:`dead`)."""
+        self._lose_cut_off()
         self._ensure_polled()
         calls = list(self._pending)
         if self._relay is not None:

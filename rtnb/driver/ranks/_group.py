@@ -37,6 +37,7 @@ from rtnb.driver.cluster import (
 from rtnb.driver.ranks._datasets import wait_for_data_room
 from rtnb.driver.ranks._execution import Execution, RankCalls, RankLost
 from rtnb.driver.ranks._folder_sync import FolderSync
+from rtnb.driver.ranks._reach import Machine, MachineWatch
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
 
@@ -130,6 +131,7 @@ class WorkerGroup:
         self.retire = False
         self.actors: list[Any] = []
         self.ranks: list[RankInfo] = []
+        self._reach: MachineWatch | None = None
         self._placement_group = None
         # Set when cells go through rank 0's relay (RELAY_FROM_RANKS and more ranks):
         # the dispatch tokens, 1, 2, ... in the order the ranks listen for them.
@@ -224,6 +226,7 @@ class WorkerGroup:
                     self.actors.append(actor)
                 described = ray.get([a.describe.remote() for a in self.actors], timeout=slow(120))
                 self._assign_local_ranks(described)
+                self._watch_machines()
                 watch_ranks(r.pid for r in self.ranks)
                 check_storage_locality(self.node_count, self.storage_path, cfg.allow_local_storage)
                 devices = ray.get(
@@ -337,6 +340,37 @@ class WorkerGroup:
     def next_token(self) -> int | None:
         """The next cell's dispatch token (None in a group that does not relay)."""
         return next(self.relay_tokens) if self.relay_tokens is not None else None
+
+    def cut_off(self) -> dict[int, str]:
+        """Ranks whose machine stopped answering (``_reach``), each with its line."""
+        return self._reach.cut_off() if self._reach is not None else {}
+
+    def _watch_machines(self) -> None:
+        """Knock on the machines under the ranks other than this process's own; not
+        through a Ray Client, whose kernel may not reach the nodes at all."""
+        import ray
+
+        try:
+            if ray.util.client.ray.is_connected():
+                return
+            here = ray.util.get_node_ip_address()
+            ports = {n["NodeID"]: n["NodeManagerPort"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - no watch: Ray's own checks still hold
+            return
+        machines: dict[str, list[RankInfo]] = {}
+        for info in self.ranks:
+            if info.node_ip != here and info.node_id in ports:
+                machines.setdefault(info.node_id, []).append(info)
+        if machines:
+            self._reach = MachineWatch(
+                Machine(
+                    name=infos[0].hostname,
+                    address=infos[0].node_ip,
+                    port=int(ports[node]),
+                    ranks=tuple(i.rank for i in infos),
+                )
+                for node, infos in machines.items()
+            )
 
     def where(self, rank: int) -> str | None:
         """The machine of ``rank``, as a lost rank's line names it."""
@@ -527,6 +561,9 @@ class WorkerGroup:
             lender.give_back(self, clean=graceful and not self.retire)
             return
 
+        if self._reach is not None:
+            self._reach.close()
+            self._reach = None
         actors, self.actors = self.actors, []
         if graceful and actors:
             refs = [a.shutdown_distributed.remote() for a in actors]

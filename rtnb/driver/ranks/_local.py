@@ -141,6 +141,10 @@ class LocalGroup:
     def where(rank: int) -> str | None:
         return None  # every rank is this kernel
 
+    @staticmethod
+    def cut_off() -> dict[int, str]:
+        return {}
+
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any:
         raise AssertionError("a local group does not relay")
 
