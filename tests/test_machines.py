@@ -544,3 +544,50 @@ def test_the_heads_link_cut_for_ten_seconds_leaves_the_kernel_alive_and_saying_s
         )
         assert len(_ddp_on_two_machines(kernel)) == 2
         _checked(kernel.execute("%rtnb stop"), "stop")
+
+
+def test_a_detached_group_trains_on_while_the_notebook_machine_is_cut_off(cluster: Cluster):
+    """(d) A group detached from one notebook machine trains on while that machine's
+    link is down, and another notebook machine attaches afterwards: the cell's value,
+    and every report of it once in the run's record."""
+    steps = 60
+    with kernel_on(cluster, cluster.nb) as kernel:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
+        _checked(
+            kernel.execute(
+                f"%rtnb start --detached --address {cluster.gcs} --storage {cluster.storage} "
+                "--name far",
+                timeout=300,
+            ),
+            "start detached",
+        )
+        _checked(
+            kernel.execute(
+                "%%rtrain --background\nimport time, rtnb\n"
+                f"for step in range({steps}):\n    time.sleep(0.25)\n"
+                "    rtnb.report({'step': step})\n'trained'"
+            ),
+            "background",
+        )
+        wait_until("steps", lambda: "step" in _shown(kernel.execute("%rtnb status")), 60)
+        cluster.nb.link(False)
+        time.sleep(8)  # the cut itself is what this test is about
+        cluster.nb.link(True)
+    with kernel_on(cluster, cluster.nb2) as other:
+        _checked(other.execute("%load_ext rtnb"), "load")
+        _checked(
+            other.execute(f"%rtnb attach far --take --address {cluster.gcs}", timeout=300), "attach"
+        )
+        done = _checked(other.execute("%rtnb wait", timeout=180), "wait")
+        assert "trained" in _value(done), _shown(done)
+        path = cluster.storage.replace("/runs?", "/runs/far?")
+        record = _checked(
+            other.execute(
+                f"import rtnb\n_f = rtnb.Result.from_path({path!r}).metrics_dataframe\n"
+                "print([sorted(_f[_f['rank'] == r]['step'].tolist()) for r in (0, 1)])"
+            ),
+            "record",
+        )
+        every = list(range(steps))
+        assert record.stdout.strip() == repr([every, every]), record.stdout
+        _checked(other.execute("%rtnb stop"), "stop")

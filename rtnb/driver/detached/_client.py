@@ -643,6 +643,17 @@ class DetachedSession:
 
 
 # ---- starting, attaching, listing, stopping --------------------------------------------
+def _host_placement(connection: ClusterConnection) -> dict[str, Any]:
+    """Where the host goes. A kernel that joined a cluster as a node of its own (its
+    machine is not one of the cluster's) must not get it: Ray places a CPU-less actor
+    on its caller's node, and that node ends with this kernel. The head's machine
+    outlives any worker's."""
+    if connection.joined_as is None or connection.client_mode:
+        return {}
+    return {"resources": {"node:__internal_head__": 0.001}}
+
+
+
 def start_detached(
     session_class: type,
     config: SessionConfig,
@@ -695,6 +706,7 @@ def start_detached(
                 num_cpus=0,
                 max_concurrency=_HOST_CONCURRENCY,
                 max_restarts=0,
+                **_host_placement(connection),
             )
             .remote(
                 session_class,
