@@ -16,6 +16,7 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 import sys
 import time
 import urllib.request
@@ -45,6 +46,7 @@ CREDENTIALS = {
 }
 _BUCKET = "rtnb-machines"
 _RAY_STARTED = "Ray runtime started"
+_KERNELS = Path("/var/tmp") / f"rtnb-kernels-{os.getpid()}"
 
 
 class Cluster:
@@ -165,6 +167,7 @@ def cluster():
         yield made
     finally:
         made.close()
+        shutil.rmtree(_KERNELS, ignore_errors=True)
 
 
 def _also_machines(is_local_ip):
@@ -184,7 +187,7 @@ class MachineKernel(Kernel):
     listening on the machine's address (this test reaches it over the bridge)."""
 
     def __init__(self, machine: Machine, env: dict[str, str], cwd: str = f"{DISK}/work") -> None:
-        runtime = Path("/var/tmp") / f"rtnb-kernels-{os.getpid()}"
+        runtime = _KERNELS  # seen by this host and by the machine alike
         runtime.mkdir(exist_ok=True)
         wrap = machine.command([sys.executable], cwd=cwd)[:-1]
 
@@ -591,3 +594,59 @@ def test_a_detached_group_trains_on_while_the_notebook_machine_is_cut_off(cluste
         every = list(range(steps))
         assert record.stdout.strip() == repr([every, every]), record.stdout
         _checked(other.execute("%rtnb stop"), "stop")
+
+
+def test_a_notebook_submitted_from_the_notebook_machine_runs_on_the_cluster(cluster: Cluster):
+    """`rtnb submit` from a machine that is not a node, to the head's dashboard (the
+    deploy page opens it with --dashboard-host), with the notebook's folder; its DDP
+    cell runs on two worker machines; `rtnb jobs` lists it and `rtnb ps` reaches the
+    cluster from outside."""
+    import nbformat
+
+    from tests._kernel import new_notebook
+
+    work = cluster.nb.work / "job"
+    work.mkdir()
+    (work / "helper.py").write_text("ANSWER = 42\n")
+    nbformat.write(
+        new_notebook(
+            [
+                "%load_ext rtnb",
+                "%rtnb start --name submitted",
+                "%%rtrain\nimport socket, helper, torch, torch.distributed as dist\n"
+                "t = torch.ones(1)\ndist.all_reduce(t)\n"
+                "print('ranks at', socket.gethostname(), helper.ANSWER, t.item())",
+                "%rtnb stop",
+            ]
+        ),
+        work / "job.ipynb",
+    )
+    dashboard = f"http://{cluster.head.name}:8265"
+    submitted = cluster.nb.run(
+        [
+            "rtnb",
+            "submit",
+            "job.ipynb",
+            "--working-dir",
+            ".",
+            "--address",
+            dashboard,
+            "--storage",
+            cluster.storage,
+            "--wait",
+        ],
+        env=cluster.env(cluster.nb),
+        cwd=f"{DISK}/work/job",
+        timeout=600,
+    )
+    said = submitted.stdout + submitted.stderr
+    assert submitted.returncode == 0, said[-4000:]
+    hosts = set(re.findall(r"ranks at (w\d) 42 2\.0", said))
+    assert len(hosts) == 2, said[-4000:]
+    listed = cluster.nb.run(["rtnb", "jobs", "--address", dashboard], env=cluster.env(cluster.nb))
+    assert listed.returncode == 0 and "job.ipynb" in listed.stdout, listed.stdout + listed.stderr
+    ps = cluster.nb.run(
+        ["rtnb", "ps", "--address", cluster.gcs], env=cluster.env(cluster.nb), timeout=300
+    )
+    assert ps.returncode == 0, ps.stdout + ps.stderr
+    wait_until("the CLI's node to end", lambda: cluster.raylets(cluster.nb) == 0, 60)
