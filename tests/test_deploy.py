@@ -60,7 +60,7 @@ def test_the_kuberay_manifest_gives_the_notebook_an_address_rtnb_accepts():
     cluster = next(d for d in documents if d["kind"] == "RayCluster")
     pod = next(d for d in documents if d["kind"] == "Pod")
     name = cluster["metadata"]["name"]
-    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     address = env["RAY_ADDRESS"]
     assert address.startswith(f"{name}-head-svc:"), "KubeRay's head service for this cluster"
     assert SessionConfig(address=address).address == address
@@ -72,6 +72,22 @@ def test_the_kuberay_manifest_gives_the_notebook_an_address_rtnb_accepts():
         for c in spec["template"]["spec"]["containers"]
     }
     assert images == {f"rtnb:{rtnb.__version__}"}, "one image everywhere: the same versions"
+    # Token auth: every container reads the same Secret (the image sets the mode).
+    containers = [
+        c
+        for spec in [head, *cluster["spec"]["workerGroupSpecs"], {"template": pod}]
+        for c in spec["template"]["spec"]["containers"]
+    ]
+    tokens = [
+        e["valueFrom"]["secretKeyRef"]
+        for c in containers
+        for e in c.get("env", ())
+        if e["name"] == "RAY_AUTH_TOKEN"
+    ]
+    assert len(tokens) == len(containers), "every container holds the cluster's token"
+    assert all(t == {"name": "rtnb-ray-token", "key": "token"} for t in tokens), tokens
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "ENV RAY_AUTH_MODE=token" in dockerfile
 
 
 def test_the_slurm_script_is_valid_shell_and_prints_an_address_rtnb_accepts():
@@ -83,4 +99,5 @@ def test_the_slurm_script_is_valid_shell_and_prints_an_address_rtnb_accepts():
     assert checked.returncode == 0, checked.stderr
     text = script.read_text()
     assert "ray start --head" in text and 'ray start --address="${head_ip}:${port}"' in text
+    assert "export RAY_AUTH_MODE=token" in text and "--dashboard-host" in text
     assert SessionConfig(address="10.1.2.3:6379").address == "10.1.2.3:6379"
