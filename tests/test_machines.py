@@ -19,7 +19,6 @@ import secrets
 import shutil
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -27,138 +26,18 @@ import pytest
 from jupyter_client.manager import KernelManager
 from jupyter_client.provisioning import local_provisioner as _provisioner
 
+from tests._cluster import BUCKET, Cluster, answers
 from tests._kernel import Kernel
-from tests._machines import DISK, Machine, Network, wait_until, why_not
+from tests._machines import DISK, Machine, wait_until, why_not
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+_KERNELS = Path("/var/tmp") / f"rtnb-kernels-{os.getpid()}"
 _WHY_NOT = why_not()
 if _WHY_NOT is not None and os.environ.get("CI") == "true":
     raise RuntimeError(f"CI must run the simulated cluster: {_WHY_NOT}")
 if _WHY_NOT is not None:
     pytest.skip(_WHY_NOT, allow_module_level=True)
-
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_REGION": "us-east-1",
-}
-_BUCKET = "rtnb-machines"
-_RAY_STARTED = "Ray runtime started"
-_KERNELS = Path("/var/tmp") / f"rtnb-kernels-{os.getpid()}"
-
-
-class Cluster:
-    """The machines, and how to start Ray on them."""
-
-    def __init__(self) -> None:
-        self.net = Network()
-        try:
-            self._boot()
-        except BaseException:
-            self.net.close()
-            raise
-
-    def _boot(self) -> None:
-        self.token = secrets.token_hex(32)
-        self.head = self.net.machine("head")
-        self.workers = [
-            self.net.machine("w1", name_resolves_to_loopback=True),
-            self.net.machine("w2"),
-            self.net.machine("w3", name_resolves_to_loopback=True),
-        ]
-        self.store = self.net.machine("store")
-        self.nb = self.net.machine("nb")
-        self.nb2 = self.net.machine("nb2")
-        for machine in self.net.machines:
-            if machine is not self.store:
-                (machine.home / ".ray").mkdir()
-                (machine.home / ".ray" / "auth_token").write_text(self.token)
-        self.gcs = f"{self.head.name}:6379"
-        self.moto = self.store.popen(
-            ["moto_server", "-H", self.store.address, "-p", "5000"],
-            log=self.store.disk / "moto.log",
-        )
-        self._start_node(
-            self.head,
-            [
-                "--head",
-                "--port=6379",
-                "--num-cpus=0",
-                "--dashboard-host=0.0.0.0",
-                "--ray-client-server-port=10001",
-            ],
-        )
-        for worker in self.workers:
-            self.join(worker)
-        wait_until("moto's server", lambda: _answers(f"http://{self.store.address}:5000"), 60)
-        import boto3
-
-        self.s3 = boto3.client(
-            "s3",
-            endpoint_url=f"http://{self.store.address}:5000",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        self.s3.create_bucket(Bucket=_BUCKET)
-        self.storage = (
-            f"s3://{_BUCKET}/runs?endpoint_override={self.store.name}:5000&scheme=http"
-            "&region=us-east-1"
-        )
-
-    def env(self, machine: Machine, **extra: str) -> dict[str, str]:
-        return machine.env(**CREDENTIALS, **extra)
-
-    def _start_node(self, machine: Machine, args: list[str]) -> None:
-        log = machine.disk / "ray.log"
-        log.write_text("")
-        proc = machine.popen(
-            [
-                "ray",
-                "start",
-                "--block",
-                "--object-store-memory=100000000",
-                "--disable-usage-stats",
-                *args,
-            ],
-            env=self.env(machine, RAY_AUTH_MODE="token"),
-            log=log,
-        )
-        wait_until(
-            f"Ray on {machine.name}",
-            lambda: _RAY_STARTED in log.read_text() or proc.poll() is not None,
-            180,
-        )
-        assert proc.poll() is None, log.read_text()[-3000:]
-
-    def join(self, worker: Machine) -> None:
-        # By address: gRPC's own resolver in Ray's C++ may not read /etc/hosts (rtnb
-        # resolves a name the user gives with the system's resolver first).
-        self._start_node(worker, [f"--address={self.head.address}:6379", "--num-cpus=1"])
-
-    def reboot(self, worker: Machine) -> None:
-        """A worker machine powered on again, its Ray joined anew."""
-        worker.reboot()
-        self.join(worker)
-
-    def raylets(self, machine: Machine) -> int:
-        """Raylets running on ``machine`` (its own PID namespace shows only its own)."""
-        out = machine.sh("ps -eo args").stdout.splitlines()
-        return sum(1 for line in out if line.split(" ", 1)[0].endswith("/raylet"))
-
-    def close(self) -> None:
-        self.net.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except OSError:
-        return False
-
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -306,7 +185,7 @@ def test_a_notebook_machine_that_is_no_node_trains_ddp_across_two_machines(clust
         )
         keys = {
             o["Key"]
-            for o in cluster.s3.list_objects_v2(Bucket=_BUCKET, Prefix="runs/across/")["Contents"]
+            for o in cluster.s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/across/")["Contents"]
         }
         assert "runs/across/checkpoints/step-000000001/_manifest.json" in keys, sorted(keys)
         assert not list(work.rglob("_manifest.json")), "a checkpoint on the notebook's disk"
@@ -359,7 +238,7 @@ def _training(steps: int, pause_s: float) -> str:
 
 def _committed(cluster: Cluster, run: str) -> int:
     """How many checkpoints of ``run`` the object store holds (their manifests)."""
-    listed = cluster.s3.list_objects_v2(Bucket=_BUCKET, Prefix=f"runs/{run}/checkpoints/")
+    listed = cluster.s3.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{run}/checkpoints/")
     return sum(1 for o in listed.get("Contents", ()) if o["Key"].endswith("_manifest.json"))
 
 
@@ -536,7 +415,7 @@ def test_the_heads_link_cut_for_ten_seconds_leaves_the_kernel_alive_and_saying_s
         assert "gone" in said or "lost" in said, said
         alive = _checked(kernel.execute("6 * 7"), "alive")
         assert _value(alive) == "42"
-        wait_until("the head", lambda: _answers(f"http://{cluster.head.address}:8265"), 60)
+        wait_until("the head", lambda: answers(f"http://{cluster.head.address}:8265"), 60)
         _checked(kernel.execute("%rtnb stop"), "stop")
         _checked(
             kernel.execute(
