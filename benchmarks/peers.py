@@ -51,6 +51,7 @@ PEERS: dict[str, str] = {
     "scale": "rtnb itself at 2 ranks (how its costs grow with the size)",
     "soak": "none (growth against the goal)",
     "file_sync": "the same cell on a group of the same Ray without sync (--files off)",
+    "cluster": "the same driver on one machine (embedded Ray); torchrun --nnodes 2 on the same two machines",
 }
 
 

@@ -373,6 +373,29 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         timeout_s=300,
     ),
     Benchmark(
+        "cluster",
+        (
+            _x(
+                "node_trivial_ratio",
+                "warm trivial cell, notebook off the cluster (joined as a node) / one machine",
+                1.5,
+            ),
+            _x("client_trivial_ratio", "warm trivial cell through ray:// / one machine"),
+            Figure("node_first_s", "start to first DDP result, joined as a node", "s"),
+            Figure("client_first_s", "start to first DDP result, through ray://", "s"),
+            Figure("one_first_s", "start to first DDP result, one machine (embedded Ray)", "s"),
+            _x(
+                "ddp_vs_torchrun",
+                "DDP step on two machines: rtnb / torchrun --nnodes 2",
+                0.98,
+                False,
+            ),
+            _x("rtt_ratio", "TCP round trip to a worker machine / on loopback (the network)"),
+        ),
+        quick_args=("--quick",),
+        timeout_s=1200,
+    ),
+    Benchmark(
         "soak",
         (
             Figure("kernel_growth_mb", "kernel RSS growth after warm-up", "MB", 50),

@@ -85,7 +85,7 @@ class Cluster:
     def env(self, machine: Machine, **extra: str) -> dict[str, str]:
         return machine.env(**CREDENTIALS, **extra)
 
-    def _start_node(self, machine: Machine, args: list[str]) -> None:
+    def _start_node(self, machine: Machine, args: list[str], tries: int = 3) -> None:
         log = machine.disk / "ray.log"
         log.write_text("")
         proc = machine.popen(
@@ -105,7 +105,15 @@ class Cluster:
             lambda: _RAY_STARTED in log.read_text() or proc.poll() is not None,
             180,
         )
-        assert proc.poll() is None, log.read_text()[-3000:]
+        if proc.poll() is not None:
+            # On a busy machine Ray's own start gives up (its raylet registers after
+            # Ray's fixed 30 s); a user would run `ray start` again, and so do we.
+            (machine.disk / f"ray-failed-{tries}.log").write_text(log.read_text())
+            if tries <= 1:
+                raise RuntimeError(
+                    f"Ray did not start on {machine.name}:\n{log.read_text()[-3000:]}"
+                )
+            self._start_node(machine, args, tries - 1)
 
     def join(self, worker: Machine) -> None:
         # By address: gRPC's own resolver in Ray's C++ may not read /etc/hosts (rtnb
@@ -132,5 +140,3 @@ def answers(url: str) -> bool:
             return True
     except OSError:
         return False
-
-

@@ -243,6 +243,12 @@ def start_own_node(
             "--num-gpus=0",
             "--block",
             "--disable-usage-stats",
+            # Its own folder: `ray start` writes the cluster's address into its temp
+            # folder, and a later plain ray.init() on this machine (an embedded Ray)
+            # would take /tmp/ray's for a cluster to join.
+            f"--temp-dir={temp_dir}",
+            # No rank runs there, and rtnb gathers what the ranks print itself.
+            "--include-log-monitor=False",
         ]
         with open(log, "wb") as out:
             proc = subprocess.Popen(
