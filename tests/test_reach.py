@@ -85,3 +85,16 @@ def test_collectives_bind_the_interface_that_holds_the_nodes_address(monkeypatch
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's own choice wins
     bind_collectives_to(name)
     assert os.environ["GLOO_SOCKET_IFNAME"] == name and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_a_local_storage_inside_the_notebooks_folder_is_left_out_of_the_ranks_copy(
+    tmp_path, monkeypatch
+):
+    from rtnb.driver.ranks._group import _storage_in_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert _storage_in_folder(str(tmp_path / "runs")) == ("/runs/",)
+    assert _storage_in_folder("file://" + str(tmp_path / "a" / "runs")) == ("/a/runs/",)
+    assert _storage_in_folder(str(tmp_path.parent / "elsewhere")) == ()
+    assert _storage_in_folder(str(tmp_path)) == ()
+    assert _storage_in_folder("s3://bucket/runs?endpoint_override=h:1") == ()

@@ -291,7 +291,8 @@ class WorkerGroup:
                 calls = [self.actors[r].apply_files.remote(c) for r, c in changes.items()]
                 ray.get(calls, timeout=timeout_s)
 
-        self.folder = FolderSync.open(cfg.files, cfg.excludes, cfg.includes, ask, send)
+        excludes = cfg.excludes + _storage_in_folder(self.storage_path)
+        self.folder = FolderSync.open(cfg.files, excludes, cfg.includes, ask, send)
         if self.folder is not None:
             progress.report.notes += [self.folder.shipped_summary(), *self.folder.notes]
 
@@ -589,6 +590,22 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - dead: what we want
                     break
                 time.sleep(0.05)
+
+
+def _storage_in_folder(storage_path: str) -> tuple[str, ...]:
+    """The run storage as a pattern to leave out of the notebook's folder when it is a
+    local path inside it (``--storage runs``): every cell writes its journal and
+    metrics there, and the copy would carry them to the ranks with every cell."""
+    if "://" in storage_path and not storage_path.startswith("file://"):
+        return ()
+    path = os.path.realpath(storage_path.removeprefix("file://"))
+    try:
+        inside = os.path.relpath(path, os.path.realpath(os.getcwd()))
+    except ValueError:  # another drive
+        return ()
+    if inside == "." or inside.startswith(".."):
+        return ()
+    return ("/" + inside.replace(os.sep, "/") + "/",)
 
 
 def _get_each(ray, refs: list) -> list:
