@@ -1,6 +1,8 @@
-"""Reaching a Ray cluster from any process: a TCP probe, and the auth-token opt-in.
+"""Reaching a Ray cluster from any process: a TCP probe, the auth-token opt-in, and
+this machine's own addresses.
 
-Used by the driver's connection and by ``rtnb submit``/``jobs``/``logs`` alike.
+Used by the driver's connection, by ``rtnb submit``/``jobs``/``logs``, and by the
+ranks (the interface their collectives bind).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import socket
 
 from rtnb.errors import ClusterError
 
-__all__ = ["probe_tcp", "use_auth_token_if_present"]
+__all__ = ["local_addresses", "probe_tcp", "use_auth_token_if_present"]
 
 
 def probe_tcp(host: str, port: int, timeout: float) -> None:
@@ -40,3 +42,19 @@ def use_auth_token_if_present() -> None:
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
     if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def local_addresses() -> dict[str, str]:
+    """This machine's IPv4 and IPv6 addresses, each with the interface holding it
+    (empty without psutil, which Ray installs)."""
+    try:
+        import psutil
+
+        return {
+            a.address.split("%", 1)[0]: name
+            for name, found in psutil.net_if_addrs().items()
+            for a in found
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+        }
+    except Exception:  # noqa: BLE001 - no psutil: no addresses known
+        return {}

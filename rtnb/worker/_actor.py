@@ -21,6 +21,7 @@ from typing import Any
 
 from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
+from rtnb.core._net import local_addresses
 from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
 from rtnb.worker._debug import DebugState
@@ -595,15 +596,7 @@ def _interface_of(address: str) -> str | None:
     """The network interface that holds ``address`` on this machine."""
     if address.startswith("127.") or address == "::1":
         return "lo"
-    try:
-        import psutil
-
-        for name, addresses in psutil.net_if_addrs().items():
-            if any(a.address.split("%", 1)[0] == address for a in addresses):
-                return name
-    except Exception:  # noqa: BLE001 - without psutil gloo picks as it always did
-        pass
-    return None
+    return local_addresses().get(address)
 
 
 def bind_collectives_to(interface: str | None) -> None:

@@ -28,7 +28,13 @@ from rtnb.driver.cluster._auth import (
     users_token,
 )
 from rtnb.driver.cluster._embedded import LOOPBACK, start_embedded_ray
-from rtnb.driver.cluster._outside import look_at_cluster, machine_name, resolve, start_own_node
+from rtnb.driver.cluster._outside import (
+    CLIENT_PORT,
+    look_at_cluster,
+    machine_name,
+    resolve,
+    start_own_node,
+)
 from rtnb.driver.cluster._ray_output import quiet_rank_machinery
 from rtnb.driver.cluster._versions import ray_mismatch_line
 from rtnb.errors import ClusterError, ConfigError, one_line
@@ -48,8 +54,6 @@ _RECONNECT_S = 7 * 24 * 3600
 # sets Ray's timeout, which then stands for Ray's default (the tests shorten Ray's rule
 # so, and the lift shows in seconds instead of a minute).
 _LIFT_OVER_ENV = "RTNB_LIFT_RAY_RULE_OVER_ENV"
-# The Ray Client port `ray start --head` opens by default.
-_CLIENT_PORT = 10001
 # How often the watch knocks on the GCS's port, and for how long it must stay shut.
 _WATCH_S = 0.5
 _LOST_AFTER_S = 1.0
@@ -408,7 +412,7 @@ def connect(
         kwargs.pop("log_to_driver")
     elif target != "auto":
         gcs = f"{host}:{port}"
-        target, joined_as = _join_from_here(host, port, target, kwargs, progress)
+        target, joined_as = _join_from_here(host, port, kwargs, progress)
         if target.startswith("ray://"):
             gcs = None
             kwargs.pop("log_to_driver", None)
@@ -449,7 +453,6 @@ def connect(
 def _join_from_here(
     host: str,
     port: int,
-    target: str,
     kwargs: dict,
     progress: Callable[[str], None] | None,
 ) -> tuple[str, str | None]:
@@ -459,27 +462,26 @@ def _join_from_here(
     machine joined (None: it is a node already)."""
     host = resolve(host)  # Ray's gRPC, like look_at_cluster's, may not read /etc/hosts
     gcs = f"{host}:{port}"
-    target = gcs
     with joining_with(users_token(gcs)):
         view = look_at_cluster(host, port)
     if view.node_here() is not None:
-        return target, None
+        return gcs, None
     here = f"{machine_name()} ({view.this_machine})"
     if progress is not None:
         progress(f"{here} is not a node of the Ray at {gcs}: joining it as a node with no CPUs")
     try:
         start_own_node(host, port, view, env=users_token(gcs))
     except ClusterError as refused:
-        client = f"{host}:{_CLIENT_PORT}"
+        client = f"{host}:{CLIENT_PORT}"
         try:
-            probe_tcp(host, _CLIENT_PORT, 3.0)
+            probe_tcp(host, CLIENT_PORT, 3.0)
         except ClusterError:
             raise refused from None
         if progress is not None:
             progress(f"joining as a node failed; using the cluster's Ray Client at {client}")
         return f"ray://{client}", f"from {here} through the Ray Client at {client}"
     kwargs["_node_ip_address"] = view.this_machine
-    return target, f"from {here}, a node with no CPUs"
+    return gcs, f"from {here}, a node with no CPUs"
 
 
 def _embed(

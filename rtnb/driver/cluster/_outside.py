@@ -35,21 +35,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rtnb.core._net import local_addresses
 from rtnb.errors import ClusterError
 
 __all__ = [
+    "CLIENT_PORT",
     "ClusterView",
-    "resolve",
     "NodeSeen",
     "OwnNode",
     "look_at_cluster",
     "machine_name",
+    "resolve",
     "start_own_node",
 ]
 
 # How long a node of ours may take to register with the GCS (a busy 2-core machine
 # started one in 5-12 s).
 _NODE_START_S = 120.0
+# The Ray Client port `ray start --head` opens by default: the join from outside the
+# cluster's network.
+CLIENT_PORT = 10001
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class ClusterView:
 
     def node_here(self) -> NodeSeen | None:
         """The cluster's node on this machine, if any."""
-        mine = _own_addresses() | {self.this_machine}
+        mine = set(local_addresses()) | {self.this_machine}
         for node in self.nodes:
             if node.node_id in self.local_raylets and (
                 node.address in mine or node.address.startswith("127.")
@@ -82,20 +87,6 @@ class ClusterView:
 
 def machine_name() -> str:
     return socket.gethostname()
-
-
-def _own_addresses() -> set[str]:
-    try:
-        import psutil
-
-        return {
-            a.address
-            for addresses in psutil.net_if_addrs().values()
-            for a in addresses
-            if a.family in (socket.AF_INET, socket.AF_INET6)
-        }
-    except Exception:  # noqa: BLE001 - without psutil only the route's address counts
-        return set()
 
 
 def _address_toward(host: str, port: int) -> str:
@@ -263,7 +254,7 @@ def start_own_node(
         deadline = time.monotonic() + _NODE_START_S
         while True:
             if proc.poll() is not None:
-                raise ClusterError(_start_failed_line(gcs, view, log))
+                raise ClusterError(_start_failed_line(host, port, view, log))
             try:
                 seen = look_at_cluster(host, port, timeout_s=5.0)
             except ClusterError:
@@ -277,16 +268,17 @@ def start_own_node(
                     f"at {gcs} as a node but the cluster did not list it within "
                     f"{_NODE_START_S:.0f} s: the cluster must reach this machine's ports "
                     "(see the remote page); from outside its network use "
-                    f"--address ray://{host}:10001"
+                    f"--address ray://{host}:{CLIENT_PORT}"
                 )
             time.sleep(0.3)
         _OWN[gcs] = node
         return node
 
 
-def _start_failed_line(gcs: str, view: ClusterView, log: Path) -> str:
+def _start_failed_line(host: str, port: int, view: ClusterView, log: Path) -> str:
     from rtnb.driver.cluster._versions import ray_mismatch_line
 
+    gcs = f"{host}:{port}"
     text = log.read_text(errors="replace") if log.exists() else ""
     mismatch = ray_mismatch_line(text)
     if mismatch is not None:
@@ -296,7 +288,7 @@ def _start_failed_line(gcs: str, view: ClusterView, log: Path) -> str:
     return (
         f"this machine ({machine_name()}, {view.this_machine}) is not a node of the Ray at "
         f"{gcs} and could not join it as one ({said}; the log: {log}); from outside the "
-        f"cluster's network use --address ray://HEAD:10001"
+        f"cluster's network use --address ray://{host}:{CLIENT_PORT}"
     )
 
 

@@ -653,7 +653,6 @@ def _host_placement(connection: ClusterConnection) -> dict[str, Any]:
     return {"resources": {"node:__internal_head__": 0.001}}
 
 
-
 def start_detached(
     session_class: type,
     config: SessionConfig,
