@@ -39,6 +39,7 @@ if _WHY_NOT is not None and os.environ.get("CI") == "true":
 if _WHY_NOT is not None:
     pytest.skip(_WHY_NOT, allow_module_level=True)
 
+
 @pytest.fixture(scope="module")
 def cluster():
     made = Cluster()
@@ -104,11 +105,24 @@ def _refusal(run) -> str:
 
 @contextlib.contextmanager
 def kernel_on(cluster: Cluster, machine: Machine, **env: str):
+    """A kernel on ``machine`` with rtnb's magics loaded."""
     kernel = MachineKernel(machine, cluster.env(machine, **env))
     try:
+        _checked(kernel.execute("%load_ext rtnb"), "load")
         yield kernel
     finally:
         kernel.shutdown()
+
+
+def _start(kernel, cluster: Cluster, run: str, flags: str = "", what: str = "start"):
+    """``%rtnb start`` of ``run`` on the cluster by HOST:PORT, its runs in S3."""
+    return _checked(
+        kernel.execute(
+            f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name {run} {flags}",
+            timeout=300,
+        ),
+        what,
+    )
 
 
 def _checked(run, what: str):
@@ -135,19 +149,12 @@ def test_a_notebook_machine_that_is_no_node_trains_ddp_across_two_machines(clust
     work = cluster.nb.work
     (work / "model.py").write_text("VALUE = 1\n")
     with kernel_on(cluster, cluster.nb) as kernel:
-        _checked(kernel.execute("%load_ext rtnb"), "load")
         refused = kernel.execute(
             f"%rtnb start --address {cluster.gcs} --storage {DISK}/work/runs", timeout=150
         )
         assert "is a local path" in _refusal(refused)
 
-        start = _checked(
-            kernel.execute(
-                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name across",
-                timeout=300,
-            ),
-            "start",
-        )
+        start = _start(kernel, cluster, "across")
         assert f"joined from nb ({cluster.nb.address}), a node with no CPUs" in _shown(start)
 
         where = _checked(
@@ -203,7 +210,6 @@ def test_a_notebook_machine_that_is_no_node_trains_ddp_across_two_machines(clust
 
 def test_a_machine_without_the_clusters_token_gets_one_line(cluster: Cluster):
     with kernel_on(cluster, cluster.nb2, HOME=f"{DISK}/work") as kernel:  # no ~/.ray there
-        _checked(kernel.execute("%load_ext rtnb"), "load")
         said = _refusal(kernel.execute(f"%rtnb start --address {cluster.gcs}", timeout=120))
         assert "RAY_AUTH_TOKEN" in said and "(nb2)" in said and "\n" not in said, said
         alive = _checked(kernel.execute("1 + 1"), "after")
@@ -251,14 +257,7 @@ def test_a_lost_worker_machine_ends_the_cell_in_one_line_or_is_replaced_by_the_s
     checkpoint."""
     workers = {w.name: w for w in cluster.workers}
     with kernel_on(cluster, cluster.nb) as kernel:
-        _checked(kernel.execute("%load_ext rtnb"), "load")
-        _checked(
-            kernel.execute(
-                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name lost1",
-                timeout=300,
-            ),
-            "start",
-        )
+        _start(kernel, cluster, "lost1")
         lost = workers[_places(kernel)[1][0]]
         _checked(kernel.execute(_training(200, 0.2)), "background")
         wait_until("a checkpoint", lambda: _committed(cluster, "lost1") >= 2, 120)
@@ -274,14 +273,7 @@ def test_a_lost_worker_machine_ends_the_cell_in_one_line_or_is_replaced_by_the_s
         cluster.reboot(lost)
         _checked(kernel.execute("%rtnb stop"), "stop")
 
-        _checked(
-            kernel.execute(
-                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name lost2 "
-                "--max-failures 1",
-                timeout=300,
-            ),
-            "start again",
-        )
+        _start(kernel, cluster, "lost2", "--max-failures 1", what="start again")
         before = _places(kernel)
         lost = workers[before[1][0]]
         spare = next(w for w in cluster.workers if w.name not in {n for n, _ in before.values()})
@@ -317,7 +309,6 @@ def test_every_join_form_from_a_machine_that_is_no_node(cluster: Cluster):
     """RAY_ADDRESS=HOST:PORT (as a KubeRay notebook pod sets it), then ray:// in the
     same kernel; each says how it joined."""
     with kernel_on(cluster, cluster.nb2, RAY_ADDRESS=cluster.gcs) as kernel:
-        _checked(kernel.execute("%load_ext rtnb"), "load")
         start = _checked(
             kernel.execute(f"%rtnb start --storage {cluster.storage} --name envjoin", timeout=300),
             "start by RAY_ADDRESS",
@@ -345,14 +336,7 @@ def test_a_worker_machine_cut_off_mid_collective_ends_the_cell_and_the_session_g
     wait; once the link is back the session runs cells again."""
     workers = {w.name: w for w in cluster.workers}
     with kernel_on(cluster, cluster.nb) as kernel:
-        _checked(kernel.execute("%load_ext rtnb"), "load")
-        _checked(
-            kernel.execute(
-                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name cut",
-                timeout=300,
-            ),
-            "start",
-        )
+        _start(kernel, cluster, "cut")
         cut = workers[_places(kernel)[1][0]]
         _checked(
             kernel.execute(
@@ -378,13 +362,7 @@ def test_a_worker_machine_cut_off_mid_collective_ends_the_cell_and_the_session_g
         again = kernel.execute("%rtrain 1 + 1", timeout=120)
         if again.status != "ok":  # at worst, start again
             _checked(kernel.execute("%rtnb stop"), "stop")
-            _checked(
-                kernel.execute(
-                    f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name cut2",
-                    timeout=300,
-                ),
-                "start again",
-            )
+            _start(kernel, cluster, "cut2", what="start again")
         assert len(_ddp_on_two_machines(kernel)) == 2
         _checked(kernel.execute("%rtnb stop"), "stop")
 
@@ -395,14 +373,7 @@ def test_the_heads_link_cut_for_ten_seconds_leaves_the_kernel_alive_and_saying_s
     """(c) The head unreachable for 10 s while a group is up: the kernel lives, says
     what it lost, and starts again once the head is back."""
     with kernel_on(cluster, cluster.nb) as kernel:
-        _checked(kernel.execute("%load_ext rtnb"), "load")
-        _checked(
-            kernel.execute(
-                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name headcut",
-                timeout=300,
-            ),
-            "start",
-        )
+        _start(kernel, cluster, "headcut")
         _checked(kernel.execute("%rtrain x = 41"), "state")
         cluster.head.link(False)
         try:
@@ -417,13 +388,7 @@ def test_the_heads_link_cut_for_ten_seconds_leaves_the_kernel_alive_and_saying_s
         assert _value(alive) == "42"
         wait_until("the head", lambda: answers(f"http://{cluster.head.address}:8265"), 60)
         _checked(kernel.execute("%rtnb stop"), "stop")
-        _checked(
-            kernel.execute(
-                f"%rtnb start --address {cluster.gcs} --storage {cluster.storage} --name headback",
-                timeout=300,
-            ),
-            "start again",
-        )
+        _start(kernel, cluster, "headback", what="start again")
         assert len(_ddp_on_two_machines(kernel)) == 2
         _checked(kernel.execute("%rtnb stop"), "stop")
 
@@ -434,15 +399,7 @@ def test_a_detached_group_trains_on_while_the_notebook_machine_is_cut_off(cluste
     and every report of it once in the run's record."""
     steps = 60
     with kernel_on(cluster, cluster.nb) as kernel:
-        _checked(kernel.execute("%load_ext rtnb"), "load")
-        _checked(
-            kernel.execute(
-                f"%rtnb start --detached --address {cluster.gcs} --storage {cluster.storage} "
-                "--name far",
-                timeout=300,
-            ),
-            "start detached",
-        )
+        _start(kernel, cluster, "far", "--detached", what="start detached")
         _checked(
             kernel.execute(
                 "%%rtrain --background\nimport time, rtnb\n"
@@ -456,7 +413,6 @@ def test_a_detached_group_trains_on_while_the_notebook_machine_is_cut_off(cluste
         time.sleep(8)  # the cut itself is what this test is about
         cluster.nb.link(True)
     with kernel_on(cluster, cluster.nb2) as other:
-        _checked(other.execute("%load_ext rtnb"), "load")
         _checked(
             other.execute(f"%rtnb attach far --take --address {cluster.gcs}", timeout=300), "attach"
         )
