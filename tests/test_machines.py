@@ -83,16 +83,26 @@ class MachineKernel(Kernel):
             cache_ports=False,
         )
         km.kernel_spec.interrupt_mode = "message"  # SIGINT would reach nsenter only
-        # The machine's own ports (jupyter_client would look for free ones on this host).
-        base = 40000 + secrets.randbelow(20000)
-        km.shell_port, km.iopub_port, km.stdin_port, km.hb_port, km.control_port = range(
-            base, base + 5
-        )
         self.km = km
-        km.start_kernel(env=env)
-        self.kc = km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
+        for attempt in range(3):
+            # The machine's own ports (jupyter_client would look for free ones on this
+            # host). Below Linux's ephemeral range (32768+), where the machine's Ray node
+            # takes its own ports, and above Ray's worker ports (10002-19999).
+            base = 20000 + secrets.randbelow(12000)
+            km.shell_port, km.iopub_port, km.stdin_port, km.hb_port, km.control_port = range(
+                base, base + 5
+            )
+            km.start_kernel(env=env)
+            self.kc = km.client()
+            self.kc.start_channels()
+            try:
+                self.kc.wait_for_ready(timeout=120)
+                return
+            except RuntimeError:  # a port taken after all: the kernel died binding it
+                self.kc.stop_channels()
+                km.cleanup_resources()
+                if attempt == 2:
+                    raise
 
 
 def _refusal(run) -> str:
