@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -35,7 +36,7 @@ def _store(tmp_path, name="run-a"):
     return MetricsStore(log=MetricsLog(run_dir), capacity=64), run_dir
 
 
-def test_store_keeps_per_rank_series_the_mean_and_writes_every_report(tmp_path):
+def test_store_keeps_per_rank_series_the_mean_and_writes_every_report(tmp_path, monkeypatch):
     store, run_dir = _store(tmp_path)
     store.begin([0, 1])
     for step in range(1, 501):
@@ -51,6 +52,13 @@ def test_store_keeps_per_rank_series_the_mean_and_writes_every_report(tmp_path):
     assert len(frame) == 1000 and list(frame.columns[:3]) == ["rank", "step", "timestamp"]
     assert frame[frame["rank"] == 0]["step"].tolist() == list(range(1, 501))
     assert result.metrics["loss"] == 2.0 and result.metrics_per_rank[1]["loss"] == 3.0
+    # As the runs folder is shown (relative to the notebook's folder), and as a user
+    # types a run's folder name alone from inside the runs folder.
+    for where, path in ((tmp_path.parent, f"{tmp_path.name}/run-a"), (tmp_path, "run-a")):
+        monkeypatch.chdir(where)
+        again = Result.from_path(path)
+        assert again.run_name == "run-a" and again.metrics == result.metrics
+        assert RunDirectory(path.rpartition("/")[0] or ".", "run-a").path == run_dir.path
     assert [r.name for r in list_runs(str(tmp_path)).runs] == ["run-a"]
 
 
@@ -707,3 +715,90 @@ def test_lasting_figures_drawn_before_the_page_said_its_theme_take_a_dark_pages_
     _theme.redraw_when_theme_known(redraw)  # drawn once the theme is known: kept as is
     probe.set_state({"light": True})
     assert len(drawn) == 2
+
+
+def _descents() -> list[list[float]]:
+    """Losses of real training runs whose descent is steep and bumpy: a small
+    regression trained with SGD, Adam and momentum over minibatches (the shape of a
+    loss that falls from ~5 to ~1e-5 in 60 steps)."""
+    torch = pytest.importorskip("torch")
+    curves = []
+    for seed in range(12):
+        for make in (
+            lambda p: torch.optim.SGD(p, lr=0.3),
+            lambda p: torch.optim.Adam(p, lr=0.1),
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        ):
+            torch.manual_seed(seed)
+            x = torch.randn(64, 8)
+            y = x @ (torch.randn(8, 1) * 1.6)
+            model = torch.nn.Linear(8, 1)
+            opt = make(model.parameters())
+            losses = []
+            for _ in range(100):
+                i = torch.randint(0, 64, (16,))
+                loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            curves.append(losses)
+    return curves
+
+
+def test_a_curves_whole_story_stays_in_view_and_only_a_spike_is_left_out(tmp_path):
+    """The default y range over a corpus of curves: a falling loss keeps its first
+    steps (steep, bumpy, exponential), a plateau its noise, an accuracy its rise; a
+    NaN is never drawn; only a spike that would flatten the rest is left out."""
+    import math
+
+    from rtnb.widgets import static_figure_bundle
+    from rtnb.widgets._plot import robust_range
+
+    def shows(curve, span) -> bool:
+        finite = [v for v in curve if v is not None and math.isfinite(v)]
+        return span is None or (span[0] <= min(finite) and span[1] >= max(finite))
+
+    exponential = [5.3 * (2e-5 / 5.3) ** (s / 60) for s in range(120)]
+    plateau = [0.7 + 0.01 * ((s * 7919) % 13 - 6) / 6 for s in range(300)]
+    rising = [1 - 0.9 * 0.95**s + 0.005 * ((s * 31) % 7 - 3) for s in range(200)]
+    for name, curve in [("exponential", exponential), ("plateau", plateau), ("accuracy", rising)]:
+        assert shows(curve, robust_range([curve])), name
+    descents = _descents()
+    for i, curve in enumerate(descents):
+        assert shows(curve, robust_range([curve])), f"descent {i} lost its first steps"
+    assert shows(descents[0], robust_range(descents[:2])), "two ranks' descents alike"
+
+    with_nan = list(exponential)
+    with_nan[30] = float("nan")
+    with_nan[31] = float("inf")
+    assert shows(with_nan, robust_range([with_nan]))
+
+    spike = list(plateau)
+    spike[150] = 40.0  # one bad batch mid-run
+    low, high = robust_range([spike])
+    assert high < 1.0 and low < min(plateau), "the spike is out, every other point in"
+    twin = list(plateau)
+    twin[150:152] = [40.0, 38.0]
+    assert robust_range([twin])[1] < 1.0, "a spike two points wide is one too"
+    excursion = list(plateau)
+    excursion[150:160] = [40.0] * 10  # ten steps up there: part of the story
+    assert robust_range([excursion]) is None
+    small = list(plateau)
+    small[150] = 0.725  # a bump that does not flatten anything
+    assert robust_range([small]) is None
+    first = [1000.0] + [1.0 / s for s in range(1, 100)]
+    assert robust_range([first])[1] < 2.0, "a first loss of 1000 before 1.0, 0.5, ..."
+
+    # The lasting figure (plotly and its SVG) of a run whose loss is such a descent.
+    store, _ = _store(tmp_path, "descent")
+    store.begin([0, 1])
+    for rank in (0, 1):
+        store.add(rank, [(s, float(s), {"loss": v}) for s, v in enumerate(descents[rank])])
+    bundle = static_figure_bundle(store, title="descent")
+    axis = bundle["application/vnd.plotly.v1+json"]["layout"]["yaxis"]
+    assert "range" not in axis or axis["range"][1] >= max(descents[0][:2] + descents[1][:2])
+    tops = [float(v) for v in re.findall(r">(-?[0-9.]+)</text>", bundle["image/svg+xml"])]
+    assert tops and max(tops) >= 0.5 * max(descents[0][0], descents[1][0]), (
+        "the SVG's y axis reaches the first losses"
+    )

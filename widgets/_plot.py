@@ -80,16 +80,22 @@ def trace_keys(
     return keys
 
 
-def robust_range(traces, k: float = 20.0, early: float = 0.25) -> list[float] | None:
+def robust_range(
+    traces, k: float = 20.0, window: int = 5, most: int = 2, gain: float = 3.0
+) -> list[float] | None:
     """A y range for ``traces`` (each a sequence of y values, in step order) without
-    their outliers, or None (autorange) when leaving them out changes nothing.
+    their spikes, or None (autorange: every point in view).
 
-    An outlier is a jump, not a steep start: a smooth decay (``1/step``, an
-    exponential) keeps its first steps in view, however steep. Left out are the
-    points before a jump in a trace's first ``early`` share that is ``k`` times the
-    trace's median change and ``k`` times the change after it (a first loss of 100
-    before 2.3, 2.2, ...), and spikes: a point ``k`` median changes away from both
-    neighbours on the same side."""
+    A curve's story stays in view: a falling loss's first steps, however steep or
+    bumpy its descent (SGD's early bumps are as large as the changes around them), a
+    plateau's noise, a rising accuracy. Left out are only spikes: at most ``most``
+    points of a trace that stand ``k`` times the change usual *around them* (the
+    median of the ``window`` changes on each side) away from both neighbours on the
+    same side (one point, or two together), or a trace's first ``most`` points before a jump ``k`` times that
+    usual change, the change after it and the whole span of the rest (a first loss
+    of 1000 before 1.0, 0.5, 0.33...), and only where leaving them out shrinks the range ``gain``
+    times: a spike that would flatten the rest. NaN and infinities are never drawn
+    and never counted."""
     import numpy as np
 
     kept, every = [], []
@@ -100,28 +106,65 @@ def robust_range(traces, k: float = 20.0, early: float = 0.25) -> list[float] | 
             data = np.asarray([np.nan if v is None else v for v in ys], dtype=float).ravel()
         data = data[np.isfinite(data)]
         every.append(data)
-        keep = np.ones(data.size, dtype=bool)
-        if data.size >= 5:
-            change = np.abs(np.diff(data))
-            usual = float(np.median(change))
-            jumps = (change[:-1] > k * usual) & (change[:-1] > k * change[1:])
-            jumps = np.nonzero(jumps[: max(1, int(data.size * early))])[0]
-            if jumps.size:
-                keep[: jumps[-1] + 1] = False
-            left, right = data[1:-1] - data[:-2], data[1:-1] - data[2:]
-            spikes = (np.sign(left) == np.sign(right)) & (
-                np.minimum(np.abs(left), np.abs(right)) > k * usual
-            )
-            keep[1:-1] &= ~spikes
-        kept.append(data[keep])
+        out = _spikes(data, k, window, most)
+        kept.append(data[~out] if out.any() else data)
     rest_all, every_all = np.concatenate(kept or [[]]), np.concatenate(every or [[]])
-    if rest_all.size < 5:
+    if rest_all.size < 5 or rest_all.size == every_all.size:
         return None
     lo, hi = float(rest_all.min()), float(rest_all.max())
-    if lo <= float(every_all.min()) and hi >= float(every_all.max()):
-        return None
+    full = float(every_all.max()) - float(every_all.min())
+    if full <= gain * (hi - lo):
+        return None  # the spikes do not flatten the rest: show every point
     pad = 0.05 * (hi - lo) if hi > lo else max(abs(hi) * 0.05, 1e-12)
     return [lo - pad, hi + pad]
+
+
+def _spikes(data, k: float, window: int, most: int):
+    """Which points of ``data`` (finite values in step order) are spikes, as
+    :func:`robust_range` says; none where more than ``most`` would be."""
+    import numpy as np
+
+    n = data.size
+    out = np.zeros(n, dtype=bool)
+    if n < 5:
+        return out
+    change = np.abs(np.diff(data))  # change[i]: from point i to point i + 1
+    # The change usual around point i: the median of the changes up to ``window``
+    # away on each side, leaving out the two that touch i (a spike's own).
+    padded = np.concatenate([np.full(window + 1, np.nan), change, np.full(window + 1, np.nan)])
+    around = np.lib.stride_tricks.sliding_window_view(padded, 2 * window + 2)[:n].copy()
+    around[:, window : window + 2] = np.nan  # change[i - 1] and change[i]
+    usual = np.nanmedian(around, axis=1)
+    left, right = data[1:-1] - data[:-2], data[1:-1] - data[2:]
+    spikes = (np.sign(left) == np.sign(right)) & (
+        np.minimum(np.abs(left), np.abs(right)) > k * usual[1:-1]
+    )
+    out[1:-1] = spikes
+    # Two points up there together: i and i + 1, each far from its outer neighbour.
+    up, down = data[1:-2] - data[:-3], data[2:-1] - data[3:]
+    apart = np.minimum(np.abs(up), np.abs(down))
+    pairs = (
+        (np.sign(up) == np.sign(down))
+        & (apart > k * usual[1:-2])
+        & (np.abs(data[1:-2] - data[2:-1]) < apart / 2)
+    )
+    for i in np.nonzero(pairs)[0] + 1:
+        out[i : i + 2] = True
+    for first in range(min(most, n - 2)):
+        # A start that jumps to where the curve then stays: k times the change after
+        # it, the change usual there, and the whole span of what follows (a steep
+        # descent's first steps are a fair share of that span).
+        rest = data[first + 1 :]
+        jump = change[first]
+        if (
+            jump > k * change[first + 1]
+            and jump > k * usual[first + 1]
+            and jump > k * float(rest.max() - rest.min())
+        ):
+            out[: first + 1] = True
+    if out.sum() > most:
+        return np.zeros(n, dtype=bool)  # more than a spike: part of the curve's story
+    return out
 
 
 def see_through_layout() -> dict:

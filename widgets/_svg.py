@@ -111,7 +111,7 @@ def _panel(
         return "".join(out)
     xmin, xmax = min(p[0] for p in every), max(p[0] for p in every)
     ymin, ymax = min(p[1] for p in every), max(p[1] for p in every)
-    if span is not None:  # the figure's own y range (early outliers left out)
+    if span is not None:  # the figure's own y range (spikes left out)
         ymin, ymax = float(span[0]), float(span[1])
     if xmax == xmin:
         xmax = xmin + 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +106,8 @@ class Result:
 
 def _run_dir(path: str) -> RunDirectory:
     location, _, query = path.partition("?")
+    if "://" not in location:
+        location = os.path.abspath(os.path.expanduser(location))
     base, _, name = location.rstrip("/").rpartition("/")
     return RunDirectory((base or "/") + (f"?{query}" if query else ""), name)
 

@@ -29,6 +29,10 @@ class RunDirectory:
         # Query parameters (e.g. s3://b/p?endpoint_override=...&scheme=http) configure
         # the filesystem; the run name goes into the path before them.
         base, _, query = storage.partition("?")
+        if "://" not in base:
+            # A local path as a user types it, or as rtnb shows one (rtnb_runs/run-...):
+            # relative to the kernel's folder, "~" its user's home.
+            base = os.path.abspath(os.path.expanduser(base))
         # The real URI (it may carry credentials) stays in memory; ``uri`` is what
         # is shown and stored.
         self._uri = f"{base.rstrip('/')}/{run_name}" + (f"?{query}" if query else "")
