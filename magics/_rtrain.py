@@ -215,7 +215,9 @@ class RtrainMagics(Magics):
             [rank 1] 1.0
         """
         args = parse_argstring(self.rtrain_cell, line)
-        return self.runner.run(cell, args)
+        # `%%rtrain` is the cell's line 1 in the notebook's editor: the code starts on
+        # line 2, so a traceback's and the hang doctor's line numbers are the editor's.
+        return self.runner.run("\n" + cell, args)
 
     @magic_arguments()
     @cell_options

@@ -118,6 +118,7 @@ class CellError(RtnbError):
         failures: Mapping[int, str] | None = None,
         exc_type: str = "",
         hint: str = "",
+        aftermath: str = "",
     ) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
@@ -125,9 +126,15 @@ class CellError(RtnbError):
         # What to do, when the notebook side can tell (a NameError for one of its own
         # variables: push it); shown under the message.
         self.hint = hint
+        # What the failure cost the worker group, when more than the cell (the other
+        # ranks could not be stopped and the group was rebuilt): the last line shown.
+        self.aftermath = aftermath
 
     def __reduce__(self):
-        return (self.__class__, (self.message, self.failures, self.exc_type, self.hint))
+        return (
+            self.__class__,
+            (self.message, self.failures, self.exc_type, self.hint, self.aftermath),
+        )
 
     @property
     def missing_name(self) -> str | None:
@@ -154,18 +161,22 @@ class CellError(RtnbError):
         )
 
     def _render_traceback_(self) -> list[str]:
-        lines = [f"\x1b[0;31mCellError\x1b[0m: {self.message}"]
-        if self.hint:
-            lines.append(self.hint)
+        # As Python and IPython show an error: the frames first (each failed rank's,
+        # in the cell's code), then what failed, then what it cost the group.
+        lines: list[str] = []
         # Ranks usually fail identically: print each distinct traceback once.
         seen: dict[str, list[int]] = {}
         for rank in self.ranks:
             seen.setdefault(self.failures[rank], []).append(rank)
         for text, ranks in seen.items():
-            lines.append(
-                f"\n--- remote traceback, rank{'s' if len(ranks) > 1 else ''} {_join(ranks)} ---"
-            )
+            lines.append(f"--- rank{'s' if len(ranks) > 1 else ''} {_join(ranks)} ---")
             lines.extend(text.rstrip("\n").splitlines())
+            lines.append("")
+        lines.append(f"\x1b[0;31mCellError\x1b[0m: {self.message}")
+        if self.hint:
+            lines.append(self.hint)
+        if self.aftermath:
+            lines.append(self.aftermath)
         return lines
 
 

@@ -71,7 +71,10 @@ def test_a_failing_cell_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_pat
     nb = new_notebook(
         [
             "%load_ext rtnb\n%rtnb start",
-            "%%rtrain\nraise RuntimeError('boom on the ranks')",
+            # Rank 1 raises while rank 0 waits for it in a collective: rank 0 cannot
+            # stop and the group is rebuilt; the saved notebook still shows where.
+            "%%rtrain\nimport torch, torch.distributed as dist\nif dist.get_rank() == 1:\n"
+            "    raise RuntimeError('boom on the ranks')\ndist.all_reduce(torch.ones(1))",
             "print('never')",
         ]
     )
@@ -80,7 +83,13 @@ def test_a_failing_cell_exits_non_zero_and_keeps_the_output(ray_cluster, tmp_pat
     proc = _run(["run", str(src)], tmp_path)
     assert proc.returncode == 1
     assert "failed" in proc.stderr and "boom on the ranks" in proc.stderr
-    assert (tmp_path / "fails.output.ipynb").exists()
+    saved = nbformat.read(tmp_path / "fails.output.ipynb", as_version=4)
+    (error,) = _errors(saved)
+    shown = "\n".join(error["traceback"])
+    assert error["ename"] == "CellError" and "--- rank 1 ---" in shown, shown
+    assert re.search(r"Cell In\[\d+\], line 4\n", shown), shown
+    assert "----> 4     raise RuntimeError('boom on the ranks')" in shown, shown
+    assert shown.rstrip().splitlines()[-1].startswith("[rtnb] "), "the group's line last"
 
 
 def test_bad_parameter_name_is_refused_before_running(tmp_path):

@@ -1126,9 +1126,9 @@ if rank == 1:
 dist.all_reduce(torch.ones(1))
 """
 )
-# Rank 1's wait, by its line in the cell's code: a cell magic's code starts on the
-# line under `%%rtrain` (line 1 there), as in IPython's own cell magics' tracebacks.
-WAIT_LINE = INSIDE.splitlines().index("    while not os.path.exists(FLAG): time.sleep(0.05)")
+# Rank 1's wait, by its line in the cell as the notebook's editor numbers it
+# (`%%rtrain` is line 1).
+WAIT_LINE = 1 + INSIDE.splitlines().index("    while not os.path.exists(FLAG): time.sleep(0.05)")
 
 
 def test_the_stacks_panel_a_control_input_and_a_ranks_debugger_prompt_in_jupyterlab(lab, tmp_path):

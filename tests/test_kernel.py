@@ -112,6 +112,22 @@ def test_remote_error_and_syntax_error_show_rank_and_user_code(kernel):
     assert run.status == "error" and run.ename == "CellError"
     assert "rank 0" in shown and "KeyError: 'missing'" in shown and "{}['missing']" in shown
     assert "/rtnb/" not in shown and "ray/_private" not in shown
+    # As IPython shows its own: the cell, the line as the editor numbers it (the
+    # magic's own line is 1), the lines above it, then the error.
+    label = re.search(r"Cell (In\[\d+\]), line 4\n", shown)
+    assert label and "----> 4     {}['missing']" in shown and "      3 if dist" in shown, shown
+    assert shown.index("----> 4") < shown.index("cell failed on rank 0"), shown
+    # A rank that raised while the others wait for it in a collective: they cannot
+    # stop, the group is rebuilt, and the rank's traceback still leads the error.
+    run = kernel.execute(
+        "%%rtrain\nimport torch, torch.distributed as dist\nif dist.get_rank() == 1:\n"
+        "    raise RuntimeError('boom')\ndist.all_reduce(torch.ones(1))",
+        timeout=120,
+    )
+    shown = "\n".join(run.traceback)
+    assert run.ename == "CellError" and "----> 4     raise RuntimeError('boom')" in shown, shown
+    assert shown.index("RuntimeError: boom") < shown.index("rebuilt with fresh ranks"), shown
+    assert "/rtnb/" not in shown and "ray/_private" not in shown
     run = kernel.execute("%%rtrain\ndef broken(:\n    pass")
     assert run.status == "error" and "SyntaxError" in "\n".join(run.traceback)
     assert "not sent" in "\n".join(run.traceback)

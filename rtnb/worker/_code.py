@@ -71,11 +71,37 @@ def error_summary(exc: BaseException) -> str:
 
 
 def user_traceback(exc: BaseException, filename: str) -> str:
-    """The traceback from the first frame of the user's cell on: rtnb's own frames
-    (the exec machinery) are noise to the user."""
+    """The traceback from the first frame of the user's cell on, as IPython shows
+    one (``Cell In[3], line 4`` and the lines up to it, ``---->`` at the one that
+    raised): rtnb's own frames (the exec machinery) are noise to the user."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
     if isinstance(exc, SyntaxError) or tb is None:
         return "".join(traceback.format_exception_only(type(exc), exc))
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    frames = [_frame_text(frame) for frame in traceback.extract_tb(tb)]
+    last = "".join(traceback.format_exception_only(type(exc), exc))
+    return "Traceback (most recent call last):\n" + "\n".join(frames) + "\n" + last
+
+
+_CONTEXT_LINES = 2  # shown above the line a frame is at
+
+
+def _frame_text(frame: traceback.FrameSummary) -> str:
+    name = frame.filename
+    if name.startswith("<rtrain"):
+        # <rtrain In[3]> -> "Cell In[3]"; <rtrain-cell-7> -> "Cell rtrain-cell-7".
+        where = f"Cell {name.strip('<>').removeprefix('rtrain ')}, line {frame.lineno}"
+        if frame.name != "<module>":
+            where += f", in {frame.name}()"
+    else:
+        where = f"File {name}:{frame.lineno}, in {frame.name}()"
+    lineno = frame.lineno or 0
+    lines = [where]
+    for number in range(max(1, lineno - _CONTEXT_LINES), lineno + 1):
+        text = linecache.getline(name, number).rstrip()
+        if number < lineno and not text.strip():
+            continue
+        marker = "---->" if number == lineno else ""
+        lines.append(f"{marker:<5} {number} {text}" if text else f"{marker:<5} {number}")
+    return "\n".join(lines) + "\n"
