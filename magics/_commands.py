@@ -516,12 +516,13 @@ class Commands:
     def import_script(self, rest: str):
         args = parse_argstring(import_args, rest)
         try:
-            script = self.slot.require().prepare_import(args.file)
+            script = self.slot.require().prepare_import(args.file, args.args)
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
         for note in script.notes:
             print(f"rtnb: {note}")
-        print(f"rtnb: running {script.loop}() of {script.path} on the ranks")
+        what = "its __main__" if script.loop == "__main__" else f"{script.loop}()"
+        print(f"rtnb: running {what} of {script.path} on the ranks")
         return self.runner.run(script.code, parse_argstring(rtrain_args, ""))
 
     @command("export")

@@ -355,7 +355,15 @@ def export_args(line):
 
 
 @magic_arguments()
-@argument("file", help="a Ray Train script (TorchTrainer(train_loop_per_worker, ...))")
+@argument(
+    "file",
+    help="a Ray Train script (TorchTrainer(train_loop_per_worker, ...)) or a torchrun script",
+)
+@argument(
+    "args",
+    nargs=argparse.REMAINDER,
+    help="a torchrun script's command-line arguments (its sys.argv[1:])",
+)
 def import_args(line):
     """%rtnb import options."""
 
@@ -506,8 +514,8 @@ SUBCOMMANDS = [
     ),
     Subcommand(
         "import",
-        "run a Ray Train script's train_loop_per_worker as a cell (its size and config)",
-        "%rtnb import train.py",
+        "run a Ray Train script's training loop, or a torchrun script, as a cell",
+        "%rtnb import train.py [ARGS...]",
         import_args,
     ),
     Subcommand(

@@ -28,6 +28,11 @@ from rtnb.worker._debug import DebugState
 from rtnb.worker._runtime import RankContext, RankRuntime
 from rtnb.worker._shards import watched_shard
 from rtnb.worker._stopping import CellStopped
+from rtnb.worker._torchrun import (
+    install_torchrun_compat,
+    remove_torchrun_compat,
+    torchrun_environment,
+)
 
 __all__ = ["ACTOR_CONCURRENCY", "RAY_OWNED_ENV", "RELAY_FROM_RANKS", "RankActor", "poll_timing"]
 
@@ -200,19 +205,26 @@ class RankActor:
         self._rendezvous = sock
         return sock.getsockname()[1]
 
-    def set_placement(self, local_rank: int, local_world_size: int, node_rank: int) -> str:
+    def set_placement(
+        self, local_rank: int, local_world_size: int, node_rank: int, nodes: int = 1
+    ) -> str:
         ctx = self.runtime.context
         ctx.local_rank, ctx.local_world_size, ctx.node_rank = (
             local_rank,
             local_world_size,
             node_rank,
         )
+        # Every variable torchrun gives a worker: a torchrun script reads them as is.
         os.environ.update(
-            RANK=str(ctx.world_rank),
-            WORLD_SIZE=str(ctx.world_size),
-            LOCAL_RANK=str(local_rank),
-            LOCAL_WORLD_SIZE=str(local_world_size),
-            NODE_RANK=str(node_rank),
+            torchrun_environment(
+                ctx.world_rank,
+                ctx.world_size,
+                local_rank,
+                local_world_size,
+                node_rank,
+                nodes,
+                ctx.run_name,
+            )
         )
         # torch is imported here, on every rank at once, so the start's "ranks" phase
         # holds that cost (~1.5 s of CPU a rank) and "process group" only the rendezvous.
@@ -255,11 +267,13 @@ class RankActor:
             world_size=ctx.world_size,
             timeout=timeout,
         )
+        install_torchrun_compat()
         return dist.is_initialized()
 
     def shutdown_distributed(self) -> None:
         import torch.distributed as dist
 
+        remove_torchrun_compat()
         if dist.is_initialized():
             dist.destroy_process_group()
 

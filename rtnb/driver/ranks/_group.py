@@ -232,7 +232,10 @@ class WorkerGroup:
                 devices = ray.get(
                     [
                         a.set_placement.remote(
-                            info.local_rank, self._local_world_size(info), info.node_rank
+                            info.local_rank,
+                            self._local_world_size(info),
+                            info.node_rank,
+                            self.node_count,
                         )
                         for a, info in zip(self.actors, self.ranks)
                     ],

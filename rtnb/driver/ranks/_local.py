@@ -89,7 +89,7 @@ class LocalGroup:
             )
             self.runtime = RankRuntime(context, in_kernel=True)
             self._breakpoints.install(self.runtime.cell_thread_id)
-            from rtnb.worker import _compat
+            from rtnb.worker import _compat, _torchrun
 
             _compat.install_ray_train_aliases()
             if not dist.is_initialized():
@@ -97,6 +97,7 @@ class LocalGroup:
                     backend=context.backend, store=dist.HashStore(), rank=0, world_size=1
                 )
                 self._own_process_group = True
+                _torchrun.install_torchrun_compat()
             self.ranks = [
                 RankInfo(
                     rank=0,
@@ -114,14 +115,15 @@ class LocalGroup:
             # A cell still running here cannot be killed (it is a thread of the
             # kernel): stopping it was the stop protocol's part.
             runtime.close()
+        from rtnb.worker import _compat, _torchrun
+
         if self._own_process_group:
             import torch.distributed as dist
 
+            _torchrun.remove_torchrun_compat()
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._own_process_group = False
-        from rtnb.worker import _compat
-
         _compat.remove_ray_train_aliases()
         self._delivery.close()
         self._breakpoints.remove()

@@ -43,9 +43,10 @@ class TrainScript:
     notes: list[str] = field(default_factory=list)
 
 
-def read_train_script(path: str) -> TrainScript:
+def read_train_script(path: str, argv: list[str] | None = None) -> TrainScript:
     """Parse ``path`` (see the module docstring); one ConfigError line when it is
-    not a script with a training loop."""
+    not a script with a training loop. A torchrun script (no trainer, a ``__main__``
+    block) runs whole on every rank, with ``argv`` as its command line."""
     path = os.path.abspath(os.path.expanduser(path))
     try:
         with open(path, encoding="utf-8") as f:
@@ -60,6 +61,13 @@ def read_train_script(path: str) -> TrainScript:
         ) from None
     notes: list[str] = []
     trainer, scope = _find_trainer(tree)
+    if trainer is None and any(isinstance(n, ast.If) and _is_main_guard(n) for n in tree.body):
+        return _torchrun_script(path, source, tree, list(argv or ()))
+    if argv:
+        raise ConfigError(
+            f"{path!r} builds a TorchTrainer: its config comes from the script, so "
+            f"arguments ({' '.join(argv)}) are for a torchrun script; run it without them"
+        )
     functions = {
         n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
     }
@@ -104,6 +112,96 @@ def read_train_script(path: str) -> TrainScript:
         body += config_definitions
     code = f"__file__ = {path!r}\n\n{body}\n\n{call}\n"
     return TrainScript(path, code, loop_name, workers, gpu, notes)
+
+
+def _torchrun_script(path: str, source: str, tree: ast.Module, argv: list[str]) -> TrainScript:
+    """A script torchrun runs: every rank runs it whole as ``__main__`` with
+    ``sys.argv`` as torchrun gives it (the script's path, then its arguments), its
+    ``init_process_group``/``destroy_process_group`` on the session's group."""
+    missing = _missing_positionals(tree, argv)
+    if missing:
+        usage = " ".join(name.upper() for name in _positionals(tree))
+        raise ConfigError(
+            f"{os.path.basename(path)} needs its positional argument {missing[0]!r} "
+            f"(torchrun ... {os.path.basename(path)} {usage}): "
+            f"%rtnb import {path} {usage}"
+        )
+    code = (
+        f"import sys as _rtnb_sys\n_rtnb_sys.argv = {[path, *argv]!r}\n"
+        f"__file__ = {path!r}\n\n{source}\n"
+    )
+    shown = " ".join([os.path.basename(path), *argv])
+    return TrainScript(
+        path,
+        code,
+        "__main__",
+        None,
+        notes=[f"a torchrun script: every rank runs it as `torchrun ... {shown}` would"],
+    )
+
+
+# argparse actions that take no value after their flag.
+_NO_VALUE = {"store_true", "store_false", "store_const", "append_const", "count", "help", "version"}
+
+
+def _argument_calls(tree: ast.Module) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "add_argument"
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and isinstance(n.args[0].value, str)
+    ]
+
+
+def _positionals(tree: ast.Module) -> list[str]:
+    """The script's required positional arguments (argparse), in order."""
+    names = []
+    for call in _argument_calls(tree):
+        name = call.args[0].value
+        nargs = _keyword(call, "nargs")
+        optional = isinstance(nargs, ast.Constant) and nargs.value in ("?", "*")
+        if not name.startswith("-") and not optional:
+            names.append(name)
+    return names
+
+
+def _missing_positionals(tree: ast.Module, argv: list[str]) -> list[str]:
+    """The required positional arguments ``argv`` does not give, as argparse would
+    see it (an option's value is not a positional)."""
+    flags_without_value = set()
+    for call in _argument_calls(tree):
+        action = _keyword(call, "action")
+        if isinstance(action, ast.Constant) and action.value in _NO_VALUE:
+            flags_without_value |= {
+                a.value
+                for a in call.args
+                if isinstance(a, ast.Constant) and isinstance(a.value, str)
+            }
+    given, i = 0, 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            given += len(argv) - i - 1
+            break
+        if token.startswith("-") and len(token) > 1 and not _is_number(token):
+            if "=" not in token and token not in flags_without_value:
+                i += 1  # the option's value
+        else:
+            given += 1
+        i += 1
+    return _positionals(tree)[given:]
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def _datasets_note(trainer: ast.Call, scope: list[ast.stmt], source: str) -> str:

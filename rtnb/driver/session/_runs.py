@@ -132,18 +132,20 @@ class RunAPI:
         """
         return export_run(self.config.storage_path, self.run_name, path, force, self)
 
-    def prepare_import(self, path: str) -> TrainScript:
+    def prepare_import(self, path: str, argv: list[str] | None = None) -> TrainScript:
         """``%rtnb import``'s first half: read a Ray Train script (never running it
         here) and scale the group to its ``ScalingConfig(num_workers=N)`` (the
         journal keeps the ranks' state); the returned script's ``code`` is the cell
-        that runs its ``train_loop_per_worker`` with its ``train_loop_config``.
+        that runs its ``train_loop_per_worker`` with its ``train_loop_config``. A
+        torchrun script (no trainer, a ``__main__`` block) is run whole, with
+        ``argv`` as its command line, as ``torchrun`` would.
 
         Example::
 
             In [4]: script = session.prepare_import("train.py")
             In [5]: session.run(script.code)
         """
-        script = read_train_script(path)
+        script = read_train_script(path, argv)
         if script.gpu and not self.config.gpu:
             script.notes.append(
                 "the script asks for GPUs (use_gpu=True); this group has none: start one with --gpu"
