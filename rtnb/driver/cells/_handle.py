@@ -30,6 +30,7 @@ from rtnb.driver.cells._controls import CellControls
 from rtnb.driver.cells._outcome import (
     Completion,
     WatchedGroup,
+    failed_rank_first,
     first_cause,
     judge,
     ray_lost_ending,
@@ -39,7 +40,6 @@ from rtnb.driver.lifecycle import Failure, RankDied, RecoveryOutcome
 from rtnb.driver.ranks import Execution, RankGroup, StopProtocol
 from rtnb.driver.tools import Breakpoints, HangWatch
 from rtnb.errors import (
-    CellError,
     CellInterrupted,
     CheckpointError,
     ClusterError,
@@ -353,7 +353,8 @@ class CellHandle:
         elif outcome.keep_error:
             self._finish_normally()  # the cell ends with its own error
         elif outcome.error is not None:
-            self._finish(error=self._failed_rank_first(outcome.error))
+            failed = self._stopped_for_failure
+            self._finish(error=failed_rank_first(outcome.error, self._finished, failed))
         else:
             return self._restart_on_new_group(outcome)
         return False
@@ -434,17 +435,6 @@ class CellHandle:
             return self._context.recover(failure, self.journal_seq)
         finally:
             self.recovering = False
-
-    def _failed_rank_first(self, error: BaseException) -> BaseException:
-        """A cell stopped because a rank's code raised, whose other ranks had to be
-        rebuilt: the rank's own error (its traceback in the cell's code, in a saved
-        batch notebook too), with what happened to the group as its last line."""
-        failures = {r: u.error for r, u in self._finished.items() if u.error is not None}
-        if not (self._stopped_for_failure and failures and isinstance(error, RtnbError)):
-            return error
-        failed = CellError.from_failures(failures)
-        failed.aftermath = f"[rtnb] {error.message}"
-        return failed
 
     def _restart_on_new_group(self, outcome: RecoveryOutcome) -> bool:
         """Run this cell again on the rebuilt group (the journal was replayed up to

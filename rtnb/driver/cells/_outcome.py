@@ -23,6 +23,7 @@ from rtnb.errors import (
     CellError,
     CellInterrupted,
     ClusterError,
+    RtnbError,
     SessionError,
     StorageError,
     WaitTimeout,
@@ -32,6 +33,7 @@ __all__ = [
     "Completion",
     "Outcome",
     "WatchedGroup",
+    "failed_rank_first",
     "first_cause",
     "judge",
     "ray_lost_ending",
@@ -75,6 +77,20 @@ class Outcome:
     value: PerRank | None = None
     error: BaseException | None = None
     note: str | None = None  # a line for the cell's viewers before it ends
+
+
+def failed_rank_first(
+    error: BaseException, finished: dict[int, RankUpdate], stopped_for_failure: bool
+) -> BaseException:
+    """The error of a cell stopped because a rank's code raised, whose other ranks
+    had to be rebuilt (``error`` says so): the rank's own error, its traceback in
+    the cell's code (in a saved batch notebook too), with ``error``'s line last."""
+    failures = {r: u.error for r, u in finished.items() if u.error is not None}
+    if not (stopped_for_failure and failures and isinstance(error, RtnbError)):
+        return error
+    failed = CellError.from_failures(failures)
+    failed.aftermath = f"[rtnb] {error.message}"
+    return failed
 
 
 def first_cause(finished: dict[int, RankUpdate]) -> tuple[int, str] | None:
