@@ -59,5 +59,10 @@ def test_a_rank_left_in_a_collective_is_freed_within_the_stop_grace(lend):
         # Without the stop it waited until a --timeout, or for ever; the bound is far
         # above the grace + escalation (about 5 s) so a loaded machine cannot fail it.
         assert time.monotonic() - started < 60
-        assert "rank 1 failed (ValueError: boom)" in str(info.value)
+        # The rank's own error, its traceback kept, and what the stop cost the group.
+        error = info.value
+        assert isinstance(error, rtnb.CellError) and error.ranks == [1], repr(error)
+        assert "ValueError: boom" in str(error) and "raise ValueError('boom')" in error.failures[1]
+        assert "rank 1 failed (ValueError: boom)" in error.aftermath
+        assert "rebuilt with fresh ranks" in error.aftermath
         assert session.run("1 + 1") == {0: 2, 1: 2}, "the group was rebuilt and works"

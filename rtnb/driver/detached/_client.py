@@ -516,7 +516,7 @@ class DetachedSession:
             "in the cell (ray.data.read_...)"
         )
 
-    def prepare_import(self, path: str) -> Any:
+    def prepare_import(self, path: str, argv: list[str] | None = None) -> Any:
         raise _not_from_a_kernel("import")
 
     @property
