@@ -806,6 +806,85 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
     _assert_readable(light_colours, "light")
 
 
+def test_a_resumed_runs_live_view_draws_to_its_last_step(lab, tmp_path):
+    """Resume from the middle of a run's history in the checkpoint browser: the
+    resumed cell's live view keeps drawing, as each new checkpoint of its branch
+    lands in the timeline beside it, to the step its header reaches, the earlier line
+    drawn faint; no view of rtnb's logs an error in the page."""
+    url, root = lab
+    runs = tmp_path / "runs"
+    name = _notebook(
+        root,
+        [
+            f"%load_ext rtnb\n%rtnb start --storage {runs} --name branch",
+            "%%rtrain\nimport time, rtnb, torch.distributed as dist\n"
+            "ck = rtnb.get_checkpoint()\n"
+            "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
+            "while i < 120:\n"
+            "    keep = dist.get_rank() == 0 and i % 5 == 0\n"
+            "    rtnb.report({'loss': 5.0 / (i + 1)},"
+            " checkpoint=rtnb.Checkpoint.from_state({'i': i}) if keep else None)\n"
+            "    i += 1\n"
+            "    time.sleep(0.04)",
+            "%rtnb checkpoints",
+            "%rtnb wait",
+            "%rtnb stop",
+        ],
+    )
+    with _opened(url, name, tmp_path) as page:
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.keyboard.press("Shift+Enter")  # train steps 0..119
+        _wait_idle(page)
+        page.keyboard.press("Shift+Enter")  # the checkpoint browser
+        browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
+        browser_widget.wait_for(timeout=150_000)
+        row = browser_widget.locator(".rtnb-ckpt-rows tr[data-id]:has(td span:text-is('step 40'))")
+        row.wait_for(timeout=150_000)
+        row.click()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.rtnb-ckpt-rows tr.rtnb-selected td span')]"
+            ".some(cell => cell.textContent === 'step 40')",
+            timeout=150_000,
+        )
+        browser_widget.locator("button:has-text('Resume')").click()
+        page.locator(".jp-Cell").nth(3).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("Shift+Enter")  # %rtnb wait: until the resumed cell ends
+        _wait_idle(page)
+        # What the resumed cell's view shows once it ended: its header's step, and the
+        # last x of its own line (its earlier line drawn too).
+        shown = (
+            "() => { const box = [...document.querySelectorAll('.jp-OutputArea-output')]"
+            "  .find(o => o.querySelector('.rtnb-ckpt-rows'));"
+            " const plot = [...box.querySelectorAll('.js-plotly-plot')]"
+            "  .find(p => p.data && p.data.some(t => t.name === 'earlier line'));"
+            " if (!plot) return null;"
+            " const own = plot.data.find(t => t.name === 'rank 0');"
+            " const xs = own && own.x ? Array.from(own.x) : [];"
+            " return {last: xs.length ? xs[xs.length - 1] : null, points: xs.length,"
+            "  header: box.innerText}; }"
+        )
+        try:
+            page.wait_for_function(
+                f"() => {{ const s = ({shown})(); return s && s.last === 119; }}", timeout=60_000
+            )
+        except Exception:  # noqa: BLE001 - the assertion below says what was drawn
+            page.screenshot(path=str(tmp_path / "resumed_view.png"), full_page=True)
+        seen = page.evaluate(shown)
+        drawn = page.evaluate(
+            "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.data || [])"
+            ".map(t => [t.name, t.x ? Array.from(t.x).slice(-1)[0] : null, t.x ? t.x.length : 0]))"
+        )
+        page.keyboard.press("Shift+Enter")  # stop
+        _wait_idle(page)
+    assert seen is not None, f"the resumed cell's view draws its earlier line: {drawn} {errors}"
+    assert "step 119" in seen["header"], seen["header"][-500:]
+    assert seen["last"] == 119 and seen["points"] >= 70, seen
+    assert not [e for e in errors if "rtnb" in e or "setting state" in e.lower()], errors
+
+
 def _example_cell(notebook: str, starts: str) -> str:
     """The code cell of an example notebook that starts with ``starts``, as it ships."""
     import nbformat

@@ -84,6 +84,11 @@ class CheckpointBrowser(w.VBox):
         self._best: str | None = None
         self._shown: list = []
         self.timeline = _timeline_figure()
+        # The timeline in a box of its own, replaced there: a new child at the
+        # browser's own level would make the page draw every later child anew (the
+        # buttons, the activity's live view), and the replaced views of a live figure
+        # would go on taking its updates, undrawn ("Error setting state" at each).
+        self._timeline_box = w.Box([self.timeline], layout=w.Layout(flex_flow="column"))
         self.table.observe(self._on_row, names="selected")
         self.message = w.HTML()
         self.activity = w.Box(layout=w.Layout(flex_flow="column"))
@@ -93,7 +98,7 @@ class CheckpointBrowser(w.VBox):
         super().__init__(
             [
                 self._title,
-                self.timeline,
+                self._timeline_box,
                 w.HBox([self._metric, self.rule_line], layout=w.Layout(align_items="center")),
                 self.table,
                 w.HBox(list(self._buttons.values())),
@@ -323,7 +328,7 @@ class CheckpointBrowser(w.VBox):
         for trace in figure.data:
             trace.on_click(self._on_marker)
         old, self.timeline = self.timeline, figure
-        self.children = tuple(figure if child is old else child for child in self.children)
+        self._timeline_box.children = (figure,)
         close_tree(old)
 
     # ---- actions -----------------------------------------------------------------------
