@@ -85,12 +85,17 @@ def failed_rank_first(
     """The error of a cell stopped because a rank's code raised, whose other ranks
     had to be rebuilt (``error`` says so): the rank's own error, its traceback in
     the cell's code (in a saved batch notebook too), with ``error``'s line last."""
-    failures = {r: u.error for r, u in finished.items() if u.error is not None}
+    failures = _failures(finished)
     if not (stopped_for_failure and failures and isinstance(error, RtnbError)):
         return error
     failed = CellError.from_failures(failures)
     failed.aftermath = f"[rtnb] {error.message}"
     return failed
+
+
+def _failures(finished: dict[int, RankUpdate]) -> dict[int, Any]:
+    """{rank: (summary, traceback)} of the ranks whose cell raised."""
+    return {r: u.error for r, u in finished.items() if u.state is CellState.ERROR}
 
 
 def first_cause(finished: dict[int, RankUpdate]) -> tuple[int, str] | None:
@@ -114,7 +119,7 @@ def judge(
     """The outcome of a cell ``name`` whose ranks all ended with ``finished``;
     ``stopped_for_failure``: the stop was asked because a rank's cell raised."""
     interrupted = [u for u in finished.values() if u.state is CellState.INTERRUPTED]
-    failures = {r: u.error for r, u in finished.items() if u.state is CellState.ERROR}
+    failures = _failures(finished)
     if stopping.requested and interrupted and not (failures and stopped_for_failure):
         steps = {u.step for u in interrupted}
         at = f" at step {steps.pop()}" if len(steps) == 1 and stopping.target is not None else ""

@@ -398,7 +398,7 @@ def export_script(
             notes.append(f"{_name(entry)} left out: a function sent by value (Session.run(fn))")
             body.append(f"# {_name(entry)} left out: a function sent by value (Session.run(fn))")
             continue
-        code, needed = to_ray_train((entry.code or "").strip("\n").rstrip() or "pass", known)
+        code, needed = to_ray_train((entry.code or "").lstrip("\n").rstrip() or "pass", known)
         helpers |= needed
         body.append(_on_ranks(entry, code, f"# ---- {_name(entry)}"))
         cells += 1
