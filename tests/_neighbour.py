@@ -236,7 +236,7 @@ def main() -> None:
             "print('job ran')",
         ]
         # Over a minute beside the suite on 2 cores; 462 s of scenario at half the
-        # machine (stop 49) ran out of a 240 s bound here: ten times the usual minute.
+        # machine ran out of a 240 s bound here: ten times the usual minute.
         deadline = time.monotonic() + 600
         while True:
             run("user.job", job_submit, 180)
