@@ -6,6 +6,8 @@ tests/test_export.py.)"""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import rtnb
@@ -136,3 +138,36 @@ def test_a_script_that_hands_datasets_says_exactly_what_to_hand_and_how(tmp_path
     assert "hands the ranks train, validation" in note, note
     assert "train = train_dataset, validation = val_dataset" in note, note
     assert note.endswith("%rtnb datasets train=train validation=validation --split train"), note
+
+
+def test_a_torchrun_script_is_read_with_its_command_line_and_arguments_only_go_to_one(
+    tmp_path, monkeypatch, capsys
+):
+    """A script with no trainer and a ``__main__`` block runs whole with torchrun's
+    ``sys.argv``; a missing positional, or arguments for a TorchTrainer script, are
+    one line each."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import argparse\n"
+        "if __name__ == '__main__':\n"
+        "    p = argparse.ArgumentParser()\n"
+        "    p.add_argument('epochs', type=int)\n"
+        "    p.add_argument('every', type=int)\n"
+        "    p.add_argument('--lr', type=float, default=0.1)\n"
+        "    p.add_argument('--fast', action='store_true')\n"
+        "    print(p.parse_args())\n"
+    )
+    read = read_train_script(str(script), ["3", "--lr", "0.5", "--fast", "1"])
+    assert (
+        read.loop == "__main__"
+        and f"argv = {[str(script), '3', '--lr', '0.5', '--fast', '1']!r}" in read.code
+    )
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the cell sets it, as on a rank
+    exec(read.code, {"__name__": "__main__"})  # noqa: S102 - the test's own script
+    assert "Namespace(epochs=3, every=1, lr=0.5, fast=True)" in capsys.readouterr().out
+    with pytest.raises(rtnb.ConfigError, match="needs its positional argument 'every'"):
+        read_train_script(str(script), ["3", "--lr", "0.5"])
+    trainer = tmp_path / "ray_job.py"
+    trainer.write_text(DOCS_SHAPE)
+    with pytest.raises(rtnb.ConfigError, match="arguments \\(5\\) are for a torchrun script"):
+        read_train_script(str(trainer), ["5"])
