@@ -105,7 +105,6 @@ def look_at_cluster(host: str, port: int, timeout_s: float = 10.0) -> ClusterVie
     the auth token Ray's loader holds now). A GCS that refuses the call for want of
     a token raises the one line naming the token's settings."""
     import grpc
-    from ray._private.services import find_node_ids
     from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
 
     interceptors = []
@@ -142,11 +141,29 @@ def look_at_cluster(host: str, port: int, timeout_s: float = 10.0) -> ClusterVie
         for info in reply.node_info_list
         if info.state == alive
     )
+    return ClusterView(
+        nodes=nodes, this_machine=_address_toward(host, port), local_raylets=_local_raylets()
+    )
+
+
+def _local_raylets() -> frozenset[str]:
+    """Node ids of the raylets running on this machine, read from their command
+    lines as Ray's own tools read them (older Rays have no function for it)."""
+    import psutil
+
+    found: set[str] = set()
     try:
-        local = frozenset(find_node_ids())
-    except Exception:  # noqa: BLE001 - no ps: no raylet seen here
-        local = frozenset()
-    return ClusterView(nodes=nodes, this_machine=_address_toward(host, port), local_raylets=local)
+        processes = list(psutil.process_iter(["cmdline"]))
+    except Exception:  # noqa: BLE001 - no process table: no raylet seen here
+        return frozenset()
+    for process in processes:
+        cmdline = process.info.get("cmdline") or []
+        if not cmdline or "raylet" not in os.path.basename(cmdline[0]):
+            continue
+        for arg in " ".join(cmdline).split(" "):
+            if arg.startswith("--node_id="):
+                found.add(arg.partition("=")[2])
+    return frozenset(found)
 
 
 def resolve(host: str) -> str:
