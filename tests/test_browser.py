@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -23,9 +20,10 @@ from pathlib import Path
 import pytest
 
 import rtnb
+from tests._jupyter import jupyter_server
 from tests._kernel import new_notebook
 from tests._margins import until
-from tests.conftest import free_port, missing, require
+from tests.conftest import missing, require
 
 pytestmark = [pytest.mark.browser, pytest.mark.ray, pytest.mark.slow]
 
@@ -64,7 +62,6 @@ THEMES = Path("@jupyterlab") / "apputils-extension" / "themes.jupyterlab-setting
 
 def _lab(folder: Path):
     _require_tools()
-    port = free_port()
     settings = folder / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
@@ -72,44 +69,19 @@ def _lab(folder: Path):
     )
     root = folder / "nb"
     root.mkdir()
-    cmd = [
-        str(Path(sys.executable).parent / "jupyter-lab"),
-        "--no-browser",
-        "--allow-root",
-        f"--port={port}",
-        "--ServerApp.port_retries=0",
-        "--ServerApp.ip=127.0.0.1",
-        f"--IdentityProvider.token={TOKEN}",
-        f"--ServerApp.root_dir={root}",
-        "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        f"--LabApp.user_settings_dir={folder / 'settings'}",
-        f"--LabApp.workspaces_dir={folder / 'workspaces'}",
-    ]
-    log = open(folder / "lab.log", "w")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ}
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"JupyterLab did not start:\n{(folder / 'lab.log').read_text()[-2000:]}")
-    try:
+    with jupyter_server(
+        "jupyter-lab",
+        root,
+        folder / "lab.log",
+        TOKEN,
+        (
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            f"--LabApp.user_settings_dir={folder / 'settings'}",
+            f"--LabApp.workspaces_dir={folder / 'workspaces'}",
+        ),
+    ) as url:
         yield url, root, folder
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def _visit(server, tmp_path: Path, theme: str | None = None):
@@ -241,10 +213,12 @@ def _opened(
     tmp_path: Path,
     noise: list[str] | None = None,
     init_script: str | None = None,
+    page_path: str = "lab/tree",
 ):
     """The notebook open in headless Chromium with its first cell (`%rtnb start`) run;
     ``noise`` collects the kernel's "No such comm" lines over the whole visit;
-    ``init_script`` runs in the page before its own scripts."""
+    ``init_script`` runs in the page before its own scripts; ``page_path`` is the
+    client's page for a notebook (``notebooks`` for Notebook 7, on the same server)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -261,12 +235,17 @@ def _opened(
             ],
         )
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            context = browser.new_context(viewport={"width": 1400, "height": 1000})
+            if page_path == "notebooks":
+                # Notebook 7 opens on its file browser, and a notebook opened from
+                # there gets a tab of its own: the browser's tab stays open beside it.
+                context.new_page().goto(f"{url}/tree/{Path(name).parent}?token={TOKEN}")
+            page = context.new_page()
             if noise is not None:
                 _listen_for_comm_noise(page, noise)
             if init_script is not None:
                 page.add_init_script(init_script)
-            page.goto(f"{url}/lab/tree/{name}?token={TOKEN}")
+            page.goto(f"{url}/{page_path}/{name}?token={TOKEN}")
             page.wait_for_selector(
                 ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=240_000
             )
@@ -806,83 +785,147 @@ def test_resume_button_continues_training_from_the_chosen_checkpoint(lab, tmp_pa
     _assert_readable(light_colours, "light")
 
 
+def _branch_cells(runs: Path, name: str) -> list[str]:
+    """Train steps 0..119 (a checkpoint every 5 steps), the checkpoint browser, wait,
+    stop: the notebook of the tests that resume from the browser mid-history."""
+    return [
+        f"%load_ext rtnb\n%rtnb start --storage {runs} --name {name}",
+        "%%rtrain\nimport time, rtnb, torch.distributed as dist\n"
+        "ck = rtnb.get_checkpoint()\n"
+        "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
+        "while i < 120:\n"
+        "    keep = dist.get_rank() == 0 and i % 5 == 0\n"
+        "    rtnb.report({'loss': 5.0 / (i + 1)},"
+        " checkpoint=rtnb.Checkpoint.from_state({'i': i}) if keep else None)\n"
+        "    i += 1\n"
+        "    time.sleep(0.04)",
+        "%rtnb checkpoints",
+        "%rtnb wait",
+        "%rtnb stop",
+    ]
+
+
+def _page_errors(page) -> list[str]:
+    """What the page logs as an error from now on (console errors, uncaught ones)."""
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    return errors
+
+
+def _resume_mid_history(page) -> None:
+    """Run the checkpoint browser's cell, select step 40, click Resume, then wait for
+    the resumed cell to end (``%rtnb wait``)."""
+    page.keyboard.press("Shift+Enter")  # the checkpoint browser
+    browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
+    browser_widget.wait_for(timeout=150_000)
+    row = browser_widget.locator(".rtnb-ckpt-rows tr[data-id]:has(td span:text-is('step 40'))")
+    row.wait_for(timeout=150_000)
+    row.click()
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.rtnb-ckpt-rows tr.rtnb-selected td span')]"
+        ".some(cell => cell.textContent === 'step 40')",
+        timeout=150_000,
+    )
+    browser_widget.locator("button:has-text('Resume')").click()
+    page.locator(".jp-Cell").nth(3).click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("Shift+Enter")  # %rtnb wait: until the resumed cell ends
+    _wait_idle(page)
+
+
+# What the resumed cell's view shows once it ended: its header's step, and the last x
+# of its own line (its earlier line drawn too).
+RESUMED_VIEW = (
+    "() => { const box = [...document.querySelectorAll('.jp-OutputArea-output')]"
+    "  .find(o => o.querySelector('.rtnb-ckpt-rows'));"
+    " const plot = box && [...box.querySelectorAll('.js-plotly-plot')]"
+    "  .find(p => p.data && p.data.some(t => t.name === 'earlier line'));"
+    " if (!plot) return null;"
+    " const own = plot.data.find(t => t.name === 'rank 0');"
+    " const xs = own && own.x ? Array.from(own.x) : [];"
+    " return {last: xs.length ? xs[xs.length - 1] : null, points: xs.length,"
+    "  header: box.innerText}; }"
+)
+
+
+def _resumed_view(page, tmp_path: Path, last: int) -> tuple[dict | None, list]:
+    """The resumed cell's view once its line reached ``last`` (or as it is after a
+    minute), and every plot's traces (name, last x, points) for the failure message."""
+    try:
+        page.wait_for_function(
+            f"() => {{ const s = ({RESUMED_VIEW})(); return s && s.last === {last}; }}",
+            timeout=60_000,
+        )
+    except Exception:  # noqa: BLE001 - the caller's assertion says what was drawn
+        page.screenshot(path=str(tmp_path / "resumed_view.png"), full_page=True)
+    drawn = page.evaluate(
+        "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.data || [])"
+        ".map(t => [t.name, t.x ? Array.from(t.x).slice(-1)[0] : null, t.x ? t.x.length : 0]))"
+    )
+    return page.evaluate(RESUMED_VIEW), drawn
+
+
+def _rtnb_errors(errors: list[str]) -> list[str]:
+    return [e for e in errors if "rtnb" in e or "setting state" in e.lower()]
+
+
 def test_a_resumed_runs_live_view_draws_to_its_last_step(lab, tmp_path):
     """Resume from the middle of a run's history in the checkpoint browser: the
     resumed cell's live view keeps drawing, as each new checkpoint of its branch
     lands in the timeline beside it, to the step its header reaches, the earlier line
     drawn faint; no view of rtnb's logs an error in the page."""
     url, root = lab
-    runs = tmp_path / "runs"
-    name = _notebook(
-        root,
-        [
-            f"%load_ext rtnb\n%rtnb start --storage {runs} --name branch",
-            "%%rtrain\nimport time, rtnb, torch.distributed as dist\n"
-            "ck = rtnb.get_checkpoint()\n"
-            "i = ck.load_state()['i'] + 1 if ck is not None else 0\n"
-            "while i < 120:\n"
-            "    keep = dist.get_rank() == 0 and i % 5 == 0\n"
-            "    rtnb.report({'loss': 5.0 / (i + 1)},"
-            " checkpoint=rtnb.Checkpoint.from_state({'i': i}) if keep else None)\n"
-            "    i += 1\n"
-            "    time.sleep(0.04)",
-            "%rtnb checkpoints",
-            "%rtnb wait",
-            "%rtnb stop",
-        ],
-    )
+    name = _notebook(root, _branch_cells(tmp_path / "runs", "branch"))
     with _opened(url, name, tmp_path) as page:
-        errors: list[str] = []
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        errors = _page_errors(page)
         page.keyboard.press("Shift+Enter")  # train steps 0..119
         _wait_idle(page)
-        page.keyboard.press("Shift+Enter")  # the checkpoint browser
-        browser_widget = page.locator(".jp-OutputArea-output:has(.rtnb-ckpt-rows)")
-        browser_widget.wait_for(timeout=150_000)
-        row = browser_widget.locator(".rtnb-ckpt-rows tr[data-id]:has(td span:text-is('step 40'))")
-        row.wait_for(timeout=150_000)
-        row.click()
-        page.wait_for_function(
-            "() => [...document.querySelectorAll('.rtnb-ckpt-rows tr.rtnb-selected td span')]"
-            ".some(cell => cell.textContent === 'step 40')",
-            timeout=150_000,
-        )
-        browser_widget.locator("button:has-text('Resume')").click()
-        page.locator(".jp-Cell").nth(3).click()
-        page.keyboard.press("Escape")
-        page.keyboard.press("Shift+Enter")  # %rtnb wait: until the resumed cell ends
-        _wait_idle(page)
-        # What the resumed cell's view shows once it ended: its header's step, and the
-        # last x of its own line (its earlier line drawn too).
-        shown = (
-            "() => { const box = [...document.querySelectorAll('.jp-OutputArea-output')]"
-            "  .find(o => o.querySelector('.rtnb-ckpt-rows'));"
-            " const plot = [...box.querySelectorAll('.js-plotly-plot')]"
-            "  .find(p => p.data && p.data.some(t => t.name === 'earlier line'));"
-            " if (!plot) return null;"
-            " const own = plot.data.find(t => t.name === 'rank 0');"
-            " const xs = own && own.x ? Array.from(own.x) : [];"
-            " return {last: xs.length ? xs[xs.length - 1] : null, points: xs.length,"
-            "  header: box.innerText}; }"
-        )
-        try:
-            page.wait_for_function(
-                f"() => {{ const s = ({shown})(); return s && s.last === 119; }}", timeout=60_000
-            )
-        except Exception:  # noqa: BLE001 - the assertion below says what was drawn
-            page.screenshot(path=str(tmp_path / "resumed_view.png"), full_page=True)
-        seen = page.evaluate(shown)
-        drawn = page.evaluate(
-            "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.data || [])"
-            ".map(t => [t.name, t.x ? Array.from(t.x).slice(-1)[0] : null, t.x ? t.x.length : 0]))"
-        )
+        _resume_mid_history(page)
+        seen, drawn = _resumed_view(page, tmp_path, 119)
         page.keyboard.press("Shift+Enter")  # stop
         _wait_idle(page)
     assert seen is not None, f"the resumed cell's view draws its earlier line: {drawn} {errors}"
     assert "step 119" in seen["header"], seen["header"][-500:]
     assert seen["last"] == 119 and seen["points"] >= 70, seen
-    assert not [e for e in errors if "rtnb" in e or "setting state" in e.lower()], errors
+    assert not _rtnb_errors(errors), errors
+
+
+def test_notebook_7_runs_the_quickstart_path_live_resume_and_reload(lab, tmp_path):
+    """The same server's Notebook 7 page, its file browser's tab open beside it: start,
+    a live view that grows while its cell runs, the checkpoint browser, Resume from mid-history with the resumed view drawn
+    to its last step, then save and reload: the figures are there from the saved
+    notebook, the live kernel's widgets are back, and no rtnb view logged an error."""
+    url, root = lab
+    name = _notebook(root, _branch_cells(tmp_path / "runs", "nb7"))
+    with _opened(url, name, tmp_path, page_path="notebooks") as page:
+        errors = _page_errors(page)
+        page.keyboard.press("Shift+Enter")  # train steps 0..119
+        grown = _seen_growing(page, 120, cell=1)
+        _wait_idle(page)
+        _resume_mid_history(page)
+        seen, drawn = _resumed_view(page, tmp_path, 119)
+        page.keyboard.press("Shift+Enter")  # stop
+        _wait_idle(page)
+        page.keyboard.press("Control+s")
+        until("the notebook saved", lambda: "stopped" in (root / "live.ipynb").read_text(), 60)
+        page.reload()
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+        rendered = page.locator(".jp-RenderedPlotly").first
+        rendered.wait_for(timeout=240_000)
+        rendered.hover()
+        page.wait_for_selector(
+            ".js-plotly-plot .updatemenu-button", state="attached", timeout=240_000
+        )
+        # The live kernel's widgets are drawn again from its state: the browser's table.
+        page.locator(".rtnb-ckpt-rows tr[data-id]").first.wait_for(timeout=120_000)
+        reloaded = page.locator(".jp-Notebook").inner_text()
+        page.screenshot(path=str(tmp_path / "reloaded.png"), full_page=True)
+    assert sum(a[0] < b[0] for a, b in zip(grown, grown[1:])) >= 3, grown
+    assert seen is not None, f"the resumed cell's view draws its earlier line: {drawn} {errors}"
+    assert "step 119" in seen["header"] and seen["last"] == 119, seen
+    assert "Error displaying widget" not in reloaded and "stopped" in reloaded, reloaded[-2000:]
+    assert not _rtnb_errors(errors), errors
 
 
 def _example_cell(notebook: str, starts: str) -> str:
