@@ -85,3 +85,52 @@ def test_an_unreachable_tracking_server_is_one_line_and_holds_nothing(ray_cluste
     for path in tmp_path.rglob("*"):
         if path.is_file():
             assert b"hunter2" not in path.read_bytes(), f"the password was written to {path}"
+
+
+def test_a_slow_tracking_server_holds_up_no_report_and_the_runs_end_sends_everything(tmp_path):
+    """The mirror sends from a thread of its own: while MLflow's store is still busy
+    with one batch, every report and the cell end's flush return at once (on the
+    thread that drives a cell they would hold up stops and commits); the run's end
+    waits for the rest, and every value and the mean are in MLflow."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from rtnb.metrics._mlflow import MlflowMirror, default_tracking_uri
+
+    uri = default_tracking_uri(str(tmp_path / "mlflow.db"))
+    mirror = MlflowMirror(uri, "slow", {"workers": 2}, lambda: 2)
+    inside, release = threading.Event(), threading.Event()
+    send = mirror.client.log_batch
+
+    def held(*args, **kwargs):  # the real client, made to take as long as the test says
+        inside.set()
+        assert release.wait(60), "the test never let the store go"
+        return send(*args, **kwargs)
+
+    mirror.client.log_batch = held
+    mirror.add(0, [(0, time.time(), {"loss": 1.0})])
+    mirror.flush()
+    assert inside.wait(30), "the sender took the first batch"
+
+    def cell() -> None:  # what the cell's thread does while the store is busy
+        for step in range(1, 50):
+            mirror.add(0, [(step, time.time(), {"loss": 1.0 + step})])
+            mirror.add(1, [(step, time.time(), {"loss": 3.0 + step})])
+        mirror.flush()
+
+    driver = threading.Thread(target=cell)
+    driver.start()
+    driver.join(30)
+    stuck = driver.is_alive()
+    release.set()
+    mirror.finish()
+    assert not stuck, "a report or the cell's flush waited for the tracking server"
+    assert mirror.error is None
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(mirror.run_id, "loss/rank0")] == list(
+        range(50)
+    )
+    means = client.get_metric_history(mirror.run_id, "loss")
+    assert sorted((m.step, m.value) for m in means) == [(s, 2.0 + s) for s in range(1, 50)]
+    assert client.get_run(mirror.run_id).info.status == "FINISHED"

@@ -3,9 +3,11 @@
 Every report goes to MLflow as ``NAME/rankN`` and, once every rank of the cell has
 reported a step, the mean across ranks as ``NAME`` (what the live plot draws as
 the mean). Metrics are sent in batches (MLflow's ``log_batch``) at most every
-``_FLUSH_S`` seconds and at each cell's end, from the kernel: nothing runs on the
-ranks, and a tracking server that goes away costs the training nothing (the first
-error is kept and said once).
+``_FLUSH_S`` seconds and at each cell's end, from a thread of the kernel's own:
+nothing runs on the ranks or on the thread that drives a cell, so a slow tracking
+server delays no report, stop or commit, and one that goes away costs the training
+nothing (the first error is kept and said once). The run's end waits for what is
+still unsent, up to ``_DRAIN_S``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = ["EXPERIMENT", "MlflowMirror", "default_tracking_uri"]
 
 EXPERIMENT = "rtnb"
 _FLUSH_S = 2.0
+_DRAIN_S = 60.0
 _BATCH = 1000  # MLflow's most metrics per log_batch
 _PARAM_CHARS = 6000
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
@@ -128,6 +131,10 @@ class MlflowMirror:
         self._steps: dict[tuple[str, int], list[float]] = {}  # values of a step so far
         self._flushed_at = time.monotonic()
         self.error: str | None = None
+        self._wake = threading.Event()
+        self._closing = False
+        self._sender = threading.Thread(target=self._send_loop, name="rtnb-mlflow", daemon=True)
+        self._sender.start()
 
     @staticmethod
     def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
@@ -165,9 +172,25 @@ class MlflowMirror:
                             )
             due = time.monotonic() - self._flushed_at >= _FLUSH_S
         if due:
-            self.flush()
+            self._wake.set()
 
     def flush(self) -> None:
+        """Have what is pending sent now (by the sender; this returns at once)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self.flush()
+
+    def _send_loop(self) -> None:
+        while True:
+            self._wake.wait(_FLUSH_S)
+            self._wake.clear()
+            closing = self._closing
+            self._send_pending()
+            if closing:
+                return
+
+    def _send_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
             self._flushed_at = time.monotonic()
@@ -175,9 +198,6 @@ class MlflowMirror:
                 self._steps.clear()
         for start in range(0, len(pending), _BATCH):
             self._call(self.client.log_batch, self.run_id, metrics=pending[start : start + _BATCH])
-
-    def close(self) -> None:
-        self.flush()
 
     # ---- the rest of the run -------------------------------------------------------------
     def log_checkpoint(self, local_dir: str, artifact_path: str) -> None:
@@ -187,7 +207,18 @@ class MlflowMirror:
         self._call(self.client.log_artifact, self.run_id, path, "notebook")
 
     def finish(self) -> None:
-        self.flush()
+        """Send what is still pending (waiting up to ``_DRAIN_S`` for the server),
+        then end the MLflow run."""
+        self._closing = True
+        self._wake.set()
+        self._sender.join(timeout=_DRAIN_S)
+        if self._sender.is_alive():
+            if self.error is None:
+                self.error = (
+                    f"MLflow at {redact_uri(self.tracking_uri)} took over {_DRAIN_S:g} s to "
+                    "take the run's last metrics; some may be missing there"
+                )
+            return
         self._call(self.client.set_terminated, self.run_id)
 
     def _call(self, method: Callable, *args: Any, **kwargs: Any) -> None:
