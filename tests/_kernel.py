@@ -177,3 +177,29 @@ def wait_for_exits() -> None:
         km, exit_watch = _exiting.pop()
         exit_watch.join()
         km.cleanup_resources()
+
+
+@contextlib.contextmanager
+def kernel_with_rtnb(cwd: str, env: dict[str, str] | None = None):
+    """A kernel in ``cwd`` with rtnb loaded; after it, its group stopped and the
+    kernel shut down."""
+    kernel = Kernel(cwd=cwd, env=env)
+    try:
+        run = kernel.execute("%load_ext rtnb")
+        assert run.status == "ok", run.text + str(run.traceback)
+        yield kernel
+        kernel.execute("%rtnb stop", timeout=60)
+    finally:
+        kernel.shutdown()
+
+
+def one_line_error(run: Execution) -> str:
+    """The error a user sees; asserts it is one line of rtnb's, not a traceback
+    through rtnb's code (a UsageError prints to stderr; rtnb's errors render as a
+    one-entry traceback)."""
+    assert run.status == "error", run.text
+    shown = ("\n".join(run.traceback) + run.stderr).strip()
+    assert shown, "no error shown"
+    assert "Traceback" not in shown, shown
+    assert "site-packages" not in shown and "/rtnb/" not in shown, shown
+    return shown

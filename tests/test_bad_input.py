@@ -17,7 +17,7 @@ import nbformat
 import pytest
 
 import rtnb
-from tests._kernel import Kernel, new_notebook
+from tests._kernel import kernel_with_rtnb, new_notebook, one_line_error
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 RTNB = [sys.executable, "-m", "rtnb.batch.cli"]
@@ -101,21 +101,9 @@ AFTER_START = [
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory):
-    k = Kernel(cwd=str(tmp_path_factory.mktemp("bad")))
-    assert k.execute("%load_ext rtnb").status == "ok"
-    yield k
-    k.execute("%rtnb stop")
-    k.shutdown()
+    with kernel_with_rtnb(str(tmp_path_factory.mktemp("bad"))) as k:
+        yield k
     assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
-
-
-def _one_line_error(run) -> str:
-    assert run.status == "error", run.text
-    shown = ("\n".join(run.traceback) + run.stderr).strip()
-    assert "Traceback" not in shown and "site-packages" not in shown and "/rtnb/" not in shown, (
-        shown
-    )
-    return shown
 
 
 def _lines(text: str) -> list[str]:
@@ -127,7 +115,7 @@ def _mistakes(kernel, table) -> list[tuple[str, str]]:
     failures = []
     for code, expected in table:
         try:
-            shown = _one_line_error(kernel.execute(code))
+            shown = one_line_error(kernel.execute(code))
         except AssertionError as exc:
             failures.append((code, str(exc)))
             continue
@@ -169,7 +157,7 @@ def test_magic_mistakes_get_one_clear_line(kernel):
     # A start naming another cluster after a stop goes there, not to the Ray this
     # kernel joined before (as after the failed `--gpu` start above).
     assert kernel.execute("%rtnb stop").status == "ok"
-    shown = _one_line_error(kernel.execute("%rtnb start --address 127.0.0.1:1"))
+    shown = one_line_error(kernel.execute("%rtnb start --address 127.0.0.1:1"))
     assert "cannot reach a Ray cluster at 127.0.0.1:1" in shown, shown
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests._kernel import Kernel
+from tests._kernel import kernel_with_rtnb
 from tests.conftest import require
 
 pytestmark = [pytest.mark.slow]
@@ -65,14 +65,10 @@ def kernel(tmp_path_factory):
         RTNB_HOME=str(home),
         RTNB_WARM_RAY_IDLE_S="3",
     )
-    k = Kernel(cwd=str(nb), env=env)
-    _ok(k.execute("%load_ext rtnb"))
-    started = k.execute("%rtnb start", timeout=240)
-    k.started = started
-    k.cwd = nb
-    yield k
-    k.execute("%rtnb stop", timeout=60)
-    k.shutdown()
+    with kernel_with_rtnb(str(nb), env=env) as k:
+        k.started = k.execute("%rtnb start", timeout=240)
+        k.cwd = nb
+        yield k
     # The warm Ray ends once no kernel is attached for its idle time (3 s here).
     states = list((home / "warm-ray").glob("*.json"))
     pids = [json.loads(s.read_text())["pid"] for s in states]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests._kernel import Kernel
+from tests._kernel import kernel_with_rtnb, one_line_error
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -15,36 +15,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory):
-    k = Kernel(cwd=str(tmp_path_factory.mktemp("nb")))
-    run = k.execute("%load_ext rtnb")
-    assert run.status == "ok", run.text + str(run.traceback)
-    yield k
-    k.shutdown()
+    with kernel_with_rtnb(str(tmp_path_factory.mktemp("nb"))) as k:
+        yield k
     assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS, (
         "kernel shutdown left ranks holding CPUs"
     )
 
 
-def _one_line_error(run) -> str:
-    """The error a user sees; asserts it is one line, not a traceback through rtnb."""
-    assert run.status == "error"
-    # UsageError prints to stderr; rtnb errors render as a one-entry traceback.
-    shown = "\n".join(run.traceback) + run.stderr
-    assert shown.strip(), "no error shown"
-    assert "site-packages" not in shown and "/rtnb/" not in shown, shown
-    assert "Traceback" not in shown, shown
-    return shown
-
-
 def test_user_mistakes_before_start_give_one_clear_line(kernel):
-    assert "%rtnb start" in _one_line_error(kernel.execute("%%rtrain\nx = 1"))
-    assert "subcommand" in _one_line_error(kernel.execute("%rtnb"))
-    assert "no subcommand 'launch'" in _one_line_error(kernel.execute("%rtnb launch"))
-    assert "unrecognized arguments: --bogus" in _one_line_error(
+    assert "%rtnb start" in one_line_error(kernel.execute("%%rtrain\nx = 1"))
+    assert "subcommand" in one_line_error(kernel.execute("%rtnb"))
+    assert "no subcommand 'launch'" in one_line_error(kernel.execute("%rtnb launch"))
+    assert "unrecognized arguments: --bogus" in one_line_error(
         kernel.execute("%rtnb start --bogus 1")
     )
-    assert "--strategy" in _one_line_error(kernel.execute("%rtnb start --strategy DIAGONAL"))
-    assert "need 200 CPUs" in _one_line_error(kernel.execute("%rtnb start --workers 200"))
+    assert "--strategy" in one_line_error(kernel.execute("%rtnb start --strategy DIAGONAL"))
+    assert "need 200 CPUs" in one_line_error(kernel.execute("%rtnb start --workers 200"))
 
 
 def _complete(kernel, code: str) -> list[str]:
@@ -65,7 +51,7 @@ def test_help_completion_and_did_you_mean(kernel):
     shown = kernel.execute("%rtnb start --help")
     assert shown.status == "ok" and "--max-failures" in shown.stdout and "Example:" in shown.stdout
     assert "usage: %rtnb start" in shown.stdout
-    assert "did you mean `%rtnb status`" in _one_line_error(kernel.execute("%rtnb statsu"))
+    assert "did you mean `%rtnb status`" in one_line_error(kernel.execute("%rtnb statsu"))
 
 
 def test_start_run_pull_push_status_in_a_notebook(kernel):
@@ -82,7 +68,7 @@ def test_start_run_pull_push_status_in_a_notebook(kernel):
     assert "INFO" not in run.text and "auth" not in run.text.lower(), (
         f"Ray noise in the cell: {run.text}"
     )
-    assert "already running" in _one_line_error(kernel.execute("%rtnb start"))
+    assert "already running" in one_line_error(kernel.execute("%rtnb start"))
 
     run = kernel.execute(
         "%%rtrain\nimport torch, torch.distributed as dist\nt = torch.ones(2) * (dist.get_rank() + 1)\n"
@@ -97,8 +83,8 @@ def test_start_run_pull_push_status_in_a_notebook(kernel):
     assert "tensor([6., 6.])" in pulled.results[-1]["text/plain"]
     assert kernel.execute("factor = 7\n%rtnb push factor").status == "ok"
     assert "[rank 1] 7" in kernel.execute("%rtrain --ranks 1 factor").results[-1]["text/plain"]
-    assert "ranks 0-1" in _one_line_error(kernel.execute("%rtrain --ranks 3 factor"))
-    assert "list like" in _one_line_error(kernel.execute("%rtrain --ranks x factor"))
+    assert "ranks 0-1" in one_line_error(kernel.execute("%rtrain --ranks 3 factor"))
+    assert "list like" in one_line_error(kernel.execute("%rtrain --ranks x factor"))
 
     status = kernel.execute("%rtnb status")
     assert "ready" in status.results[-1]["text/plain"]
@@ -266,4 +252,4 @@ def test_interrupt_of_a_rank_stuck_in_a_collective_rebuilds_the_group(kernel):
 def test_stop_frees_the_cpus(kernel):
     assert kernel.execute("%rtnb stop").status == "ok"
     assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
-    assert "%rtnb start" in _one_line_error(kernel.execute("%rtnb status"))
+    assert "%rtnb start" in one_line_error(kernel.execute("%rtnb status"))

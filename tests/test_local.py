@@ -13,7 +13,7 @@ import threading
 import nbformat
 import pytest
 
-from tests._kernel import Kernel, new_notebook
+from tests._kernel import kernel_with_rtnb, new_notebook
 
 pytestmark = [pytest.mark.slow]
 
@@ -127,11 +127,8 @@ def test_local_mode_with_gpu_and_no_gpu_here_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory):
-    k = Kernel(cwd=str(tmp_path_factory.mktemp("nb")))
-    run = k.execute("%load_ext rtnb")
-    assert run.status == "ok", run.text + str(run.traceback)
-    yield k
-    k.shutdown()
+    with kernel_with_rtnb(str(tmp_path_factory.mktemp("nb"))) as k:
+        yield k
 
 
 @pytest.mark.ray
