@@ -80,7 +80,7 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(tmp_path):
     assert where.startswith(str(site)), f"not the installed wheel: {where}"
     stand_in = Path(where).parent / "core" / "_lazy_imports" / "rfc3987_syntax" / "__init__.py"
     assert stand_in.exists(), "the wheel ships the lazy-import stand-in"
-    assert list((Path(where).parent / "core").glob("_fastreport.*.so")), (
+    assert list((Path(where).parent / "worker").glob("_fastreport.*.so")), (
         "the wheel carries report()'s C path, built where a C compiler is (as here)"
     )
     # The README's main job as a user with this wheel gets it: no cluster named, so

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -634,3 +635,50 @@ def test_load_ext_imports_neither_ray_nor_torch_nor_numpy():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"%load_ext rtnb imported {out.stdout.strip()}"
+
+
+def _names_defined(tree: ast.AST) -> set[str]:
+    """Every attribute assigned (``x.NAME = ...``), module global and function or
+    method a module defines."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            if isinstance(target, ast.Attribute):
+                names.add(target.attr)
+            elif isinstance(target, ast.Name):
+                names.add(target.id)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+    return names
+
+
+def test_the_c_report_path_sits_beside_the_fields_it_reads_and_reads_only_those():
+    """``report()``'s C path reads a rank's reporting fields and its report buffer's
+    slots by name: it lives beside the module whose fields they are, and every name
+    it interns is one that module (or the buffer's ``__slots__``) defines, so a
+    renamed field fails here rather than in a rank's first report."""
+    c_file = ENGINE / "worker" / "_fastreport.c"
+    assert c_file.exists() and not list(ENGINE.glob("core/*.c")), "the C path sits in worker/"
+    reads = set(re.findall(r'INTERN\(\w+, "(\w+)"\)', c_file.read_text()))
+    assert {"_stop_requested", "_reports", "_cols"} <= reads, "the reads were found"
+    reporting = _names_defined(ast.parse((ENGINE / "worker" / "_reporting.py").read_text()))
+    reports = ast.parse((ENGINE / "core" / "_reports.py").read_text())
+    slots = {
+        element.value
+        for node in ast.walk(reports)
+        if isinstance(node, ast.ClassDef) and node.name == "ReportColumns"
+        for item in node.body
+        if isinstance(item, ast.Assign) and getattr(item.targets[0], "id", "") == "__slots__"
+        for element in item.value.elts
+    }
+    assert slots, "ReportColumns declares its slots"
+    # ``locked``: the method of the threading.Lock the reporting part holds.
+    unknown = reads - reporting - slots - {"locked"}
+    assert not unknown, f"the C path reads names its neighbours do not define: {unknown}"

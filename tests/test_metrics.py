@@ -548,7 +548,7 @@ def _report_through_the_api(monkeypatch, report) -> tuple[list, int]:
 
 def test_reports_recorded_in_c_are_exactly_those_of_the_python_path(monkeypatch):
     native = require(
-        "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
+        "rtnb.worker._fastreport", "report()'s hot path in C; pip install -e . builds it"
     )
     from rtnb.worker import _api, _reporting
 
@@ -583,7 +583,7 @@ def test_a_fast_loops_reports_set_off_no_garbage_collection(monkeypatch):
     import gc
 
     native = require(
-        "rtnb.core._fastreport", "report()'s hot path in C; pip install -e . builds it"
+        "rtnb.worker._fastreport", "report()'s hot path in C; pip install -e . builds it"
     )
     from rtnb.worker import _api
 

@@ -281,7 +281,7 @@ def _validation_request(validation: Any, checkpoint: Any) -> ValidationRequest:
 report_in_python = report
 
 try:
-    from rtnb.core._fastreport import make_report
+    from rtnb.worker._fastreport import make_report
 except ImportError:  # built without a C compiler: the Python path records the same
     pass
 else:

@@ -1,5 +1,5 @@
 """A rank's reports and checkpoints, a part of its runtime: ``rtnb.report()``'s
-path (its hot case also recorded in C, rtnb/core/_fastreport.c, into this object's
+path (its hot case also recorded in C, rtnb/worker/_fastreport.c, into this object's
 fields), the step and line of training, each checkpoint's placement in the run
 directory (now, or uploading beside the loop), and the checkpoint a cell's
 ``get_checkpoint()`` hands out.
