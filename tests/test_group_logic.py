@@ -1,0 +1,162 @@
+"""The driver's failure and recovery logic on a group without Ray (tests/_threaded_group.py):
+the real controller, cell flow, cell handle, failure policy, stop protocol, commits,
+journal and replay, driven by real rank runtimes in this process whose losses the
+tests make happen at a chosen step. Each test runs in about a second; the Ray suite
+keeps the scenarios that need a real process killed, a real Ray lost or real DDP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import rtnb
+from tests._margins import until
+from tests._threaded_group import ThreadedGroup, no_ray, threaded_ranks
+
+TRAIN = """
+import os, time, rtnb
+def committed(step):  # rank 1 is lost only once the driver committed this step
+    manifest = os.path.join({checkpoints!r}, f"step-{{step:09d}}", "_manifest.json")
+    while not os.path.exists(manifest):
+        time.sleep(0.005)
+ck = rtnb.get_checkpoint()
+start = ck.load_state()["step"] + 1 if ck is not None else 0
+for step in range(start, 10):
+    keep = rtnb.Checkpoint.from_state({{"step": step}}) if step % 2 == 0 else None
+    rtnb.report({{"loss": float(step)}}, checkpoint=keep)
+    if RANK == 1 and step == 5 and ck is None:
+        committed(4)
+        lose_me()
+start
+"""
+
+
+class Groups:
+    """A session's ``group_factory`` that keeps every group it built, in order."""
+
+    def __init__(self) -> None:
+        self.built: list[ThreadedGroup] = []
+
+    def __call__(self, config, run_name: str, storage_path: str) -> ThreadedGroup:
+        group = ThreadedGroup(config, run_name, storage_path)
+        self.built.append(group)
+        return group
+
+
+@pytest.fixture
+def groups():
+    with threaded_ranks():
+        yield Groups()
+
+
+def _session(tmp_path: Path, groups: Groups, **options) -> rtnb.Session:
+    options.setdefault("workers", 2)
+    session = rtnb.Session(
+        storage=str(tmp_path), name="logic", group_factory=groups, connector=no_ray, **options
+    )
+    return session.start()
+
+
+def _train(tmp_path: Path) -> str:
+    return TRAIN.format(checkpoints=str(tmp_path / "logic" / "checkpoints"))
+
+
+def test_a_lost_rank_ends_the_cell_in_one_line_keeps_its_commits_and_a_new_group_serves(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups)
+    try:
+        session.run("before = RANK")
+        with pytest.raises(rtnb.WorkerGroupError) as raised:
+            session.run(_train(tmp_path))
+        assert str(raised.value).startswith("rank 1 died during cell"), raised.value
+        assert "rebuilt with fresh ranks" in str(raised.value)
+        committed = [c.id for c in session.list_checkpoints()]
+        assert {"step-000000000", "step-000000002", "step-000000004"} <= set(committed)
+        assert len(groups.built) == 2, "the group was rebuilt once"
+        assert session.run("RANK").values_list() == [0, 1], "the new group runs cells"
+        with pytest.raises(rtnb.CellError, match="NameError"):
+            session.run("before")  # the lost group's variables went with it
+    finally:
+        session.stop()
+
+
+def test_with_max_failures_a_lost_rank_is_replaced_and_its_cell_goes_on_from_the_latest_commit(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups, max_failures=1)
+    try:
+        starts = session.run(_train(tmp_path)).values_list()
+        assert starts == [5, 5], "both ranks went on after step 4's checkpoint"
+        assert len(groups.built) == 2 and session.failures == 1
+        recovery = session.last_recovery
+        assert recovery is not None and recovery.error is None, recovery
+    finally:
+        session.stop()
+
+
+def test_a_rank_that_raises_stops_the_others_at_a_common_step_and_keeps_the_group(tmp_path, groups):
+    session = _session(tmp_path, groups)
+    try:
+        with pytest.raises(rtnb.CellError) as raised:
+            session.run(
+                "import rtnb\nkept = RANK\nfor step in range(100000):\n"
+                "    rtnb.report({'loss': 1.0})\n"
+                "    if RANK == 1 and step == 3:\n        raise RuntimeError('boom')\n"
+            )
+        shown = str(raised.value) + str(raised.value.failures)
+        assert "rank 1" in shown and "boom" in shown, shown
+        assert len(groups.built) == 1, "rank 0 stopped at its next report: nothing rebuilt"
+        assert session.run("kept").values_list() == [0, 1], "variables kept"
+    finally:
+        session.stop()
+
+
+def test_the_ranks_of_a_machine_that_stopped_answering_are_lost_at_once(tmp_path, groups):
+    session = _session(tmp_path, groups)
+    try:
+        handle = session.run_background("import time\nwhile True:\n    time.sleep(0.01)")
+        groups.built[0].cut(1, "that machine accepted no connection for 6 s")
+        with pytest.raises(rtnb.WorkerGroupError) as raised:
+            handle.wait(30)
+        assert "rank 1" in str(raised.value)
+        assert "accepted no connection for 6 s" in str(raised.value), raised.value
+    finally:
+        session.stop()
+
+
+def test_a_replayed_session_rebuilds_the_ranks_variables_from_the_journal(tmp_path, groups):
+    first = _session(tmp_path, groups)
+    first.run("x = RANK * 10")
+    first.run("x += 1")
+    first.stop()
+    again = _session(tmp_path, groups, replay=True)
+    try:
+        assert again.run("x").values_list() == [1, 11]
+        assert again.last_replay is not None
+    finally:
+        again.stop()
+
+
+def test_a_stopped_cell_ends_every_rank_at_one_step_and_keeps_the_group(tmp_path, groups):
+    """A stop asks every rank to pause at its next report, then sets one target step
+    (past the furthest rank's): each rank leaves its loop there, none is rebuilt."""
+    session = _session(tmp_path, groups)
+    try:
+        handle = session.run_background(
+            "import rtnb\nkept = RANK\nfor step in range(10**7):\n    rtnb.report({'loss': 1.0})\n"
+        )
+        metrics = session.metrics
+        until(
+            "both ranks reporting", lambda: min(metrics.counts.get(r, 0) for r in (0, 1)) > 50, 30
+        )
+        handle.stop()
+        with pytest.raises(rtnb.CellInterrupted):
+            handle.wait(30)
+        last = {rank: metrics.last[rank].step for rank in (0, 1)}
+        assert last[0] == last[1], f"the ranks stopped at different steps: {last}"
+        assert len(groups.built) == 1 and session.run("kept").values_list() == [0, 1]
+    finally:
+        session.stop()
