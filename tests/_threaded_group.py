@@ -58,6 +58,7 @@ def threaded_ranks() -> Iterator[None]:
     import ray.train  # noqa: F401
     import torch  # noqa: F401
 
+    from rtnb.driver.ranks import _builder
     from rtnb.storage import _checkpoint
     from rtnb.worker import _api, _reporting, _runtime
 
@@ -75,7 +76,10 @@ def threaded_ranks() -> Iterator[None]:
         _reporting.current_reports,
         _checkpoint.current_rank,
         _reporting.RankReports.make_current,
+        _builder.check_capacity,
     )
+    # Any size fits: the ranks are threads, with no cluster to place them on.
+    _builder.check_capacity = lambda *_args, **_kwargs: None
     _runtime.current_runtime = _api.current_runtime = _rank_of_this_thread
     _reporting.current_reports = reports
     _checkpoint.current_rank = rank
@@ -93,6 +97,7 @@ def threaded_ranks() -> Iterator[None]:
             _reporting.current_reports,
             _checkpoint.current_rank,
             _reporting.RankReports.make_current,
+            _builder.check_capacity,
         ) = saved
 
 

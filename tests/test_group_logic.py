@@ -160,3 +160,62 @@ def test_a_stopped_cell_ends_every_rank_at_one_step_and_keeps_the_group(tmp_path
         assert len(groups.built) == 1 and session.run("kept").values_list() == [0, 1]
     finally:
         session.stop()
+
+
+class _GoOnSmaller(rtnb.FailurePolicy):
+    """README's elastic policy: after a death, one rank fewer rather than wait."""
+
+    def decide(self, failure: rtnb.Failure):
+        if (
+            failure.dead
+            and not failure.stopping
+            and failure.world_size > 1
+            and self.failures < self.max_failures
+        ):
+            self.failures += 1
+            return rtnb.Shrink(self.describe(), workers=failure.world_size - 1)
+        return super().decide(failure)
+
+
+def test_a_policy_that_shrinks_runs_the_cell_again_on_fewer_ranks_with_the_journal_replayed(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups, failure_policy=_GoOnSmaller(2))
+    try:
+        session.run("import rtnb\nx = 41")
+        value = session.run(
+            "if rtnb.get_context().get_world_size() == 2 and RANK == 1:\n    lose_me()\n"
+            "(rtnb.get_context().get_world_size(), x + 1)",
+            once=True,  # a replay (the scale below) must not run the loss again
+        )
+        # The replay gave the one rank left the state the cell needs (x).
+        assert value == {0: (1, 42)}
+        assert session.failures == 1
+        assert isinstance(session.last_recovery.decision, rtnb.Shrink)
+        assert session.config.workers == 1 and session.group.world_size == 1
+        assert session.status().world_size == 1
+        assert session.pull("x") == [41]
+        # Scaled back to two, a cell on rank 1 alone loses it again: the group it
+        # shrinks to has no rank 1, and the cell says so in one line.
+        session.scale(2)
+        with pytest.raises(rtnb.WorkerGroupError, match="without cell 3's rank 1") as info:
+            session.run("lose_me()", ranks="1", once=True)
+        assert "\n" not in str(info.value)
+        assert session.failures == 2 and session.group.world_size == 1
+        assert session.run("x") == {0: 41}
+    finally:
+        session.stop()
+
+
+def test_a_cells_timeout_stops_it_on_every_rank_and_keeps_the_group(tmp_path, groups):
+    session = _session(tmp_path, groups)
+    try:
+        with pytest.raises(rtnb.CellInterrupted, match="timed out after 1 s"):
+            session.run(
+                "import time, rtnb\nwhile True:\n    rtnb.report({'x': 1})\n    time.sleep(0.01)",
+                timeout=1,
+            )
+        assert session.run("2") == {0: 2, 1: 2}
+        assert len(groups.built) == 1
+    finally:
+        session.stop()

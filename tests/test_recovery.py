@@ -98,54 +98,6 @@ def test_five_kills_recover_without_losing_a_checkpoint_and_the_sixth_fails_clea
         assert session.run("1") == {0: 1, 1: 1}
 
 
-class _GoOnSmaller(rtnb.FailurePolicy):
-    """README's elastic policy: after a death, one rank fewer rather than wait."""
-
-    def decide(self, failure: rtnb.Failure):
-        if (
-            failure.dead
-            and not failure.stopping
-            and failure.world_size > 1
-            and self.failures < self.max_failures
-        ):
-            self.failures += 1
-            return rtnb.Shrink(self.describe(), workers=failure.world_size - 1)
-        return super().decide(failure)
-
-
-def test_a_policy_that_shrinks_runs_the_cell_again_on_fewer_ranks(ray_cluster, tmp_path):
-    with rtnb.Session(
-        workers=2,
-        storage=str(tmp_path),
-        name="shrink",
-        stop_grace_s=1.0,
-        failure_policy=_GoOnSmaller(2),
-    ) as session:
-        session.run("import os, signal, time, torch.distributed as dist\nx = 41")
-        value = session.run(
-            "if dist.get_world_size() == 2 and dist.get_rank() == 1:\n"
-            "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            "time.sleep(0.5)\n"
-            "(dist.get_world_size(), x + 1)",
-            once=True,  # a replay (the scale below) must not run the kill again
-        )
-        # The replay gave the one rank left the state the cell needs (x).
-        assert value == {0: (1, 42)}
-        assert session.failures == 1
-        assert isinstance(session.last_recovery.decision, rtnb.Shrink)
-        assert session.config.workers == 1 and session.group.world_size == 1
-        assert session.status().world_size == 1
-        assert session.pull("x") == [41]
-        # Scaled back to two, a cell on rank 1 alone loses it again: the group it
-        # shrinks to has no rank 1, and the cell says so in one line.
-        session.scale(2)
-        with pytest.raises(rtnb.WorkerGroupError, match="without cell 3's rank 1") as info:
-            session.run("os.kill(os.getpid(), signal.SIGKILL)", ranks="1", once=True)
-        assert "\n" not in str(info.value)
-        assert session.failures == 2 and session.group.world_size == 1
-        assert session.run("x") == {0: 41}
-
-
 BIG_SAVE = (
     "import os, torch, time, rtnb, torch.distributed as dist\n"
     "ck = rtnb.get_checkpoint()\n"
