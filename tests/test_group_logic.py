@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 import rtnb
+from rtnb.core._messages import RankUpdate
+from rtnb.driver.cells import _observers
+from rtnb.driver.cells._observers import CellObserver, CellView, ObserverContext
 from tests._margins import until
 from tests._threaded_group import ThreadedGroup, no_ray, threaded_ranks
 
@@ -217,5 +220,65 @@ def test_a_cells_timeout_stops_it_on_every_rank_and_keeps_the_group(tmp_path, gr
             )
         assert session.run("2") == {0: 2, 1: 2}
         assert len(groups.built) == 1
+    finally:
+        session.stop()
+
+
+class _StepsSeen(CellObserver):
+    """A feature added as users of the hook interface would: it counts each rank's
+    reported steps and says how many when the cell ends."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, int] = {}
+
+    def update(self, cell: CellView, update: RankUpdate) -> None:
+        if update.reports is not None:
+            self.steps[update.rank] = self.steps.get(update.rank, 0) + len(update.reports)
+
+    def end(self, cell: CellView) -> None:
+        counts = ", ".join(f"rank {rank}: {n}" for rank, n in sorted(self.steps.items()))
+        cell.note(f"[steps seen] {counts}\n")
+
+
+class _Broken(CellObserver):
+    ticks = 0
+
+    def tick(self, cell: CellView) -> None:
+        type(self).ticks += 1
+        raise RuntimeError("the feature's own bug")
+
+
+def steps_seen(cell: CellView, context: ObserverContext) -> CellObserver:
+    return _StepsSeen()
+
+
+def broken(cell: CellView, context: ObserverContext) -> CellObserver:
+    return _Broken()
+
+
+def test_a_feature_added_as_a_module_and_a_registration_sees_every_report_and_one_that_raises_is_left_out(
+    tmp_path, groups, monkeypatch
+):
+    monkeypatch.setattr(
+        _observers,
+        "FEATURES",
+        (*_observers.FEATURES, f"{__name__}:steps_seen", f"{__name__}:broken"),
+    )
+    session = _session(tmp_path, groups)
+    try:
+        lines: list[str] = []
+        session.run(
+            "import time, rtnb\n"
+            "for step in range(7):\n"
+            "    rtnb.report({'loss': float(step)})\n"
+            "    time.sleep(0.05)\n",
+            output=lambda rank, stream, text: lines.append(text),
+        )
+        out = "".join(lines)
+        assert "[steps seen] rank 0: 7, rank 1: 7" in out, out
+        assert out.count("_Broken left") == 1, out
+        assert "the feature's own bug" in out
+        assert _Broken.ticks == 1, "a feature that raised is asked nothing more"
+        assert session.run("RANK").values_list() == [0, 1], "the group serves on"
     finally:
         session.stop()

@@ -27,6 +27,7 @@ from rtnb.core._output import CellOutput, OutputSink
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank
 from rtnb.driver.cells._controls import CellControls
+from rtnb.driver.cells._observers import CellObservers
 from rtnb.driver.cells._outcome import (
     Completion,
     WatchedGroup,
@@ -36,9 +37,10 @@ from rtnb.driver.cells._outcome import (
     ray_lost_ending,
     storage_stopped,
 )
+from rtnb.driver.cells._watch_hang import HangDoctor
 from rtnb.driver.lifecycle import Failure, RankDied, RecoveryOutcome
 from rtnb.driver.ranks import Execution, RankGroup, StopProtocol
-from rtnb.driver.tools import Breakpoints, HangWatch
+from rtnb.driver.tools import Breakpoints
 from rtnb.errors import (
     CellInterrupted,
     CheckpointError,
@@ -164,19 +166,13 @@ class CellHandle:
         # a commit): the cell stops at one step.
         self._storage_failure: str | None = None
         self._restart_noted = True
-        self._hang = HangWatch(
-            context.hang_after_s,
-            lambda: self.name,
-            lambda quiet: context.stacks(self._unfinished(), stalled_s=quiet),
-            self.note,
-            self.done,
-            lambda stacks: _keep_stacks(context.logs, self.name, stacks),
-        )
         self.controls = CellControls(lambda: self.name, code, replay, controls, triggers, saved)
         for step, text in self.controls.saved_markers():
             context.metrics.add_marker(step, text)
         self._breakpoints = Breakpoints(not (background or replay), self.note)
-        self.profiles: dict[int, Any] = {}  # %rtnb profile: each rank's, as they arrive
+        # The features that watch the cell (cells/_observers.py: the hang doctor,
+        # profiles, the uploads' notes).
+        self.observers = CellObservers(self, context)
 
     def _begin_attempt(self) -> None:
         """What one run of the cell on one group knows of its ranks; all of it starts
@@ -207,7 +203,13 @@ class CellHandle:
     @property
     def hang(self) -> GroupStacks | None:
         """Every rank's stack, once the hang doctor read them (until they move)."""
-        return self._hang.stacks
+        doctor = self.observers.find(HangDoctor)
+        return doctor.stacks if doctor is not None else None
+
+    @property
+    def stopping(self) -> bool:
+        """A stop of this cell is under way."""
+        return self._stopping.requested
 
     def before_end(self, last_words: Callable[[], None]) -> None:
         """Call ``last_words()`` as the cell ends, before its output is flushed, so
@@ -325,7 +327,7 @@ class CellHandle:
                 lost = Failure.of_ranks(
                     self.name,
                     self._execution.dead if self._execution is not None else {},
-                    self._unfinished(),
+                    self.unfinished(),
                     self._stopping.reason,
                     self._stopped_for_failure,
                 )
@@ -377,17 +379,17 @@ class CellHandle:
             self._commit()
             if self._stopping.timed_out(self.elapsed_s, self.timeout_s):
                 self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
-            self._watch_for_hang()
+            self.observers.tick()
             self._make_asked_changes(execution)
             if execution.advance_stop(self._stopping, self.steps):
-                _note_dropped_uploads(self._output, execution.last)
+                self.observers.stop_ran_out(execution.last)
                 raise _Restart()
 
     def _stop_after_a_failed_rank(self) -> None:
         """A rank whose cell raised leaves the others waiting for it in their next
         collective, for ever: stop them (cooperatively, then as any stop escalates),
         as Ray Train ends every worker when one fails."""
-        if self._stopping.requested or not self._unfinished():
+        if self._stopping.requested or not self.unfinished():
             return
         cause = first_cause(self._finished)
         if cause is not None:
@@ -460,6 +462,7 @@ class CellHandle:
         # ones had reached: a stale step left over would let a checkpoint commit
         # before every new rank offered its shard.
         self._begin_attempt()
+        self.observers.restart()
         self._dispatch()
         return True
 
@@ -489,8 +492,6 @@ class CellHandle:
 
     def _apply(self, update: RankUpdate) -> None:
         rank = update.rank
-        if _moved(update, self.steps.get(rank, -1)):
-            self._hang.moved()
         self.steps[rank] = update.step
         self.lines[rank] = update.line
         self.states[rank] = "paused" if update.paused_at is not None else str(update.state)
@@ -502,14 +503,9 @@ class CellHandle:
         for failure in _keep(self._context, update, self.controls.took(update), self.replay):
             self._storage_failed(failure)
         self._breakpoints.took(rank, update.debugging, update.state is CellState.RUNNING)
-        if update.profile is not None and not self.replay:
-            self.profiles[rank] = update.profile
-            if set(self.profiles) >= set(self.ranks):
-                taken, self.profiles = self.profiles, {}
-                self._context.profile_taken(self, taken)
         for stream, text in update.output:
             self._output.write(rank, stream, text)
-        _note_uploads_behind(self._output, update, self.replay)
+        self.observers.update(update)
 
     # ---- the debugger ------------------------------------------------------------------
     def _answer(self, group: RankGroup, rank: int) -> None:
@@ -519,7 +515,6 @@ class CellHandle:
             self._output.send(rank, "stdout", text)
 
         self._context.attach_debugger(group, rank, show, self.note)
-        self._hang.moved()
 
     @property
     def debugging(self) -> list[int]:
@@ -541,17 +536,9 @@ class CellHandle:
             self._context.metrics.add_marker(step, shown)
             self.note(f"[rtnb] {shown} at step {step} on every rank\n")
 
-    # ---- the hang doctor ---------------------------------------------------------------
-    def _watch_for_hang(self) -> None:
-        if self.replay or self._stopping.requested:
-            return
-        if self._breakpoints.any:
-            self._hang.moved()  # a rank at a pdb prompt is not hung
-        else:
-            self._hang.check()
-
     # ---- stopping ----------------------------------------------------------------------
-    def _unfinished(self) -> list[int]:
+    def unfinished(self) -> list[int]:
+        """The ranks whose cell has not ended."""
         execution = self._execution
         return execution.unfinished() if execution is not None else list(self.ranks)
 
@@ -602,6 +589,7 @@ class CellHandle:
                     value, error = None, exc
         if self.recoveries:
             self._note_restart_origin(ended=True)
+        self.observers.end()
         self._end.last_words()
         self._output.flush()
         self._end.ending(value, error)
@@ -613,38 +601,6 @@ class CellHandle:
             self._context.cell_ended(self)
         self.controls.close()  # changes asked too late: their callers get None
         self._end.ended(self)
-
-
-# Below this much waiting in all, a report's wait for room among the uploads in
-# flight is noise, not a sign that uploads cannot keep up.
-_UPLOADS_BEHIND_S = 1.0
-
-
-def _moved(update: RankUpdate, step_before: int) -> bool:
-    """Whether the rank shows life (a rank whose checkpoints are still uploading at
-    the cell's end is waiting on storage, not hung)."""
-    return bool(update.output or update.reports or update.uploading) or update.step != step_before
-
-
-def _note_dropped_uploads(output: CellOutput, last: dict[int, RankUpdate]) -> None:
-    steps = sorted({step for update in last.values() for step in update.uploading})
-    if steps:
-        output.note(
-            f"[rtnb] checkpoint uploads of step {', '.join(map(str, steps))} were still in "
-            "flight when the stop's grace ran out (--stop-grace): dropped, never listed\n"
-        )
-
-
-def _note_uploads_behind(output: CellOutput, update: RankUpdate, replay: bool) -> None:
-    if update.upload_waited_s < _UPLOADS_BEHIND_S or replay:
-        return
-    at = update.uploading[-1] if update.uploading else update.step
-    output.note_once(
-        "uploads",
-        f"[rtnb] checkpoint uploads fall behind the loop: rank {update.rank}'s report() "
-        f"waited {update.upload_waited_s:.1f} s for room by step {at} (uploads in flight "
-        "are capped by RTNB_UPLOADS_IN_FLIGHT; raise it, or checkpoint less often)\n",
-    )
 
 
 def _keep(
@@ -693,20 +649,6 @@ def _restart_origin(
         else "ranks " + ", ".join(str(r) for r, c in by_rank.items() if c)
     )
     return origin, f"[rtnb] {name} restarted from {origin} ({which} loaded it)\n"
-
-
-def _keep_stacks(logs: RankLogs | None, name: str, stacks: GroupStacks) -> str:
-    """The hang doctor's full stacks, appended to each rank's log; where rank
-    ``min``'s went (for the note), "" when the run keeps no logs."""
-    if logs is None or not stacks.stacks:
-        return ""
-    text = f"[rtnb] hang doctor, {time.strftime('%H:%M:%S')}, {name}:\n{stacks.text()}\n"
-    for rank in stacks.stacks:
-        logs.add(rank, text)
-    logs.flush()
-    first = min(stacks.stacks)
-    more = " and the other ranks' logs" if len(stacks.stacks) > 1 else ""
-    return f"{logs.where(first)}{more}"
 
 
 def _kept_where(logs: RankLogs | None, rank: int) -> str:

@@ -1,0 +1,147 @@
+"""What features see of a running cell: one hook interface and its manager.
+
+A feature that watches a cell (the hang doctor, profiles, the uploads' notes) is a
+:class:`CellObserver` in a module of its own, made for each cell by a factory listed
+in :data:`FEATURES`. The handle calls its :class:`CellObservers` at five points and
+knows nothing of the features; adding one is a module and a line in
+:data:`FEATURES`. An observer sees the cell through :class:`CellView`, never the
+handle's own fields, and an observer that raises is noted once and then left out:
+a feature never ends a cell.
+
+The hooks, in a cell's order:
+
+- ``update(cell, update)``: a rank's :class:`~rtnb.core._messages.RankUpdate`, once
+  the handle applied it (its steps, state and output are the cell's);
+- ``tick(cell)``: each turn of the driving loop (about every 0.1 s) while the cell
+  runs and no stop is under way;
+- ``stop_ran_out(cell, last)``: a stop's grace ran out before the ranks stopped;
+  ``last`` is each rank's latest update;
+- ``restart(cell)``: the cell runs again on a rebuilt group;
+- ``end(cell)``: the cell ends, before its output is flushed (what an observer notes
+  then is still the cell's).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rtnb.core._messages import RankUpdate
+from rtnb.errors import one_line
+
+if TYPE_CHECKING:
+    from rtnb.core._stacks import GroupStacks
+    from rtnb.storage._logs import RankLogs
+
+__all__ = ["FEATURES", "CellObserver", "CellObservers", "CellView", "ObserverContext"]
+
+
+class CellView(Protocol):
+    """What an observer may read of a cell, and its one way to speak."""
+
+    name: str
+    replay: bool
+    ranks: list[int]
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+    def unfinished(self) -> list[int]: ...
+
+    def note(self, text: str) -> None: ...
+
+
+class ObserverContext(Protocol):
+    """What observers need of the session's flows (the cell's context has it)."""
+
+    @property
+    def logs(self) -> RankLogs | None: ...
+
+    @property
+    def hang_after_s(self) -> float: ...
+
+    def stacks(
+        self, ranks: list[int] | None = None, stalled_s: float | None = None
+    ) -> GroupStacks: ...
+
+    def profile_taken(self, handle: Any, profiles: dict[int, Any]) -> None: ...
+
+
+class CellObserver:
+    """Every hook does nothing unless a feature says otherwise."""
+
+    def update(self, cell: CellView, update: RankUpdate) -> None:
+        """A rank's update, applied."""
+
+    def tick(self, cell: CellView) -> None:
+        """A turn of the driving loop."""
+
+    def stop_ran_out(self, cell: CellView, last: dict[int, RankUpdate]) -> None:
+        """A stop's grace ran out."""
+
+    def restart(self, cell: CellView) -> None:
+        """The cell runs again on a rebuilt group."""
+
+    def end(self, cell: CellView) -> None:
+        """The cell ends."""
+
+
+Factory = Callable[[CellView, ObserverContext], "CellObserver | None"]
+
+# The features that watch every cell: "module:factory", each factory called with
+# the cell and its context and returning its observer (None: not for this cell).
+FEATURES: tuple[str, ...] = (
+    "rtnb.driver.cells._watch_hang:observe",
+    "rtnb.driver.cells._watch_profiles:observe",
+    "rtnb.driver.cells._watch_uploads:observe",
+)
+
+
+def _factories() -> list[Factory]:
+    found = []
+    for entry in FEATURES:
+        module, _, name = entry.partition(":")
+        found.append(getattr(importlib.import_module(module), name))
+    return found
+
+
+class CellObservers:
+    """One cell's observers, each hook called on each in order."""
+
+    def __init__(self, cell: CellView, context: ObserverContext) -> None:
+        self._cell = cell
+        made = (factory(cell, context) for factory in _factories())
+        self.items: list[CellObserver] = [observer for observer in made if observer is not None]
+
+    def find(self, kind: type) -> Any:
+        """The observer of ``kind`` (what a view reads of a feature), or None."""
+        return next((o for o in self.items if isinstance(o, kind)), None)
+
+    def update(self, update: RankUpdate) -> None:
+        self._each("update", update)
+
+    def tick(self) -> None:
+        self._each("tick")
+
+    def stop_ran_out(self, last: dict[int, RankUpdate]) -> None:
+        self._each("stop_ran_out", last)
+
+    def restart(self) -> None:
+        self._each("restart")
+
+    def end(self) -> None:
+        self._each("end")
+
+    def _each(self, hook: str, *args: Any) -> None:
+        for observer in list(self.items):
+            try:
+                getattr(observer, hook)(self._cell, *args)
+            except Exception as exc:  # noqa: BLE001 - a feature never ends a cell
+                self.items.remove(observer)
+                self._cell.note(
+                    f"[rtnb] {type(observer).__name__} left {self._cell.name} after an "
+                    f"error: {one_line(exc)}\n"
+                )
