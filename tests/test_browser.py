@@ -921,7 +921,10 @@ def test_notebook_7_runs_the_quickstart_path_live_resume_and_reload(lab, tmp_pat
         page.locator(".rtnb-ckpt-rows tr[data-id]").first.wait_for(timeout=120_000)
         reloaded = page.locator(".jp-Notebook").inner_text()
         page.screenshot(path=str(tmp_path / "reloaded.png"), full_page=True)
-    assert sum(a[0] < b[0] for a, b in zip(grown, grown[1:])) >= 3, grown
+    # Drawn while the cell ran: at two points or more between its first step and its
+    # last, growing (a busy machine's page samples it a few times in its 5 s).
+    mid = [lengths[0] for lengths in grown if 0 < lengths[0] < 120]
+    assert len(set(mid)) >= 2 and mid == sorted(mid), grown
     assert seen is not None, f"the resumed cell's view draws its earlier line: {drawn} {errors}"
     assert "step 119" in seen["header"] and seen["last"] == 119, seen
     assert "Error displaying widget" not in reloaded and "stopped" in reloaded, reloaded[-2000:]
