@@ -153,6 +153,46 @@ def test_the_readme_is_one_screen_of_the_users_page():
     assert "bash .ci/setup && .venv/bin/python -m pytest -q" in text
 
 
+# Words about how rtnb was made, not about rtnb: a work item's number, a machine
+# borrowed for a while, the tools it was built with, a stretch of work's time.
+PROCESS_WORDS = re.compile(
+    r"\b(?:stops?|issues?)\s+#?\d+\b"
+    r"|\blent\s+(?:GPU|machine|through)|\b(?:GPU|machine|none|nothing)\s+was\s+lent\b"
+    r"|\bdevice\s+tool\b|\bstructure\s+tool\b|\bduplicates\s+--change\b"
+    r"|\b(?:a|this|the|that)\s+session\s+(?:had|ran\s+out|was\s+given)\b"
+    r"|\bwork\s+items?\b",
+    re.IGNORECASE,
+)
+
+
+def user_facing_files() -> list[Path]:
+    """What a user reads: the README, the change log, the manual, the notebooks, the
+    deploy recipes, the messages and comments of every shipped module."""
+    found = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md"]
+    for folder, patterns in {
+        "docs": ("*.md",),
+        "notebooks": ("*.ipynb",),
+        "deploy": ("*",),
+        "rtnb": ("*.py", "*.c", "*.ipynb", "*.md"),
+        "magics": ("*.py",),
+        "widgets": ("*.py", "*.js", "*.css"),
+        "benchmarks": ("*.py", "*.md"),
+    }.items():
+        for pattern in patterns:
+            found += [p for p in (ROOT / folder).rglob(pattern) if p.is_file()]
+    return [p for p in found if p.exists() and "__pycache__" not in p.parts]
+
+
+def test_user_facing_text_speaks_of_rtnb_alone():
+    said = []
+    for path in user_facing_files():
+        text = path.read_text(errors="replace")
+        for match in PROCESS_WORDS.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            said.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
+    assert not said, "text about how rtnb was made, not about rtnb:\n" + "\n".join(said)
+
+
 def test_from_ray_train_maps_every_field_of_the_configs_a_script_sets():
     """Each field of the Ray Train configs a user sets has its row (its rtnb flag or
     call, or "none" and why): a field a newer Ray adds fails here."""
