@@ -201,7 +201,9 @@ class Checkpoint:
             shards = sorted(f for f in os.listdir(folder) if state_file_rank(f) is not None)
             if not shards:
                 raise CheckpointError(
-                    f"checkpoint {self.id} has no state saved with Checkpoint.from_state"
+                    f"checkpoint {self.id} has no state saved with Checkpoint.from_state: "
+                    "read its files with `with ckpt.as_directory(trusted=True) as folder:` "
+                    "and your own torch.load"
                 )
             # Each rank reads its own shard; when only some ranks saved (often rank 0
             # alone), the others read the lowest rank's.

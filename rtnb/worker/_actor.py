@@ -232,6 +232,14 @@ class RankActor:
         import torch.distributed  # noqa: F401
 
         if ctx.backend == "nccl":
+            if not torch.cuda.is_available():
+                build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+                raise RuntimeError(
+                    f"rank {ctx.world_rank} on {socket.gethostname()} got a GPU from Ray, but "
+                    f"torch {torch.__version__} there sees none ({build}): install torch's "
+                    "CUDA build on the cluster's nodes (pytorch.org's --index-url for your "
+                    "CUDA), or drop --gpu"
+                )
             # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is cuda:0 here.
             torch.cuda.set_device(0)
             ctx.device = "cuda:0"
