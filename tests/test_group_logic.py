@@ -282,3 +282,48 @@ def test_a_feature_added_as_a_module_and_a_registration_sees_every_report_and_on
         assert session.run("RANK").values_list() == [0, 1], "the group serves on"
     finally:
         session.stop()
+
+
+README_CELL = """
+import torch, rtnb
+net = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+start = 0
+if (restored := rtnb.get_checkpoint()) is not None:
+    state = restored.load_state()
+    net.load_state_dict(state["model"])
+    start = state["step"] + 1
+for step in range(start, END):
+    checkpoint = None
+    if step % 10 == 9:
+        checkpoint = rtnb.Checkpoint.from_state({"model": net.state_dict(), "step": step})
+    rtnb.report({"loss": float(step)}, checkpoint=checkpoint)
+start
+"""
+
+
+def test_a_training_cell_run_again_goes_on_from_the_latest_checkpoint_and_says_so_when_nothing_was_left(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups)
+    try:
+        said: list[str] = []
+
+        def run(end: int):
+            del said[:]
+            session.run(f"END = {end}")
+            return session.run(README_CELL, output=lambda rank, stream, text: said.append(text))
+
+        assert run(20).values_list() == [0, 0]
+        assert not [line for line in said if "[rtnb]" in line], said
+        # Run again as it stands: it goes on from step 19, with nothing left to train.
+        assert run(20).values_list() == [20, 20]
+        notes = [line for line in said if "went on from" in line]
+        assert len(notes) == 1, said
+        assert "step-000000019" in notes[0] and "%rtnb stop, then %rtnb start" in notes[0]
+        # With more steps to take, it trains on from there and needs no word.
+        assert run(30).values_list() == [20, 20]
+        assert not [line for line in said if "went on from" in line], said
+        assert [c.step for c in session.list_checkpoints()] == [9, 19, 29]
+    finally:
+        session.stop()

@@ -99,3 +99,29 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(tmp_path):
     assert "quickstart.ipynb ran to completion" in proc.stdout
     output = work / "rtnb_runs" / "demo" / "quickstart.output.ipynb"
     assert ", Ray embedded" in output.read_text(), "the demo joined a cluster, not a Ray of its own"
+    # A pip user's way to the example notebooks: out of the package, into a folder.
+    copied = subprocess.run(
+        [str(venv / "bin" / "rtnb"), "demo", "--copy"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        timeout=60,
+    )
+    assert copied.returncode == 0, copied.stderr
+    examples = work / "rtnb-examples"
+    assert (examples / "quickstart.ipynb").read_bytes() == (
+        REPO / "notebooks" / "quickstart.ipynb"
+    ).read_bytes()
+    assert "open rtnb-examples/quickstart.ipynb in JupyterLab" in copied.stdout
+    again = subprocess.run(
+        [str(venv / "bin" / "rtnb"), "demo", "--copy"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        timeout=60,
+    )
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert "already exists" in again.stderr and "Traceback" not in again.stderr
+    # The wheel's name as the README shows it: built for this Python and platform.
+    assert wheel.name.startswith(f"rtnb-{rtnb.__version__}-cp3"), wheel.name
+    assert "rtnb-0.1.0-cp311-cp311-linux_x86_64.whl" in (REPO / "README.md").read_text()

@@ -240,6 +240,35 @@ def example_notebook(name: str):
         yield path
 
 
+def copy_examples(target: Path) -> list[Path]:
+    """The example notebooks shipped inside the package, copied into ``target`` to
+    open in JupyterLab (a pip install has no clone to find them in). A file already
+    there is kept, and the copy refused in one line naming it."""
+    from importlib import resources
+
+    shipped = sorted(
+        (f for f in resources.files("rtnb.notebooks").iterdir() if f.name.endswith(".ipynb")),
+        key=lambda f: f.name,
+    )
+    there = [target / f.name for f in shipped if (target / f.name).exists()]
+    if there:
+        raise ConfigError(
+            f"{there[0]} already exists: rtnb demo --copy writes its notebooks into a "
+            "folder without them (give another folder, or move those away)"
+        )
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        copied = []
+        for f in shipped:
+            (target / f.name).write_bytes(f.read_bytes())
+            copied.append(target / f.name)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the example notebooks into {target}: {exc.strerror}"
+        ) from None
+    return copied
+
+
 def saved_changes(notebook: dict) -> list[CellChanges]:
     """The live-change records in a notebook's outputs, in cell order."""
     found = []

@@ -1,6 +1,7 @@
 """The ``rtnb`` command line.
 
 rtnb demo                      run notebooks/quickstart.ipynb on an embedded local Ray
+rtnb demo --copy [DIR]         copy the example notebooks into DIR to open in JupyterLab
 rtnb run NOTEBOOK.ipynb [-p NAME VALUE]... [-o OUT.ipynb] [--timeout S] [--kernel K]
 rtnb submit NOTEBOOK.ipynb --address http://HEAD:8265 [-p NAME VALUE]... [--wait]
 rtnb jobs [--address URL] | rtnb logs JOB [--address URL] [--follow]
@@ -91,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
         "--output",
         default=None,
         help="output notebook (default rtnb_runs/demo/quickstart.output.ipynb)",
+    )
+    demo.add_argument(
+        "--copy",
+        nargs="?",
+        const="rtnb-examples",
+        default=None,
+        metavar="DIR",
+        help="copy the example notebooks (quickstart, resume, sweep, ...) into DIR "
+        "(default rtnb-examples) instead of running one",
     )
 
     run = _notebook_options(sub.add_parser("run", help="execute a notebook with papermill"))
@@ -311,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
             return _print_runs(_storage(args.storage), args.metric)
         if args.command == "checkpoints":
             return _print_checkpoints(args.run, _storage(args.storage), args.all)
+        if args.command == "demo" and args.copy is not None:
+            from rtnb.batch._runner import copy_examples
+
+            copied = copy_examples(Path(args.copy))
+            for path in copied:
+                print(f"rtnb: {path}")
+            print(f"rtnb: open {copied[0].parent / 'quickstart.ipynb'} in JupyterLab to begin")
+            return 0
         if args.command == "demo":
             output = Path(
                 args.output or Path("rtnb_runs") / "demo" / "quickstart.output.ipynb"

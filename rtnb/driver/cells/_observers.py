@@ -1,8 +1,8 @@
 """What features see of a running cell: one hook interface and its manager.
 
-A feature that watches a cell (the hang doctor, profiles, the uploads' notes) is a
-:class:`CellObserver` in a module of its own, made for each cell by a factory listed
-in :data:`FEATURES`. The handle calls its :class:`CellObservers` at five points and
+A feature that watches a cell (the hang doctor, profiles, the uploads' notes, a
+re-run cell's note) is a :class:`CellObserver` in a module of its own, made for each
+cell by a factory listed in :data:`FEATURES`. The handle calls its :class:`CellObservers` at five points and
 knows nothing of the features; adding one is a module and a line in
 :data:`FEATURES`. An observer sees the cell through :class:`CellView`, never the
 handle's own fields, and an observer that raises is noted once and then left out:
@@ -97,6 +97,7 @@ FEATURES: tuple[str, ...] = (
     "rtnb.driver.cells._watch_hang:observe",
     "rtnb.driver.cells._watch_profiles:observe",
     "rtnb.driver.cells._watch_uploads:observe",
+    "rtnb.driver.cells._watch_rerun:observe",
 )
 
 
