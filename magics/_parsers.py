@@ -118,7 +118,7 @@ def _workers(text: str) -> int | tuple[int, int]:
 @argument(
     "--address",
     default=_DECLARED.address,
-    help="auto, HOST:PORT or ray://HOST:PORT (default: embedded local Ray)",
+    help="auto, HOST:PORT or ray://HOST:PORT (default: RAY_ADDRESS if set, else this machine's warm Ray, else a Ray embedded in the kernel)",
 )
 @argument(
     "--storage", default=_DECLARED.storage, help="where run directories go (default ./rtnb_runs)"
@@ -431,7 +431,7 @@ def attach_args(line):
 SUBCOMMANDS = [
     Subcommand(
         "start",
-        "start the worker group (embedded Ray unless --address)",
+        "start the worker group (on the warm Ray unless --address or RAY_ADDRESS)",
         "%rtnb start --workers 4 --name mnist --max-failures 2",
         start_args,
     ),

@@ -101,3 +101,60 @@ def test_the_slurm_script_is_valid_shell_and_prints_an_address_rtnb_accepts():
     assert "ray start --head" in text and 'ray start --address="${head_ip}:${port}"' in text
     assert "export RAY_AUTH_MODE=token" in text and "--dashboard-host" in text
     assert SessionConfig(address="10.1.2.3:6379").address == "10.1.2.3:6379"
+
+
+def _context(root, into) -> list[str]:
+    """The build context .dockerignore lets in, copied into ``into`` (the rules this
+    file uses: ``*`` first, then ``!NAME`` to let an entry in, ``**/NAME`` to keep
+    one out at any depth)."""
+    rules = [
+        line.strip()
+        for line in (root / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert rules[0] == "*", "everything is left out unless let in"
+    admitted = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
+    dropped = [r[3:] for r in rules if r.startswith("**/")]
+    for name in admitted:
+        source = root / name
+        if source.is_dir():
+            shutil.copytree(source, into / name, ignore=shutil.ignore_patterns(*dropped))
+        else:
+            shutil.copy2(source, into / name)
+    return admitted
+
+
+@pytest.mark.slow
+def test_the_images_first_stage_builds_rtnbs_wheel_from_the_context_dockerignore_admits(
+    tmp_path,
+):
+    """The image builds its wheel from the source in its context: that context (what
+    .dockerignore lets in) builds a wheel with the example notebooks, the server
+    extension's file and report()'s C path, and holds no .venv or run folder."""
+    import sys
+    import zipfile
+
+    steps = _instructions((DEPLOY / "Dockerfile").read_text())
+    stages = [rest for word, rest in steps if word == "FROM"]
+    assert len(stages) == 2 and stages[0].endswith(" AS wheel"), stages
+    assert stages[0].split()[0] == stages[1].split()[0], "the wheel is built on the image's Python"
+    runs = [rest for word, rest in steps if word == "RUN"]
+    assert any("pip wheel" in r and "-w /wheels ." in r for r in runs)
+    assert ("COPY", "--from=wheel --chown=ray /wheels/ /tmp/wheels/") in steps
+
+    context = tmp_path / "context"
+    context.mkdir()
+    admitted = _context(REPO, context)
+    assert not {".venv", ".venv-compat", "rtnb_runs", "tests", ".git"} & set(admitted)
+    assert not list(context.rglob("__pycache__"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "wheels"), "."],
+        cwd=context, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheels").glob("rtnb-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "rtnb/notebooks/quickstart.ipynb" in names
+    assert any(n.startswith("rtnb/worker/_fastreport.") and n.endswith(".so") for n in names)
+    assert any(n.endswith("jupyter_server_config.d/rtnb.json") for n in names)
