@@ -407,11 +407,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 )
 
 
-def _fmt(value: float | None, unit: str) -> str:
+def _fmt(value: float | None, unit: str, goal: str = "") -> str:
+    """A figure as the tables show it; beside its goal (the row's goal text), with one
+    more digit where two would make a miss read as the goal itself (0.254x against
+    0.25x)."""
     if value is None:
         return "—"
     if unit == "x":
-        return f"{value:.2f}x"
+        shown = f"{value:.2f}x"
+        if goal and goal.split()[-1] == shown and abs(value - float(shown[:-1])) > 1e-9:
+            return f"{value:.3f}x"
+        return shown
     if unit == "/s":
         return f"{value:,.0f}/s"
     if abs(value) >= 100:
@@ -561,12 +567,28 @@ def _commit() -> str:
 
 
 def machine() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "none"
+
     return {
         "cpus": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "ray": installed("ray"),
+        "torch": installed("torch"),
     }
+
+
+def _versions(m: dict) -> str:
+    """The Ray and torch a run measured (results written before they were kept name
+    what .ci/setup installed then)."""
+    return f"Ray {m.get('ray', '2.60.0')}, torch {m.get('torch', '2.13.0+cpu')}"
 
 
 def print_table(rows: list[Row], out=sys.stdout) -> None:
@@ -576,9 +598,9 @@ def print_table(rows: list[Row], out=sys.stdout) -> None:
             r.benchmark,
             r.label,
             r.goal,
-            _fmt(r.min, r.unit),
-            _fmt(r.median, r.unit),
-            _fmt(r.max, r.unit),
+            _fmt(r.min, r.unit, r.goal),
+            _fmt(r.median, r.unit, r.goal),
+            _fmt(r.max, r.unit, r.goal),
             _verdict(asdict(r)),
         )
         for r in rows
@@ -603,7 +625,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"`benchmarks/run.py{' --quick' if result['quick'] else ''}`, {result['rounds']} rounds "
         f"(min / median / max), {result['date']}, commit `{result['commit']}`, "
-        f"{m['cpus']} CPUs, {m['memory_gb']} GiB, Python {m['python']}; "
+        f"{m['cpus']} CPUs, {m['memory_gb']} GiB, Python {m['python']}, {_versions(m)}; "
         f"{result['minutes']} min in all.",
         "",
         "| benchmark | figure | goal | min | median | max | verdict |",
@@ -614,7 +636,8 @@ def markdown(result: dict) -> str:
             unit = row["unit"]
             lines.append(
                 f"| {row['benchmark']}{'*' if 'measured' in bench else ''} | {row['label']} | {row['goal'].replace('<=', '≤').replace('>=', '≥')} "
-                f"| {_fmt(row['min'], unit)} | {_fmt(row['median'], unit)} | {_fmt(row['max'], unit)} "
+                f"| {_fmt(row['min'], unit, row['goal'])} | {_fmt(row['median'], unit, row['goal'])} "
+                f"| {_fmt(row['max'], unit, row['goal'])} "
                 f"| {_verdict(row)} |"
             )
         failed = [r["error"] for r in bench["rounds"] if r["error"]]
@@ -648,7 +671,8 @@ def readme_markdown(result: dict) -> str:
     lines = [
         f"`benchmarks/run.py{' --quick' if result['quick'] else ''}`, medians of "
         f"{result['rounds']} rounds, {result['date'][:10]}, commit `{result['commit']}`, "
-        f"{result['machine']['cpus']} CPUs: {met} of {len(judged)} goals met, "
+        f"{result['machine']['cpus']} CPUs, {_versions(result['machine'])}: "
+        f"{met} of {len(judged)} goals met, "
         + (
             f"{len(unjudged)} not judged (a peer that failed, or under "
             f"{MIN_JUDGED_ROUNDS} good rounds), "
@@ -670,7 +694,8 @@ def readme_markdown(result: dict) -> str:
         goal = row["goal"].replace("<=", "≤").replace(">=", "≥")
         star = "*" if row["benchmark"] in later else ""
         lines.append(
-            f"| {row['label']}{star} | {_fmt(row['median'], row['unit'])} | {goal} | {_verdict(row)} |"
+            f"| {row['label']}{star} | {_fmt(row['median'], row['unit'], row['goal'])} | {goal} "
+            f"| {_verdict(row)} |"
         )
     return "\n".join(lines + _later_runs(result))
 

@@ -193,3 +193,15 @@ def test_a_run_merged_into_the_file_it_rewrites_as_it_goes_counts_its_minutes_on
     whole = runner._result(args, 3, 1200.0, report, base)
     assert whole["minutes"] == 40.0, "20 min of the first part and 20 of this one"
     assert [b["benchmark"] for b in whole["benchmarks"]] == ["cell_latency", "sweep", "soak"]
+
+
+def test_a_miss_by_a_hair_never_reads_as_its_goal_and_a_table_names_its_versions():
+    assert runner._fmt(0.254, "x", "<= 0.25x") == "0.254x", "a miss shown as the goal itself"
+    assert runner._fmt(0.25, "x", "<= 0.25x") == "0.25x"
+    assert runner._fmt(1.691, "x", "<= 1.50x") == "1.69x"
+    result = json.loads((runner.HERE / "results" / "full.json").read_text())
+    head = runner.markdown(result).splitlines()[0]
+    assert "Ray 2." in head and "torch 2." in head, head
+    assert "| 0.254x | ≤ 0.25x | MISSED |" in runner.readme_markdown(result)
+    fresh = runner.machine()
+    assert fresh["ray"] == __import__("ray").__version__ and fresh["torch"].startswith("2."), fresh
