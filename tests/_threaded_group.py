@@ -101,9 +101,17 @@ def threaded_ranks() -> Iterator[None]:
         ) = saved
 
 
+class _NoRay(ClusterConnection):
+    """Owned (no other cluster's versions to ask), yet nothing of Ray's to let go of:
+    the test process's own Ray driver, which other tests use, stays connected."""
+
+    def shutdown(self) -> None:
+        pass
+
+
 def no_ray(*_args: Any, **_kwargs: Any) -> ClusterConnection:
     """A session's ``connector`` for a threaded group: the ranks need no Ray."""
-    return ClusterConnection(address="in this process", owned=True, client_mode=False)
+    return _NoRay(address="in this process", owned=True, client_mode=False)
 
 
 class ThreadedGroup:
