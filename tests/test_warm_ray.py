@@ -66,14 +66,34 @@ def _wait_for_spares(home: Path, count: int, timeout_s: float) -> None:
     until(f"the warm Ray has {count} ready spare ranks", lambda: ready() >= count, timeout_s, 0.25)
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     began = time.monotonic()
     alive = pids
     while alive and time.monotonic() < began + timeout_s:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        alive = [p for p in pids if _running(p)]
         time.sleep(0.2)
     waited("processes gone", time.monotonic() - began, timeout_s)
     return alive
+
+
+def _family(host: psutil.Process) -> list[psutil.Process]:
+    """``host`` and every process under it; one that exits while they are listed is
+    left out (psutil then raises for it), so the list is read again."""
+    for _ in range(20):
+        if not host.is_running():
+            return [host]
+        try:
+            return [host, *host.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return [host]
 
 
 def test_kernels_share_one_warm_ray_that_ends_when_idle(tmp_path):
@@ -109,11 +129,11 @@ def test_kernels_share_one_warm_ray_that_ends_when_idle(tmp_path):
         assert _wait_gone(dead_kernels_ranks, 30) == []
         # No kernel left: after the idle time the warm Ray ends, and every process
         # it started with it.
-        family = [host, *host.children(recursive=True)]
+        family = _family(host)
         assert _wait_gone([p.pid for p in family], 60) == [], "the warm Ray ended"
         assert not list((home / "warm-ray").glob("*.json")), "its state file is gone"
     finally:
-        for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:
+        for proc in _family(host):
             try:
                 proc.kill()
             except psutil.Error:
@@ -288,7 +308,7 @@ def test_a_killed_kernels_ranks_end_at_once(tmp_path):
             kernel.kill()
             kernel.wait()
         if host is not None:
-            for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:
+            for proc in _family(host):
                 try:
                     proc.kill()
                 except psutil.Error:
@@ -386,7 +406,7 @@ def test_warm_status_and_stop_from_a_notebook_and_the_shell(tmp_path):
     finally:
         kernel.shutdown()
         for host in hosts:
-            for proc in [host, *(host.children(recursive=True) if host.is_running() else [])]:
+            for proc in _family(host):
                 try:
                     proc.kill()
                 except psutil.Error:
