@@ -33,7 +33,7 @@ from rtnb.core._messages import CellRequest, RankUpdate
 from rtnb.driver.cluster import ClusterConnection, StartProgress
 from rtnb.driver.ranks._execution import Execution, RankLost
 from rtnb.driver.ranks._group import RankInfo
-from rtnb.errors import one_line
+from rtnb.driver.ranks._local import gather_futures, ready_futures
 from rtnb.worker._actor import ACTOR_CONCURRENCY, BATCH_S, POLL_WAIT_S
 from rtnb.worker._runtime import RankContext, RankRuntime
 
@@ -336,24 +336,7 @@ class ThreadedGroup:
 
     # ---- waiting on calls --------------------------------------------------------------
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]:
-        _done, pending = concurrent.futures.wait(calls, timeout=timeout_s)
-        if pending:
-            raise TimeoutError(f"no answer within {timeout_s:g} s")
-        results = []
-        for call in calls:
-            error = call.exception()
-            if error is not None:
-                raise RankLost(one_line(error)) from None
-            results.append(call.result())
-        return results
+        return gather_futures(calls, timeout_s)
 
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
-        done, _ = concurrent.futures.wait(
-            calls, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
-        )
-        ready = [c for c in calls if c in done]
-        results = []
-        for call in ready:
-            error = call.exception()
-            results.append(RankLost(one_line(error)) if error is not None else call.result())
-        return ready, results
+        return ready_futures(calls, timeout_s)

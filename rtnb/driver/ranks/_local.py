@@ -258,29 +258,41 @@ class LocalGroup:
     # ---- waiting on calls --------------------------------------------------------------
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]:
         self._delivery.shown()
-        done, pending = concurrent.futures.wait(calls, timeout=timeout_s)
-        if pending:
-            raise TimeoutError(f"no answer within {timeout_s:g} s")
-        results = []
-        for call in calls:
-            error = call.exception()
-            if error is not None:
-                raise RankLost(one_line(error)) from None
-            results.append(call.result())
-        return results
+        return gather_futures(calls, timeout_s)
 
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
         # The driver is back for more: what it was given before is applied (shown).
         self._delivery.shown()
-        done, _ = concurrent.futures.wait(
-            calls, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
-        )
-        ready = [c for c in calls if c in done]
-        results = []
-        for call in ready:
-            error = call.exception()
-            results.append(RankLost(one_line(error)) if error is not None else call.result())
-        return ready, results
+        return ready_futures(calls, timeout_s)
+
+
+def gather_futures(calls: list[Any], timeout_s: float) -> list[Any]:
+    """The results of rank calls made as futures (ranks in this process), in order; a
+    call that raised is a lost rank."""
+    _done, pending = concurrent.futures.wait(calls, timeout=timeout_s)
+    if pending:
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    results = []
+    for call in calls:
+        error = call.exception()
+        if error is not None:
+            raise RankLost(one_line(error)) from None
+        results.append(call.result())
+    return results
+
+
+def ready_futures(calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
+    """The futures done within ``timeout_s`` (at least one, unless none is), with
+    their results (a lost rank for one that raised)."""
+    done, _ = concurrent.futures.wait(
+        calls, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+    )
+    ready = [c for c in calls if c in done]
+    results = []
+    for call in ready:
+        error = call.exception()
+        results.append(RankLost(one_line(error)) if error is not None else call.result())
+    return ready, results
 
 
 class _Delivery:
