@@ -270,7 +270,7 @@ def _opened(
                     page.wait_for_function(
                         "el => /\\[(\\*|\\d+)\\]/.test(el.textContent)",
                         arg=prompt.element_handle(),
-                        timeout=10_000,
+                        timeout=20_000,
                     )
                     break
                 except Exception:
@@ -279,8 +279,17 @@ def _opened(
                     )
                     if attempt == 3:
                         raise
+            # A re-sent start whose first send was only slow to show runs twice; the
+            # second then says the group is already running, which is the group
+            # this visit wanted, so either line means started.
+            started = "gloo" if attempt == 0 else "gloo|a worker group is already running"
             try:
-                page.wait_for_selector(".jp-OutputArea-output:has-text('gloo')", timeout=180_000)
+                page.wait_for_function(
+                    "([el, words]) => new RegExp(words).test("
+                    "el.querySelector('.jp-OutputArea')?.textContent ?? '')",
+                    arg=[first.element_handle(), started],
+                    timeout=180_000,
+                )
             except Exception as exc:
                 page.screenshot(path=str(tmp_path / "start_not_seen.png"), full_page=True)
                 shown = first.locator(".jp-OutputArea").inner_text()[-2000:]
