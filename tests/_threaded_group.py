@@ -35,6 +35,7 @@ from rtnb.driver.ranks._execution import Execution, RankLost
 from rtnb.driver.ranks._group import RankInfo
 from rtnb.driver.ranks._local import gather_futures, ready_futures
 from rtnb.worker._actor import ACTOR_CONCURRENCY, BATCH_S, POLL_WAIT_S
+from rtnb.worker._commands import RankCommand
 from rtnb.worker._runtime import RankContext, RankRuntime
 
 _LIVE: list[ThreadedGroup] = []  # the groups whose ranks answer "who am I" now
@@ -266,61 +267,8 @@ class ThreadedGroup:
     def poll(self, rank: int) -> Any:
         return self._call(rank, lambda runtime: runtime.wait(POLL_WAIT_S, BATCH_S))
 
-    def request_stop(self, rank: int) -> Any:
-        return self._call(rank, lambda runtime: runtime.request_stop())
-
-    def set_stop_target(self, rank: int, step: int) -> Any:
-        return self._call(rank, lambda runtime: runtime.set_stop_target(step))
-
-    def interrupt(self, rank: int) -> Any:
-        return self._call(rank, lambda runtime: runtime.interrupt())
-
-    def stack(self, rank: int) -> Any:
-        return self._call(rank, lambda runtime: runtime.stack())
-
-    def debug_poll(self, rank: int, wait_s: float) -> Any:
-        return self._call(rank, lambda runtime: runtime.debugger.poll(wait_s))
-
-    def debug_input(self, rank: int, line: str) -> Any:
-        return self._call(rank, lambda runtime: runtime.debugger.give(line))
-
-    def post_mortem(self, rank: int) -> Any:
-        return self._call(rank, lambda runtime: runtime.debugger.post_mortem())
-
-    def hold(self, rank: int, change: int = 0) -> Any:
-        return self._call(rank, lambda runtime: runtime.hold(change))
-
-    def release(
-        self,
-        rank: int,
-        changes: dict[str, Any],
-        from_step: int,
-        triggers: tuple[str, ...] = (),
-        change: int = 0,
-    ) -> Any:
-        return self._call(
-            rank, lambda runtime: runtime.release(changes, from_step, triggers, change)
-        )
-
-    def set_step(self, step: int, line: int) -> list[Any]:
-        return [
-            self._call(r, lambda runtime: runtime.set_step(step, line))
-            for r in range(self.world_size)
-        ]
-
-    def pull(self, ranks: list[int], name: str) -> list[Any]:
-        return [self._call(r, lambda runtime: runtime.pull(name)) for r in ranks]
-
-    def push(self, ranks: list[int], values: Any) -> list[Any]:
-        def push(runtime: RankRuntime) -> None:
-            data = values
-            if isinstance(data, bytes):
-                from ray import cloudpickle
-
-                data = cloudpickle.loads(data)
-            runtime.push(data)
-
-        return [self._call(r, push) for r in ranks]
+    def command(self, rank: int, command: RankCommand, payload: Any = None) -> Any:
+        return self._call(rank, lambda runtime: runtime.command(command, payload))
 
     def share(self, data: bytes) -> Any:
         return data

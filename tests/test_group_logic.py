@@ -7,6 +7,7 @@ keeps the scenarios that need a real process killed, a real Ray lost or real DDP
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import rtnb
 from rtnb.core._messages import RankUpdate
 from rtnb.driver.cells import _observers
 from rtnb.driver.cells._observers import CellObserver, CellView, ObserverContext
+from rtnb.driver.ranks import command_all
+from rtnb.worker._commands import RankCommand
 from tests._margins import until
 from tests._threaded_group import ThreadedGroup, no_ray, threaded_ranks
 
@@ -325,5 +328,31 @@ def test_a_training_cell_run_again_goes_on_from_the_latest_checkpoint_and_says_s
         assert run(30).values_list() == [20, 20]
         assert not [line for line in said if "went on from" in line], said
         assert [c.step for c in session.list_checkpoints()] == [9, 19, 29]
+    finally:
+        session.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class NamesLike(RankCommand):
+    """A control no group knows: the names in a rank's namespace with a prefix."""
+
+    prefix: str
+
+    def apply(self, runtime, payload=None):
+        return sorted(name for name in runtime.namespace if name.startswith(self.prefix))
+
+
+def test_a_new_control_is_one_command_that_reaches_every_rank_through_the_groups_as_they_are(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups)
+    try:
+        session.run("seen_rank = RANK\nseen_twice = 2 * RANK")
+        group = groups.built[-1]
+        answers = group.gather(command_all(group, range(2), NamesLike("seen_")), 10.0)
+        assert answers == [["seen_rank", "seen_twice"]] * 2
+        # The commands the driver itself sends go the same way: values out and in.
+        session.push({"seen_pushed": 7})
+        assert session.pull("seen_pushed") == [7, 7]
     finally:
         session.stop()

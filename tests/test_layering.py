@@ -317,18 +317,10 @@ def test_only_the_worker_group_modules_call_a_rank():
     assert callers == [], f".remote outside the worker-group modules: {callers}"
 
 
-# The calls of a cell's rank protocol: only a cell's Execution sequences them (the
-# groups define them).
-_CELL_PROTOCOL = {
-    "relay",
-    "relay_answers",
-    "poll",
-    "hold",
-    "release",
-    "request_stop",
-    "set_stop_target",
-    "interrupt",
-}
+# The calls of a cell's rank protocol, and the commands a cell's stops and live
+# changes send: only a cell's Execution sequences them (the groups define the calls).
+_CELL_PROTOCOL = {"relay", "relay_answers", "poll"}
+_CELL_COMMANDS = {"Hold", "Release", "Stop", "StopAt", "Interrupt"}
 _PROTOCOL_OWNERS = {
     "rtnb/driver/ranks/_execution.py",
     "rtnb/driver/ranks/_group.py",
@@ -341,10 +333,14 @@ def _protocol_calls(tree: ast.AST) -> list[str]:
         f"{node.lineno}: {ast.unparse(node.func)}"
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr in _CELL_PROTOCOL
-        and node.args  # a rank's call names its rank (a process's poll() does not)
-        and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+        and (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr in _CELL_PROTOCOL
+            and node.args  # a rank's call names its rank (a process's poll() does not)
+            and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+            or isinstance(node.func, ast.Name)
+            and node.func.id in _CELL_COMMANDS
+        )
     ]
 
 
@@ -355,10 +351,10 @@ def test_only_a_cells_execution_sequences_the_rank_protocol():
         if relative not in _PROTOCOL_OWNERS:
             callers += [f"{relative}:{hit}" for hit in _protocol_calls(ast.parse(path.read_text()))]
     assert callers == [], f"rank protocol calls outside the cell's Execution: {callers}"
-    planted = "group.poll(rank)\nproc.poll()\nself.poll(1)\nexecution.group.hold(0, 1)"
+    planted = "group.poll(rank)\nproc.poll()\nself.poll(1)\ngroup.command(0, Hold(1))"
     assert [hit.split(": ")[1] for hit in _protocol_calls(ast.parse(planted))] == [
         "group.poll",
-        "execution.group.hold",
+        "Hold",
     ]
 
 
@@ -682,3 +678,62 @@ def test_the_c_report_path_sits_beside_the_fields_it_reads_and_reads_only_those(
     # ``locked``: the method of the threading.Lock the reporting part holds.
     unknown = reads - reporting - slots - {"locked"}
     assert not unknown, f"the C path reads names its neighbours do not define: {unknown}"
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _control_names() -> set[str]:
+    """Each command's name and the runtime calls its ``apply`` makes: the names a
+    per-control method on an actor or a group would carry."""
+    tree = ast.parse((ENGINE / "worker" / "_commands.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name != "RankCommand":
+            names.add(_snake(node.name))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "runtime"
+        ):
+            names.add(node.func.attr)
+    return names
+
+
+def _methods_naming_a_control(path: Path, classes: set[str], controls: set[str]) -> list[str]:
+    return [
+        f"{node.name}.{item.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name in classes
+        for item in node.body
+        if isinstance(item, ast.FunctionDef) and item.name in controls
+    ]
+
+
+def test_a_control_is_a_command_that_neither_the_actor_nor_a_group_names(tmp_path):
+    """Adding a control is its command in ``worker/_commands.py`` and, when it needs
+    one, the runtime part that does it: the actor, the groups and the rank protocol
+    carry every control through ``command``, so none of them has a method for one."""
+    controls = _control_names()
+    assert {"stop", "hold", "release", "stack", "pull", "push", "debug_poll"} <= controls
+    assert not controls & {"run", "poll", "relay", "command"}, "the hot paths stay calls"
+    named = _methods_naming_a_control(
+        ENGINE / "worker" / "_actor.py", {"RankActor"}, controls
+    ) + _methods_naming_a_control(
+        ENGINE / "driver" / "ranks" / "_group.py", {"RankGroup", "WorkerGroup"}, controls
+    )
+    named += _methods_naming_a_control(
+        ENGINE / "driver" / "ranks" / "_execution.py", {"RankCalls"}, controls
+    )
+    named += _methods_naming_a_control(
+        ENGINE / "driver" / "ranks" / "_local.py", {"LocalGroup"}, controls
+    )
+    named += _methods_naming_a_control(
+        REPO / "tests" / "_threaded_group.py", {"ThreadedGroup"}, controls
+    )
+    assert named == [], f"per-control methods beside the command channel: {named}"
+    planted = tmp_path / "planted.py"
+    planted.write_text("class WorkerGroup:\n    def hold(self, rank):\n        pass\n")
+    assert _methods_naming_a_control(planted, {"WorkerGroup"}, controls) == ["WorkerGroup.hold"]

@@ -22,11 +22,9 @@ from typing import Any
 from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
 from rtnb.core._net import local_addresses
-from rtnb.core._stacks import RankStack
 from rtnb.worker._capture import release_capture
-from rtnb.worker._debug import DebugState
+from rtnb.worker._commands import RankCommand
 from rtnb.worker._runtime import RankContext, RankRuntime
-from rtnb.worker._shards import watched_shard
 from rtnb.worker._stopping import CellStopped
 from rtnb.worker._torchrun import (
     install_torchrun_compat,
@@ -456,64 +454,11 @@ class RankActor:
     def poll(self, wait_s: float = POLL_WAIT_S, batch_s: float = BATCH_S) -> bytes:
         return to_wire(self.runtime.wait(wait_s, batch_s))
 
-    def request_stop(self) -> int:
-        return self.runtime.request_stop()
-
-    def set_stop_target(self, step: int) -> None:
-        self.runtime.set_stop_target(step)
-
-    def interrupt(self) -> bool:
-        return self.runtime.interrupt()
-
-    def hold(self, change: int = 0) -> int | None:
-        return self.runtime.hold(change)
-
-    def release(
-        self,
-        changes: dict[str, Any],
-        from_step: int,
-        triggers: tuple[str, ...] = (),
-        change: int = 0,
-    ) -> None:
-        self.runtime.release(changes, from_step, triggers, change)
-
-    def debug_poll(self, wait_s: float) -> DebugState:
-        return self.runtime.debugger.poll(wait_s)
-
-    def debug_input(self, line: str) -> None:
-        self.runtime.debugger.give(line)
-
-    def post_mortem(self) -> str | None:
-        return self.runtime.debugger.post_mortem()
-
-    def stack(self) -> RankStack:
-        return self.runtime.stack()
-
-    def pull(self, name: str):
-        return self.runtime.pull(name)
-
-    def push(self, values: dict[str, Any] | bytes) -> None:
-        """Set variables; ``bytes`` are a cloudpickled dict (the journal's form, so
-        a pushed value is serialized once for both)."""
-        if isinstance(values, bytes):
-            from ray import cloudpickle
-
-            values = cloudpickle.loads(values)
-        self.runtime.push(values)
-
-    def set_datasets(self, shards: dict[str, Any]) -> None:
-        """This rank's dataset shards (Ray Data iterators), replacing the last set;
-        each watched for the time the rank waits in it."""
-        waits = self.runtime.shard_waits
-        self.runtime.datasets = {
-            name: watched_shard(name, shard, waits) for name, shard in shards.items()
-        }
-
-    def set_step(self, step: int, line: int = 0) -> None:
-        self.runtime.set_step(step, line)
-
-    def ping(self) -> str:
-        return str(self.runtime.state)
+    # ---- control ----------------------------------------------------------------------
+    def command(self, command: RankCommand, payload: Any = None) -> Any:
+        """Every control call (stop, hold, debug, stacks, values, …): the runtime
+        applies it (:mod:`rtnb.worker._commands`)."""
+        return self.runtime.command(command, payload)
 
 
 class _AnswerCloser:

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rtnb.core._context import set_current_rank
 from rtnb.core._messages import CellRequest, CellState, RankUpdate
@@ -52,6 +52,13 @@ _MAX_PENDING_CHARS = 8_000_000
 # batch is held three times as long.
 _BUSY_REPORTS = 500
 _BUSY_FACTOR = 3
+
+
+class Command(Protocol):
+    """What the runtime needs of a control call: a ``RankCommand``
+    (:mod:`rtnb.worker._commands`, which reads this module: named here by shape)."""
+
+    def apply(self, runtime: RankRuntime, payload: Any = None) -> Any: ...
 
 
 @dataclass
@@ -458,6 +465,10 @@ class RankRuntime:
             self._cond.notify_all()
 
     # ---- control calls (any thread) -------------------------------------------------
+    def command(self, command: Command, payload: Any = None) -> Any:
+        """A control call from the driver (:mod:`rtnb.worker._commands`)."""
+        return command.apply(self, payload)
+
     def wake_poll(self) -> None:
         """Let a long-poll waiting to batch output answer now (it looks again)."""
         with self._cond:

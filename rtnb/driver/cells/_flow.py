@@ -42,6 +42,7 @@ from rtnb.driver.ranks import (
     RankGroup,
     RankLost,
     check_datasets,
+    command_all,
     release_everywhere,
     split_failed,
 )
@@ -60,6 +61,7 @@ from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import CellOutcome, EntryKind, Journal, JournalEntry
 from rtnb.storage._logs import RankLogs
 from rtnb.storage._rundir import RunDirectory
+from rtnb.worker._commands import Pull, Push
 
 __all__ = ["CellFlow", "GroupOwner", "check_syntax"]
 
@@ -508,7 +510,7 @@ class CellFlow:
             raise ConfigError(f"{name!r} is not a Python variable name")
         rank_list = _ranks(ranks, self.require_group(wait_s=_WAIT_FOR_GROUP_S).world_size)
         answers = self._call_ranks(
-            lambda group: group.pull(rank_list, name),
+            lambda group: command_all(group, rank_list, Pull(name)),
             f"pulling {name!r}",
             timeout_s=120,
         )
@@ -577,7 +579,7 @@ class CellFlow:
 
     def send_values(self, data: bytes, ranks: list[int]) -> None:
         self._call_ranks(
-            lambda group: group.push(ranks, group.share(data)),
+            lambda group: command_all(group, ranks, Push(), group.share(data)),
             "sending values to the ranks",
             timeout_s=300,
         )

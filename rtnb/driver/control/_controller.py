@@ -62,6 +62,7 @@ from rtnb.driver.ranks import (
     GroupFactory,
     RankGroup,
     RankLost,
+    command_all,
     ray_lost_line,
 )
 from rtnb.errors import (
@@ -77,6 +78,7 @@ from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import EntryKind, Journal
 from rtnb.storage._logs import RankLogs
 from rtnb.storage._rundir import RunDirectory
+from rtnb.worker._commands import SetStep
 
 __all__ = ["Controller"]
 
@@ -571,7 +573,7 @@ class Controller:
         if group is not None:
             line, step = self.commits.line, self.commits.step
             try:
-                group.gather(group.set_step(step, line), 60)
+                group.gather(command_all(group, range(group.world_size), SetStep(step, line)), 60)
             except RankLost:
                 pass  # a rank already died: the next cell's poll reports it
 

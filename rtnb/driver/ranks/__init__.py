@@ -6,6 +6,7 @@ from rtnb.core._faces import lazy_face
 
 _FACE = {
     "check_datasets": "rtnb.driver.ranks._datasets",
+    "command_all": "rtnb.driver.ranks._execution",
     "Connector": "rtnb.driver.ranks._builder",
     "DatasetHandOver": "rtnb.driver.ranks._datasets",
     "DatasetRecord": "rtnb.driver.ranks._datasets",
@@ -25,6 +26,7 @@ _FACE = {
 }
 __all__ = [
     "check_datasets",
+    "command_all",
     "Connector",
     "DatasetHandOver",
     "DatasetRecord",
@@ -59,6 +61,12 @@ if TYPE_CHECKING:  # what type checkers see
         check_datasets,
         split_failed,
     )
-    from rtnb.driver.ranks._execution import HOLD_WAIT_S, Execution, RankLost, release_everywhere
+    from rtnb.driver.ranks._execution import (
+        HOLD_WAIT_S,
+        Execution,
+        RankLost,
+        command_all,
+        release_everywhere,
+    )
     from rtnb.driver.ranks._group import RankGroup, WorkerGroup
     from rtnb.driver.ranks._stopping import StopProtocol

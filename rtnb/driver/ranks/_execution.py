@@ -18,13 +18,14 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from rtnb.core._messages import CellRequest, CellState, RankUpdate
 from rtnb.driver.ranks._stopping import StopProtocol
 from rtnb.errors import one_line
 from rtnb.worker._actor import POLL_WAIT_S
+from rtnb.worker._commands import Hold, Interrupt, RankCommand, Release, Stop, StopAt
 
 __all__ = ["Execution", "RankCalls", "RankLost", "release_everywhere"]
 
@@ -65,22 +66,10 @@ class RankCalls(Protocol):
 
     def poll(self, rank: int) -> Any: ...
 
-    def request_stop(self, rank: int) -> Any: ...
-
-    def set_stop_target(self, rank: int, step: int) -> Any: ...
-
-    def interrupt(self, rank: int) -> Any: ...
-
-    def hold(self, rank: int, change: int = 0) -> Any: ...
-
-    def release(
-        self,
-        rank: int,
-        changes: dict[str, Any],
-        from_step: int,
-        triggers: tuple[str, ...] = (),
-        change: int = 0,
-    ) -> Any: ...
+    def command(self, rank: int, command: RankCommand, payload: Any = None) -> Any:
+        """Every control call (:mod:`rtnb.worker._commands`): ``payload`` is bulk
+        data from :meth:`share`, stored once for many ranks."""
+        ...
 
     def gather(self, calls: list[Any], timeout_s: float) -> list[Any]: ...
 
@@ -202,11 +191,11 @@ class Execution:
         action = stop.advance(unfinished, self.last, steps)
         for rank in unfinished:
             if action.pause:
-                self.group.request_stop(rank)
+                self.group.command(rank, Stop())
             if action.target is not None:
-                self.group.set_stop_target(rank, action.target)
+                self.group.command(rank, StopAt(action.target))
             if action.interrupt:
-                self.group.interrupt(rank)
+                self.group.command(rank, Interrupt())
         return action.rebuild
 
     # ---- a live change -----------------------------------------------------------------
@@ -227,7 +216,7 @@ class Execution:
             return None, []
         group = self.group
         change = next(_CHANGE_IDS)
-        calls = {group.hold(rank, change): rank for rank in ranks}
+        calls = {group.command(rank, Hold(change)): rank for rank in ranks}
         step: int | None = None
         silent: list[int] = []
         try:
@@ -256,7 +245,7 @@ class Execution:
             # running ranks'.
             at = step if step is not None else -1
             releases = [
-                group.release(rank, values, at, triggers if rank in ranks else (), change)
+                group.command(rank, Release(values, at, triggers if rank in ranks else (), change))
                 for rank in range(group.world_size)
             ]
             with contextlib.suppress(TimeoutError, RankLost):
@@ -264,7 +253,14 @@ class Execution:
         return step, silent
 
 
+def command_all(
+    group: RankCalls, ranks: Iterable[int], command: RankCommand, payload: Any = None
+) -> list[Any]:
+    """``command`` sent to each of ``ranks``: the pending calls, in rank order."""
+    return [group.command(rank, command, payload) for rank in ranks]
+
+
 def release_everywhere(group: RankCalls, values: dict[str, Any]) -> list[Any]:
     """``values`` in force on every rank from now on, between cells (a replay, or a
     change while no cell runs): the pending calls."""
-    return [group.release(rank, values, -1) for rank in range(group.world_size)]
+    return command_all(group, range(group.world_size), Release(values, -1))

@@ -40,6 +40,7 @@ from rtnb.driver.ranks._folder_sync import FolderSync
 from rtnb.driver.ranks._reach import Machine, MachineWatch
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
+from rtnb.worker._commands import Ping, RankCommand, SetDatasets
 
 __all__ = [
     "RankGroup",
@@ -78,20 +79,6 @@ class RankGroup(RankCalls, Protocol):
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None: ...
 
     def execute(self, request: CellRequest, ranks: list[int]) -> Execution: ...
-
-    def stack(self, rank: int) -> Any: ...
-
-    def debug_poll(self, rank: int, wait_s: float) -> Any: ...
-
-    def debug_input(self, rank: int, line: str) -> Any: ...
-
-    def post_mortem(self, rank: int) -> Any: ...
-
-    def set_step(self, step: int, line: int) -> list[Any]: ...
-
-    def pull(self, ranks: list[int], name: str) -> list[Any]: ...
-
-    def push(self, ranks: list[int], values: Any) -> list[Any]: ...
 
     def share(self, data: bytes) -> Any: ...
 
@@ -411,48 +398,8 @@ class WorkerGroup:
     def poll(self, rank: int) -> Any:
         return self.actors[rank].poll.remote(*poll_timing(len(self.actors)))
 
-    def request_stop(self, rank: int) -> Any:
-        return self.actors[rank].request_stop.remote()
-
-    def set_stop_target(self, rank: int, step: int) -> Any:
-        return self.actors[rank].set_stop_target.remote(step)
-
-    def interrupt(self, rank: int) -> Any:
-        return self.actors[rank].interrupt.remote()
-
-    def stack(self, rank: int) -> Any:
-        return self.actors[rank].stack.remote()
-
-    def debug_poll(self, rank: int, wait_s: float) -> Any:
-        return self.actors[rank].debug_poll.remote(wait_s)
-
-    def debug_input(self, rank: int, line: str) -> Any:
-        return self.actors[rank].debug_input.remote(line)
-
-    def post_mortem(self, rank: int) -> Any:
-        return self.actors[rank].post_mortem.remote()
-
-    def hold(self, rank: int, change: int = 0) -> Any:
-        return self.actors[rank].hold.remote(change)
-
-    def release(
-        self,
-        rank: int,
-        changes: dict[str, Any],
-        from_step: int,
-        triggers: tuple[str, ...] = (),
-        change: int = 0,
-    ) -> Any:
-        return self.actors[rank].release.remote(changes, from_step, triggers, change)
-
-    def set_step(self, step: int, line: int) -> list[Any]:
-        return [a.set_step.remote(step, line) for a in self.actors]
-
-    def pull(self, ranks: list[int], name: str) -> list[Any]:
-        return [self.actors[r].pull.remote(name) for r in ranks]
-
-    def push(self, ranks: list[int], values: Any) -> list[Any]:
-        return [self.actors[r].push.remote(values) for r in ranks]
+    def command(self, rank: int, command: RankCommand, payload: Any = None) -> Any:
+        return self.actors[rank].command.remote(command, payload)
 
     def renew(self, run_name: str, storage_path: str) -> list[Any]:
         """The ranks become those of run ``run_name`` with fresh namespaces (the same
@@ -470,7 +417,7 @@ class WorkerGroup:
             worker_handles=self.actors,
             worker_node_ids=[info.node_id for info in self.ranks],
         )
-        return [actor.set_datasets.remote(shards[r]) for r, actor in enumerate(self.actors)]
+        return [self.command(r, SetDatasets(shards[r])) for r in range(self.world_size)]
 
     def check_data_room(self, datasets: dict[str, Any]) -> None:
         """Wait (up to ``DATA_ROOM_WAIT_S``) for the CPUs ``datasets``' tasks need
@@ -500,7 +447,8 @@ class WorkerGroup:
         return records, ray.available_resources()
 
     def share(self, data: bytes) -> Any:
-        """``data`` stored once, to be passed to many ranks' calls (``push``)."""
+        """``data`` stored once, to be passed to many ranks' calls (a ``Push``'s
+        payload)."""
         import ray
 
         return ray.put(data)
@@ -589,7 +537,7 @@ class WorkerGroup:
         for actor in actors:
             while time.monotonic() < deadline:
                 try:
-                    ray.get(actor.ping.remote(), timeout=0.5)
+                    ray.get(actor.command.remote(Ping()), timeout=0.5)
                 except Exception:  # noqa: BLE001 - dead: what we want
                     break
                 time.sleep(0.05)

@@ -31,6 +31,7 @@ from rtnb.driver.ranks._execution import Execution, RankLost
 from rtnb.driver.ranks._group import RankInfo
 from rtnb.errors import ClusterError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, BATCH_S, POLL_WAIT_S
+from rtnb.worker._commands import RankCommand, SetDatasets
 from rtnb.worker._runtime import RankContext, RankRuntime
 
 __all__ = ["LocalGroup"]
@@ -186,56 +187,8 @@ class LocalGroup:
 
         return self._call(poll)
 
-    def request_stop(self, rank: int) -> Any:
-        return self._call(lambda: self._rank().request_stop())
-
-    def set_stop_target(self, rank: int, step: int) -> Any:
-        return self._call(lambda: self._rank().set_stop_target(step))
-
-    def interrupt(self, rank: int) -> Any:
-        return self._call(lambda: self._rank().interrupt())
-
-    def stack(self, rank: int) -> Any:
-        return self._call(lambda: self._rank().stack())
-
-    def debug_poll(self, rank: int, wait_s: float) -> Any:
-        return self._call(lambda: self._rank().debugger.poll(wait_s))
-
-    def debug_input(self, rank: int, line: str) -> Any:
-        return self._call(lambda: self._rank().debugger.give(line))
-
-    def post_mortem(self, rank: int) -> Any:
-        return self._call(lambda: self._rank().debugger.post_mortem())
-
-    def hold(self, rank: int, change: int = 0) -> Any:
-        return self._call(lambda: self._rank().hold(change))
-
-    def release(
-        self,
-        rank: int,
-        changes: dict[str, Any],
-        from_step: int,
-        triggers: tuple[str, ...] = (),
-        change: int = 0,
-    ) -> Any:
-        return self._call(lambda: self._rank().release(changes, from_step, triggers, change))
-
-    def set_step(self, step: int, line: int) -> list[Any]:
-        return [self._call(lambda: self._rank().set_step(step, line))]
-
-    def pull(self, ranks: list[int], name: str) -> list[Any]:
-        return [self._call(lambda: self._rank().pull(name))]
-
-    def push(self, ranks: list[int], values: Any) -> list[Any]:
-        def push() -> None:
-            data = values
-            if isinstance(data, bytes):
-                from ray import cloudpickle
-
-                data = cloudpickle.loads(data)
-            self._rank().push(data)
-
-        return [self._call(push)]
+    def command(self, rank: int, command: RankCommand, payload: Any = None) -> Any:
+        return self._call(lambda: self._rank().command(command, payload))
 
     def share(self, data: bytes) -> Any:
         return data
@@ -243,11 +196,7 @@ class LocalGroup:
     def hand_datasets(self, datasets: dict[str, Any], data_config: Any) -> list[Any]:
         """Each dataset whole, as this rank's iterator (a group of one splits nothing)."""
         shards = {name: dataset.iterator() for name, dataset in datasets.items()}
-
-        def hand() -> None:
-            self._rank().datasets = shards
-
-        return [self._call(hand)]
+        return [self.command(0, SetDatasets(shards))]
 
     def check_data_room(self, datasets: dict[str, Any]) -> None:
         """The rank is the kernel: its pipeline shares the kernel's Ray as any would."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from rtnb.driver.ranks import RankGroup, RankLost
 from rtnb.errors import ConfigError, SessionError, one_line
+from rtnb.worker._commands import DebugInput, DebugPoll, PostMortem
 from rtnb.worker._debug import QUIT, SKIP
 
 __all__ = ["Breakpoints", "attach", "post_mortem"]
@@ -50,7 +51,7 @@ def _converse(
 ) -> bool:
     while True:
         try:
-            (state,) = group.gather([group.debug_poll(rank, _POLL_S)], 30.0)
+            (state,) = group.gather([group.command(rank, DebugPoll(_POLL_S))], 30.0)
         except (TimeoutError, RankLost) as exc:
             note(f"[rtnb] rank {rank}'s debugger is gone ({exc})\n")
             return True
@@ -80,7 +81,7 @@ def _converse(
 def _send(group: RankGroup, rank: int, line: str) -> bool:
     """A line to the rank's debugger; False when the rank is gone (its poll says so)."""
     try:
-        group.gather([group.debug_input(rank, line)], 10.0)
+        group.gather([group.command(rank, DebugInput(line))], 10.0)
     except (TimeoutError, RankLost):
         return False
     return True
@@ -136,7 +137,7 @@ def post_mortem(
         if not 0 <= candidate < group.world_size:
             raise ConfigError(f"rank {candidate} is not in this group of {group.world_size}")
         try:
-            (where,) = group.gather([group.post_mortem(candidate)], 30.0)
+            (where,) = group.gather([group.command(candidate, PostMortem())], 30.0)
         except (RankLost, TimeoutError) as exc:
             raise SessionError(f"rank {candidate}: {one_line(exc)}") from None
         if where is None:

@@ -28,6 +28,7 @@ from typing import Any
 from rtnb.core._stacks import GroupStacks, RankStack, StackMethod, parse_py_spy
 from rtnb.driver.ranks import RankGroup
 from rtnb.errors import one_line
+from rtnb.worker._commands import Stack
 
 __all__ = ["HangWatch", "StackReader", "py_spy_path"]
 
@@ -67,7 +68,7 @@ class StackReader:
                 if out is not None:
                     calls[out] = rank
                 else:
-                    call = group.stack(rank)
+                    call = group.command(rank, Stack())
                     self._outstanding[(id(group), rank)] = call
                     calls[call] = rank
         stacks: dict[int, RankStack] = {}
