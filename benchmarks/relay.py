@@ -1,12 +1,12 @@
 """Whether the relay through rank 0 pays for itself: a warm trivial cell on a group
-whose cells go through rank 0's relay against the same cell on a group of the same
-size that calls every rank directly (rtnb's way under 4 ranks).
+whose cells go through rank 0's relay (rtnb's way from 4 ranks) against the same
+cell on a group of the same size that calls every rank directly (its way under 4).
 
 For each size both groups run side by side in one process and one embedded Ray
 (fractional CPUs), and cells alternate between them in blocks, so the machine's
 drift hits both alike. Printed: each size's medians and relayed / direct.
 
-    .venv/bin/python benchmarks/relay.py [--sizes 4,8,16] [--cells 60]
+    .venv/bin/python benchmarks/relay.py [--sizes 2,4,8,16] [--cells 60]
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def _started(size: int, relay: bool):
     from rtnb.driver.ranks import _group
 
     kept = _group.RELAY_FROM_RANKS
-    # The group decides at its start whether it relays; a direct group of this size
-    # is one started while the threshold is out of its reach.
-    _group.RELAY_FROM_RANKS = kept if relay else 1_000_000
+    # The group decides at its start whether it relays (from RELAY_FROM_RANKS ranks):
+    # each group here is started with the threshold at its size, or out of its reach.
+    _group.RELAY_FROM_RANKS = size if relay else 1_000_000
     try:
         session = rtnb.Session(workers=size, cpus_per_worker=0.9 / size).start()
     finally:
@@ -62,7 +62,7 @@ def phase(size: int, cells: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", type=int, default=0)
-    parser.add_argument("--sizes", default="4,8,16")
+    parser.add_argument("--sizes", default="2,4,8,16")
     parser.add_argument("--cells", type=int, default=60)
     args = parser.parse_args()
     if args.phase:
