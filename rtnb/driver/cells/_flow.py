@@ -17,43 +17,31 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import keyword
-import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from rtnb.core._changes import SavedChanges
-from rtnb.core._config import SessionConfig, parse_ranks
+from rtnb.core._config import SessionConfig
 from rtnb.core._context import CONFIG_NAME
-from rtnb.core._messages import SAVE_TRIGGER, CellRequest
+from rtnb.core._messages import CellRequest
 from rtnb.core._output import OutputSink, print_sink
-from rtnb.core._profile import ProfileReport, profile_trigger
 from rtnb.core._stacks import GroupStacks
-from rtnb.core._values import PerRank, from_portable
+from rtnb.core._values import PerRank
 from rtnb.driver.cells._commits import CheckpointCoordinator
 from rtnb.driver.cells._handle import CellHandle
+from rtnb.driver.cells._rank_values import RankValues, serialize
+from rtnb.driver.cells._rank_values import rank_list as rank_list_of
+from rtnb.driver.cells._steering import Steering
 from rtnb.driver.lifecycle import Failure, GroupState, RecoveryOutcome
-from rtnb.driver.ranks import (
-    DatasetHandOver,
-    DatasetRecord,
-    DataWatch,
-    RankGroup,
-    RankLost,
-    check_datasets,
-    command_all,
-    release_everywhere,
-    split_failed,
-)
-from rtnb.driver.tools import StackReader, Validations, attach, merge_profile, post_mortem
+from rtnb.driver.ranks import DataWatch, RankGroup
+from rtnb.driver.tools import StackReader, Validations, attach
 from rtnb.errors import (
     CellError,
     CellInterrupted,
     ConfigError,
     SessionError,
-    WorkerGroupError,
-    one_line,
 )
 from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoint import Checkpoint
@@ -61,12 +49,9 @@ from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._journal import CellOutcome, EntryKind, Journal, JournalEntry
 from rtnb.storage._logs import RankLogs
 from rtnb.storage._rundir import RunDirectory
-from rtnb.worker._commands import Pull, Push
 
 __all__ = ["CellFlow", "GroupOwner", "check_syntax"]
 
-# pull/push during a recovery wait this long for the rebuilt group before saying so.
-_WAIT_FOR_GROUP_S = 60.0
 _FUNCTION_NAMES = ("__rtnb_fn__", CONFIG_NAME)
 
 
@@ -146,14 +131,22 @@ class CellFlow:
         self.last_error: BaseException | None = None
         # The last cell that reported, and its name in the notebook: what Resume runs.
         self.last_training: tuple[str, str | None] | None = None
-        self._datasets = DatasetHandOver()
         self._stacks = StackReader()
         self.validations = Validations(checkpoints, lambda: self.config.env)
         # Under `rtnb run`: the live changes the saved notebook's cells received.
         self._saved_changes = SavedChanges.from_env()
-        # %rtnb profile: steps armed for the next cell, and the last profile taken.
-        self._armed_profile: int | None = None
-        self.last_profile: ProfileReport | None = None
+        # Its parts: values in and out of the ranks, and the notebook's live calls.
+        self.values = RankValues(
+            lambda wait_s: self.require_group(wait_s), lambda: self.active, owner, self._write
+        )
+        self.steering = Steering(
+            self.require_group,
+            lambda: self.active,
+            self.values,
+            self._write,
+            self._lock,
+            lambda: owner.run_dir,
+        )
 
     @property
     def config(self) -> SessionConfig:
@@ -202,62 +195,12 @@ class CellFlow:
         return self.config.hang_after_s
 
     def attach_debugger(
-        self,
-        group: RankGroup,
-        rank: int,
-        show: Callable[[str], None],
-        note: Callable[[str], None],
+        self, rank: int, show: Callable[[str], None], note: Callable[[str], None]
     ) -> bool:
-        return attach(group, rank, input, show, note)
-
-    def debug(
-        self,
-        rank: int | None,
-        ask: Callable[[str], str],
-        show: Callable[[str], None],
-    ) -> None:
-        """``%rtnb debug [RANK]``: attach to a rank the running (background) cell left
-        at a breakpoint, else open a post-mortem of the last failed cell on ``rank``
-        (the first rank it failed on when None)."""
-        group = self.require_group()
-        active = self.active
-        if active is not None and active.debugging:
-            chosen = rank if rank is not None else active.debugging[0]
-            if chosen not in active.debugging:
-                raise SessionError(
-                    f"rank {chosen} is not at a breakpoint; ranks at one: "
-                    + ", ".join(map(str, active.debugging))
-                )
-            attach(group, chosen, ask, show, show)
-            return
-        if active is not None:
-            raise SessionError(
-                f"{active.name} is running and no rank is at a breakpoint: put breakpoint() "
-                "(or rtnb.breakpoint(rank=N)) in the cell, or debug after it fails"
-            )
-        post_mortem(group, rank, ask, show)
-
-    def profile(self, steps: int) -> int | None:
-        """Profile ``steps`` steps on every rank: of the running cell from a common
-        step (that step), else of the next cell from its first report (None)."""
-        if not isinstance(steps, int) or steps < 1:
-            raise ConfigError(f"--steps must be a whole number ≥ 1, got {steps!r}")
-        active = self.active
-        if active is not None and not active.done():
-            step = active.controls.ask({}, (profile_trigger(steps),))
-            if step is not None:
-                return step + 1
-        self._armed_profile = steps
-        return None
+        return attach(self.require_group(), rank, input, show, note)
 
     def profile_taken(self, handle: CellHandle, profiles: dict[int, Any]) -> None:
-        try:
-            report = merge_profile(self._owner.run_dir, profiles)
-        except Exception as exc:  # noqa: BLE001 - the cell goes on; the line says why
-            handle.note(f"[rtnb] the profile could not be merged: {one_line(exc)}\n")
-            return
-        self.last_profile = report
-        handle.note(f"[rtnb] {report.summary()}\n")
+        self.steering.profile_taken(handle, profiles)
 
     def record_load(self, checkpoint_id: str, run: str | None) -> None:
         """A checkpoint chosen for the next cell (Load, Resume), journaled first."""
@@ -268,53 +211,9 @@ class CellFlow:
     ) -> None:
         self._journal.append_control(handle.journal_seq, values, step, triggers)
 
-    def fire(self, name: str) -> int:
-        """Fire trigger ``name`` (``SAVE_TRIGGER``: save now) on every rank of the
-        running cell at one step; that step."""
-        if not (isinstance(name, str) and (name.isidentifier() or name == SAVE_TRIGGER)):
-            raise ConfigError(f"a trigger's name is a Python identifier, got {name!r}")
-        active = self.active
-        what = "save-now" if name == SAVE_TRIGGER else f"trigger {name!r}"
-        if active is None or active.done():
-            raise SessionError(
-                f"{what} acts inside a running cell and none is running: run the training "
-                "cell with --background, then fire it from another cell"
-            )
-        step = active.controls.claim_saved({}, (name,))
-        if step is None:
-            step = active.controls.ask({}, (name,))
-        if step is None:
-            raise SessionError(f"{what}: the cell ended (or is stopping) before it could fire")
-        return step
-
-    def set_controls(self, values: dict[str, Any]) -> int | None:
-        """Change live controls (``rtnb.control``): in the running cell at one step
-        on every rank (that step), else from the next cell on (None)."""
-        checked = _check_controls(values)
-        active = self.active
-        if active is not None and not active.done():
-            step = active.controls.claim_saved(checked, ())
-            if step is None:
-                step = active.controls.ask(checked)
-            if step is not None:
-                return step
-            if not active.done():
-                raise SessionError(
-                    f"{active.name} is stopping: the change was not made; set it again "
-                    "for the next cell once it has ended"
-                )
-        with self._lock:
-            self._journal.append(EntryKind.CONTROL, controls=checked)
-            self.send_controls(checked)
-        return None
-
-    def send_controls(self, values: dict[str, Any]) -> None:
-        """``values`` in force on every rank from now on (between cells; a replay)."""
-        self._call_ranks(
-            lambda group: release_everywhere(group, values),
-            "setting controls",
-            timeout_s=30,
-        )
+    def _write(self, kind: EntryKind, **fields: Any) -> None:
+        """Every entry this flow's parts journal (the values', the live calls')."""
+        self._journal.append(kind, **fields)
 
     def stacks(
         self, ranks: Iterable[int] | str | None = None, stalled_s: float | None = None
@@ -322,7 +221,7 @@ class CellFlow:
         """Where every rank (or ``ranks``: a list, or ``--ranks``' "1" or "0-2") is
         right now (the hang doctor)."""
         group = self.require_group()
-        chosen = _ranks(ranks, group.world_size)
+        chosen = rank_list_of(ranks, group.world_size)
         return self._stacks.read(
             group, chosen, stalled_s=stalled_s, in_kernel=self.config.workers == 0
         )
@@ -417,7 +316,7 @@ class CellFlow:
                     + (" in the background" if self._active.background else "")
                     + ": wait for it (`%rtnb wait`) or stop it (`handle.stop()`) first"
                 )
-            rank_list = _ranks(ranks, group.world_size)
+            rank_list = rank_list_of(ranks, group.world_size)
             cell_id = next(self._cell_ids)
             code, values = _checked_cell(code, config, cell_id, label, timeout, total_steps)
             # Written before anything reaches the ranks: the journal is a write-ahead log.
@@ -432,12 +331,11 @@ class CellFlow:
                 names=list(_FUNCTION_NAMES) if values is not None else [],
             )
             if values is not None:
-                self.send_values(values, rank_list)
+                self.values.send_values(values, rank_list)
             saved = self._saved_changes.take(code) if self._saved_changes else None
             if saved is not None:
                 for step, values_at, fired in saved.by_step():
                     self._journal.append_control(entry.seq, values_at, step, fired)
-            armed, self._armed_profile = self._armed_profile, None
             handle = CellHandle(
                 self,
                 cell_id,
@@ -448,7 +346,7 @@ class CellFlow:
                 journal_seq=entry.seq,
                 label=label,
                 saved=saved,
-                triggers=((-1, profile_trigger(armed)),) if armed else (),
+                triggers=self.steering.take_armed(),
             )
             if output is not None:
                 handle.add_sink(output)
@@ -457,8 +355,8 @@ class CellFlow:
             if grown is not None:
                 handle.note(grown)
             self.metrics.begin(rank_list, total_steps)
-            if self._datasets.names:
-                watch = DataWatch.for_cell(self._datasets, group.data_progress, handle)
+            if self.values.datasets.names:
+                watch = DataWatch.for_cell(self.values.datasets, group.data_progress, handle)
                 handle.before_end(watch.end)
                 watch.start()
             self._active = handle
@@ -501,131 +399,6 @@ class CellFlow:
         active.stop(reason, final=True)
         return active.wait_left(self.config.stop_grace_s + 0.5)
 
-    # ---- variables ---------------------------------------------------------------------
-    def world_size(self) -> int:
-        return self.require_group().world_size
-
-    def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ConfigError(f"{name!r} is not a Python variable name")
-        rank_list = _ranks(ranks, self.require_group(wait_s=_WAIT_FOR_GROUP_S).world_size)
-        answers = self._call_ranks(
-            lambda group: command_all(group, rank_list, Pull(name)),
-            f"pulling {name!r}",
-            timeout_s=120,
-        )
-        missing = [r for r, (found, *_rest) in zip(rank_list, answers) if not found]
-        if missing:
-            raise SessionError(
-                f"{name!r} is not defined on rank{'s' if len(missing) > 1 else ''} "
-                f"{', '.join(map(str, missing))}: define it in a %%rtrain cell first"
-            )
-        return [from_portable((data, text)) for _found, data, text in answers]
-
-    def push(self, values: dict[str, Any], ranks: Iterable[int] | str | None = None) -> None:
-        for name in values:
-            if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-                raise ConfigError(f"{name!r} is not a Python variable name")
-        group = self.require_group(wait_s=_WAIT_FOR_GROUP_S)
-        rank_list = _ranks(ranks, group.world_size)
-        data = _serialize(dict(values))
-        self._journal.append(
-            EntryKind.PUSH,
-            values=data,
-            names=sorted(values),
-            ranks=None if ranks is None else rank_list,
-        )
-        self.send_values(data, rank_list)
-
-    # ---- datasets --------------------------------------------------------------------
-    @property
-    def dataset_names(self) -> list[str]:
-        return self._datasets.names
-
-    def set_datasets(self, datasets: dict[str, Any], data_config: Any = None) -> None:
-        """Hand Ray Datasets to the ranks (added to those handed before), split for
-        this group as Ray Train splits them; journaled, so every later group gets
-        them again."""
-        # A group first: datasets refused for want of one must not stay in the set
-        # the next hand-over (or a replay) would give the ranks.
-        group = self.require_group(wait_s=_WAIT_FOR_GROUP_S)
-        # Before anything is kept: a pipeline that could never run is refused whole.
-        group.check_data_room(check_datasets(datasets))
-        record = self._datasets.record(datasets, data_config)
-        data = pickle.dumps(record)
-        self._journal.append(EntryKind.DATASETS, values=data, names=record.names)
-        self._hand(record, *self._datasets.resolve(record))
-
-    def hand_datasets(self, data: bytes) -> list[str]:
-        """Hand a journaled set of datasets to the current group (a replay); the
-        names of those that cannot be rebuilt here."""
-        record = pickle.loads(data)
-        datasets, missing = self._datasets.resolve(record)
-        self._hand(record, datasets, missing)
-        return missing
-
-    def _hand(self, record: DatasetRecord, datasets: dict[str, Any], missing: list[str]) -> None:
-        if not datasets:
-            return
-        config = self._datasets.data_config(record, sorted(datasets))
-
-        def calls(group: RankGroup) -> list:
-            try:
-                return group.hand_datasets(datasets, config)
-            except Exception as exc:  # noqa: BLE001 - Ray Data's own error, in one line
-                raise split_failed(exc) from None
-
-        self._call_ranks(calls, "handing the datasets to the ranks", timeout_s=300)
-
-    def send_values(self, data: bytes, ranks: list[int]) -> None:
-        self._call_ranks(
-            lambda group: command_all(group, ranks, Push(), group.share(data)),
-            "sending values to the ranks",
-            timeout_s=300,
-        )
-
-    def _call_ranks(self, calls: Callable[[RankGroup], list], what: str, timeout_s: float):
-        """The results of ``calls(group)``; each failure becomes one rtnb error line.
-
-        A rank that died under a running cell that recovery will rebuild is not an
-        error of this call: it waits for the rebuilt group and asks it instead."""
-        group = self.require_group(wait_s=_WAIT_FOR_GROUP_S)
-        for attempt in range(2):
-            try:
-                return group.gather(calls(group), timeout_s)
-            except TimeoutError:
-                raise SessionError(
-                    f"{what} took over {timeout_s:g} s (a rank busy in native code?); try again"
-                ) from None
-            except RankLost as exc:
-                rebuilt = attempt == 0 and self._wait_for_recovery(group)
-                if rebuilt is None:
-                    raise WorkerGroupError(f"{what} failed: a rank died ({exc})") from None
-                group = rebuilt
-        raise AssertionError("unreachable")
-
-    def _wait_for_recovery(self, lost: RankGroup) -> RankGroup | None:
-        """The group that recovery builds to replace ``lost``; None when no
-        recovery is coming (no running cell, or --max-failures spent)."""
-        active = self._active
-        if active is None or active.done() or not (active.recovering or self._owner.can_recover()):
-            return None
-        return self._owner.replacement(
-            lost, lambda: not active.done() or active.recovering, _WAIT_FOR_GROUP_S
-        )
-
-
-def _serialize(values: dict[str, Any]) -> bytes:
-    from ray import cloudpickle
-
-    try:
-        return cloudpickle.dumps(values)
-    except Exception as exc:  # noqa: BLE001 - anything unpicklable
-        raise ConfigError(
-            f"cannot send {', '.join(sorted(values))} to the ranks: not picklable "
-            f"({one_line(exc)}); create it in a %%rtrain cell instead"
-        ) from None
-
 
 def _checked_cell(
     code: str | Callable,
@@ -654,29 +427,8 @@ def _function_call(fn: Callable, config: Any) -> tuple[bytes, str]:
     """A function (and its config) by value, and the code that calls it on a rank.
     cloudpickle stores functions defined in the notebook by value, so the journal
     can replay them in a process that never saw their definition."""
-    values = _serialize({_FUNCTION_NAMES[0]: fn, _FUNCTION_NAMES[1]: config})
+    values = serialize({_FUNCTION_NAMES[0]: fn, _FUNCTION_NAMES[1]: config})
     return values, "__rtnb_fn__(__rtnb_config__)" if config is not None else "__rtnb_fn__()"
-
-
-def _check_controls(values: dict[str, Any]) -> dict[str, Any]:
-    """Names are identifiers and values JSON scalars (the journal keeps them)."""
-    if not isinstance(values, dict) or not values:
-        raise ConfigError("give controls as NAME=VALUE, e.g. `%rtnb set lr=3e-4`")
-    for name, value in values.items():
-        if not (isinstance(name, str) and name.isidentifier()):
-            raise ConfigError(f"a control's name is a Python identifier, got {name!r}")
-        if not isinstance(value, (int, float, str, bool)) and value is not None:
-            raise ConfigError(
-                f"control {name!r} takes a number, a string, a bool or None, got "
-                f"{type(value).__name__} (push other values with `%rtnb push`)"
-            )
-    return dict(values)
-
-
-def _ranks(ranks: Iterable[int] | str | None, world_size: int) -> list[int]:
-    if ranks is None or isinstance(ranks, str):
-        return parse_ranks(ranks, world_size)
-    return parse_ranks(",".join(str(int(r)) for r in ranks), world_size)
 
 
 def check_syntax(code: str, filename: str = "<rtrain-cell-0>") -> None:

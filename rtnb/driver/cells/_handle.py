@@ -15,7 +15,6 @@ A handle gets a :class:`CellContext` — the few calls it makes — never the se
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from rtnb.core._output import CellOutput, OutputSink
 from rtnb.core._stacks import GroupStacks
 from rtnb.core._values import PerRank
 from rtnb.driver.cells._controls import CellControls
-from rtnb.driver.cells._observers import CellObservers
+from rtnb.driver.cells._observers import CellObservers, ObserverContext
 from rtnb.driver.cells._outcome import (
     Completion,
     WatchedGroup,
@@ -35,15 +34,15 @@ from rtnb.driver.cells._outcome import (
     first_cause,
     judge,
     ray_lost_ending,
-    storage_stopped,
 )
+from rtnb.driver.cells._saves import CellSaves
+from rtnb.driver.cells._watch_breakpoints import BreakpointWatch
 from rtnb.driver.cells._watch_hang import HangDoctor
+from rtnb.driver.cells._watch_restart import RestartOrigin
 from rtnb.driver.lifecycle import Failure, RankDied, RecoveryOutcome
 from rtnb.driver.ranks import Execution, RankGroup, StopProtocol
-from rtnb.driver.tools import Breakpoints
 from rtnb.errors import (
     CellInterrupted,
-    CheckpointError,
     ClusterError,
     RtnbError,
     WorkerGroupError,
@@ -68,16 +67,13 @@ class _RayLost(Exception):
     """Internal: the Ray under the group is gone; nothing to rebuild on."""
 
 
-class CellContext(WatchedGroup, Protocol):
+class CellContext(WatchedGroup, ObserverContext, Protocol):
     """What a cell needs of the session's other flows (the cell flow gives it): what
-    its waiters read of the group, and more."""
+    its waiters read of the group, what its observers need, and more."""
 
     run_name: str
     metrics: MetricsStore
     checkpoints: CheckpointStore
-
-    @property
-    def logs(self) -> RankLogs | None: ...
 
     def check_ray_lost(self, settle_s: float = 0.0) -> str | None: ...
 
@@ -93,26 +89,9 @@ class CellContext(WatchedGroup, Protocol):
 
     def cell_ended(self, handle: CellHandle) -> None: ...
 
-    @property
-    def hang_after_s(self) -> float: ...
-
-    def attach_debugger(
-        self,
-        group: RankGroup,
-        rank: int,
-        show: Callable[[str], None],
-        note: Callable[[str], None],
-    ) -> bool: ...
-
-    def profile_taken(self, handle: CellHandle, profiles: dict[int, Any]) -> None: ...
-
     def record_controls(
         self, handle: CellHandle, values: dict[str, Any], step: int, triggers: tuple[str, ...]
     ) -> None: ...
-
-    def stacks(
-        self, ranks: list[int] | None = None, stalled_s: float | None = None
-    ) -> GroupStacks: ...
 
 
 class CellHandle:
@@ -155,21 +134,15 @@ class CellHandle:
         self._output = CellOutput(lambda rank: _kept_where(context.logs, rank))
         self.reported, self.recoveries = False, 0
         self.recovering = False  # the group is being rebuilt for this cell right now
-        self.restarted_from: str | None = None  # what the ranks loaded after a restart
         self._stopped_for_failure = False  # the stop asked because a rank's cell raised
         self._end = Completion()
         self._checkpoint: Any = None  # the checkpoint this cell's dispatch carries
         self._begin_attempt()
         self._stopping = StopProtocol(context.stop_grace_s)
-        self._commit_error: CheckpointError | None = None
-        # The first storage write that failed (checkpoint files, metrics record, logs,
-        # a commit): the cell stops at one step.
-        self._storage_failure: str | None = None
-        self._restart_noted = True
+        self._saves = CellSaves(context, self.stop)
         self.controls = CellControls(lambda: self.name, code, replay, controls, triggers, saved)
         for step, text in self.controls.saved_markers():
             context.metrics.add_marker(step, text)
-        self._breakpoints = Breakpoints(not (background or replay), self.note)
         # The features that watch the cell (cells/_observers.py: the hang doctor,
         # profiles, the uploads' notes).
         self.observers = CellObservers(self, context)
@@ -205,6 +178,12 @@ class CellHandle:
         """Every rank's stack, once the hang doctor read them (until they move)."""
         doctor = self.observers.find(HangDoctor)
         return doctor.stacks if doctor is not None else None
+
+    @property
+    def restarted_from(self) -> str | None:
+        """What the ranks loaded when the cell ran again after a recovery."""
+        origin = self.observers.find(RestartOrigin)
+        return origin.origin if origin is not None else None
 
     @property
     def stopping(self) -> bool:
@@ -372,11 +351,7 @@ class CellHandle:
             if execution.dead:
                 raise _Restart()
             self._stop_after_a_failed_rank()
-            if self._breakpoints.waiting:
-                self._breakpoints.serve(
-                    self._stopping.requested, lambda rank: self._answer(execution.group, rank)
-                )
-            self._commit()
+            self._saves.commit(self)
             if self._stopping.timed_out(self.elapsed_s, self.timeout_s):
                 self.stop(f"timed out after {self.timeout_s:g} s (--timeout)")
             self.observers.tick()
@@ -399,25 +374,6 @@ class CellHandle:
                 "for it in their next collective"
             )
 
-    def _commit(self) -> None:
-        if self.replay or self._commit_error is not None:
-            return
-        try:
-            self._context.commit(self)
-        except CheckpointError as exc:
-            # The cell fails with this line; its ranks stop at a common step first.
-            self._commit_error = exc
-            self.stop(f"stopped: {exc}")
-        except OSError as exc:  # the manifest could not be written
-            self._storage_failed(str(exc))
-
-    def _storage_failed(self, what: str) -> None:
-        """A write to the run's storage failed: stop the cell on every rank at one step
-        (cooperatively, as an interrupt does) and end it with one line saying so."""
-        if self._storage_failure is None:
-            self._storage_failure = what
-            self.stop("stopped because storage failed")
-
     def _failed_cell(self) -> Failure | None:
         """A cell whose code raised, for the controller's failure policy to decide on
         (the one place that does: a sweep's trial runs again, as with Tune's
@@ -425,8 +381,7 @@ class CellHandle:
         decide (no error, a replay, the user's own stop, a storage failure)."""
         cause = first_cause(self._finished)
         own_stop = self._stopping.requested and not self._stopped_for_failure
-        kept_back = self._commit_error is not None or self._storage_failure is not None
-        if cause is None or self.replay or own_stop or kept_back:
+        if cause is None or self.replay or own_stop or self._saves.failed:
             return None
         return Failure(self.name, error=f"rank {cause[0]}: {cause[1]}")
 
@@ -450,8 +405,6 @@ class CellHandle:
             return False
         self.ranks = remaining
         self.recoveries += 1
-        self.restarted_from = None
-        self._restart_noted = False
         self.note(outcome.restart_note(self.name))
         if self._stopped_for_failure:
             # That stop ended with the failed attempt; kept, it would stop the rerun's
@@ -469,15 +422,6 @@ class CellHandle:
     def note(self, text: str) -> None:
         """A line from rtnb itself to this cell's viewers (rank -1 for the sinks)."""
         self._output.note(text)
-
-    def _note_restart_origin(self, ended: bool = False) -> None:
-        """Once every rank said which checkpoint it loaded (or the cell ended), name
-        it: the ranks report it, the driver does not guess."""
-        if self._restart_noted or (not ended and len(self.loaded) < len(self.ranks)):
-            return
-        self._restart_noted = True
-        self.restarted_from, text = _restart_origin(self.name, self.loaded, self.ranks)
-        self.note(text)
 
     @property
     def resumed_from(self) -> str | None:
@@ -498,28 +442,22 @@ class CellHandle:
         self.data_waits[rank] = update.data_waits if update.state is CellState.RUNNING else {}
         if update.loaded_checkpoint is not None and rank not in self.loaded:
             self.loaded[rank] = update.loaded_checkpoint
-            self._note_restart_origin()
         self.reported = self.reported or bool(update.reports)
         for failure in _keep(self._context, update, self.controls.took(update), self.replay):
-            self._storage_failed(failure)
-        self._breakpoints.took(rank, update.debugging, update.state is CellState.RUNNING)
+            self._saves.storage_failed(failure)
         for stream, text in update.output:
             self._output.write(rank, stream, text)
         self.observers.update(update)
 
     # ---- the debugger ------------------------------------------------------------------
-    def _answer(self, group: RankGroup, rank: int) -> None:
-        """The user answers ``rank``'s pdb prompt in the cell's input box."""
-
-        def show(text: str) -> None:
-            self._output.send(rank, "stdout", text)
-
-        self._context.attach_debugger(group, rank, show, self.note)
+    def show(self, rank: int, text: str) -> None:
+        """``text`` as rank ``rank``'s own output (a debugger's lines)."""
+        self._output.send(rank, "stdout", text)
 
     @property
     def debugging(self) -> list[int]:
         """Ranks a background cell left at a breakpoint (``%rtnb debug`` attaches)."""
-        return sorted(self._breakpoints.noted)
+        return self.observers.find(BreakpointWatch).debugging
 
     # ---- live controls (``controls``: what the ranks declared, what a saved notebook keeps)
     def _make_asked_changes(self, execution: Execution) -> None:
@@ -545,18 +483,8 @@ class CellHandle:
     # ---- outcomes ----------------------------------------------------------------------
     def _finish_normally(self) -> None:
         finished = self._finished
-        if self._commit_error is not None:
-            self._finish(error=self._commit_error)
-            return
-        if self._storage_failure is not None:
-            self._context.checkpoints.drop_pending()  # lacks files some rank could not write
-            latest = None
-            with contextlib.suppress(Exception):
-                latest = self._context.latest_checkpoint_id()
-            at = self._stopping.target  # the ranks' common stop step
-            error = storage_stopped(
-                self.name, self._storage_failure, finished, latest, self._context.run_name, at
-            )
+        error = self._saves.ending_error(self.name, finished, self._stopping.target)
+        if error is not None:
             self._finish(error=error)
             return
         outcome = judge(self.name, finished, self._stopping, self._stopped_for_failure)
@@ -579,16 +507,7 @@ class CellHandle:
 
     def _finish(self, value: PerRank | None = None, error: BaseException | None = None) -> None:
         self._end.begin()
-        if not self.replay and self._commit_error is None:
-            try:
-                self._context.commit(self)
-            except CheckpointError as exc:
-                # A checkpoint that cannot be committed fails the cell: never a
-                # silently lost save.
-                if error is None:
-                    value, error = None, exc
-        if self.recoveries:
-            self._note_restart_origin(ended=True)
+        value, error = self._saves.last_commit(self, value, error)
         self.observers.end()
         self._end.last_words()
         self._output.flush()
@@ -632,23 +551,6 @@ def _keep(
         if update.output and logs.failure:
             failed.append(f"the ranks' output could not be kept: {logs.failure}")
     return failed
-
-
-def _restart_origin(
-    name: str, loaded: dict[int, str | None], ranks: list[int]
-) -> tuple[str | None, str]:
-    """(what the ranks of a cell run again loaded, the line saying so)."""
-    by_rank = {r: loaded.get(r) for r in ranks}
-    ids = sorted({c for c in by_rank.values() if c})
-    if not ids:
-        return None, f"[rtnb] {name} restarted without loading a checkpoint\n"
-    origin = ids[-1] if len(ids) == 1 else ", ".join(ids)
-    which = (
-        "every rank"
-        if all(by_rank.values())
-        else "ranks " + ", ".join(str(r) for r, c in by_rank.items() if c)
-    )
-    return origin, f"[rtnb] {name} restarted from {origin} ({which} loaded it)\n"
 
 
 def _kept_where(logs: RankLogs | None, rank: int) -> str:

@@ -1,7 +1,7 @@
 """What features see of a running cell: one hook interface and its manager.
 
-A feature that watches a cell (the hang doctor, profiles, the uploads' notes, a
-re-run cell's note) is a :class:`CellObserver` in a module of its own, made for each
+A feature that watches a cell (breakpoints, the hang doctor, profiles, the uploads'
+notes, a re-run cell's note, where a restarted cell went on from) is a :class:`CellObserver` in a module of its own, made for each
 cell by a factory listed in :data:`FEATURES`. The handle calls its :class:`CellObservers` at five points and
 knows nothing of the features; adding one is a module and a line in
 :data:`FEATURES`. An observer sees the cell through :class:`CellView`, never the
@@ -42,6 +42,7 @@ class CellView(Protocol):
 
     name: str
     replay: bool
+    background: bool
     ranks: list[int]
 
     @property
@@ -52,6 +53,10 @@ class CellView(Protocol):
     def unfinished(self) -> list[int]: ...
 
     def note(self, text: str) -> None: ...
+
+    def show(self, rank: int, text: str) -> None:
+        """``text`` as rank ``rank``'s own output (a debugger's lines)."""
+        ...
 
 
 class ObserverContext(Protocol):
@@ -68,6 +73,10 @@ class ObserverContext(Protocol):
     ) -> GroupStacks: ...
 
     def profile_taken(self, handle: Any, profiles: dict[int, Any]) -> None: ...
+
+    def attach_debugger(
+        self, rank: int, show: Callable[[str], None], note: Callable[[str], None]
+    ) -> bool: ...
 
 
 class CellObserver:
@@ -94,10 +103,12 @@ Factory = Callable[[CellView, ObserverContext], "CellObserver | None"]
 # The features that watch every cell: "module:factory", each factory called with
 # the cell and its context and returning its observer (None: not for this cell).
 FEATURES: tuple[str, ...] = (
+    "rtnb.driver.cells._watch_breakpoints:observe",
     "rtnb.driver.cells._watch_hang:observe",
     "rtnb.driver.cells._watch_profiles:observe",
     "rtnb.driver.cells._watch_uploads:observe",
     "rtnb.driver.cells._watch_rerun:observe",
+    "rtnb.driver.cells._watch_restart:observe",
 )
 
 

@@ -139,10 +139,10 @@ class Controller:
         self._replayer = Replayer(
             journal,
             lambda: self.world_size,
-            self.cells.send_values,
+            self.cells.values.send_values,
             self.cells.run_replayed,
-            self.cells.hand_datasets,
-            self.cells.send_controls,
+            self.cells.values.hand_datasets,
+            self.cells.values.send_controls,
         )
 
     # ---- what it holds -------------------------------------------------------------------

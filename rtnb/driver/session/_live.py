@@ -45,16 +45,16 @@ class LiveAPI:
 
             In [2]: session.set_datasets(train=ray.data.range(1000).map(double))
         """
-        self._cells.set_datasets({**(datasets or {}), **named}, dataset_config)
+        self._cells.values.set_datasets({**(datasets or {}), **named}, dataset_config)
 
     @property
     def dataset_names(self) -> list[str]:
         """The names of the datasets handed to the ranks."""
-        return self._cells.dataset_names
+        return self._cells.values.datasets.names
 
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> list[Any]:
         """The value of ``name`` on each rank, in rank order (``%rtnb pull``)."""
-        return self._cells.pull(name, ranks)
+        return self._cells.values.pull(name, ranks)
 
     def names_on_ranks(self) -> set[str]:
         """The names this run's cells and pushes bound in the ranks' namespaces since
@@ -83,7 +83,7 @@ class LiveAPI:
 
         The values are serialized once: the same bytes go to the ranks and, beside
         the journal entry, to storage, so a replay pushes them again."""
-        self._cells.push(values, ranks)
+        self._cells.values.push(values, ranks)
 
     # ---- checkpoints and results -------------------------------------------------------
     def set_controls(self, values: dict[str, Any] | None = None, **named: Any) -> int | None:
@@ -96,7 +96,7 @@ class LiveAPI:
         In [1]: session.set_controls(lr=3e-4)
         Out[1]: 52
         """
-        return self._cells.set_controls({**(values or {}), **named})
+        return self._cells.steering.set_controls({**(values or {}), **named})
 
     def trigger(self, name: str) -> int:
         """Run every rank's ``rtnb.on_trigger(name, fn)`` handler at one step of the
@@ -105,7 +105,7 @@ class LiveAPI:
         In [1]: session.trigger("eval")
         Out[1]: 310
         """
-        return self._cells.fire(name)
+        return self._cells.steering.fire(name)
 
     def save_now(self) -> int:
         """Checkpoint at the next common step of the running cell on every rank,
@@ -115,7 +115,7 @@ class LiveAPI:
         In [1]: session.save_now()
         Out[1]: 311
         """
-        return self._cells.fire(SAVE_TRIGGER)
+        return self._cells.steering.fire(SAVE_TRIGGER)
 
     def debug(
         self,
@@ -132,7 +132,7 @@ class LiveAPI:
         [rtnb] post-mortem of rank 1 at cell [5] line 7
         (Pdb rank 1) p x
         """
-        self._cells.debug(
+        self._cells.steering.debug(
             rank,
             ask or input,
             show or (lambda text: print(text, end="", flush=True)),
@@ -149,11 +149,11 @@ class LiveAPI:
         In [1]: session.profile(steps=20)
         Out[1]: 121
         """
-        return self._cells.profile(steps)
+        return self._cells.steering.profile(steps)
 
     @property
     def last_profile(self) -> ProfileReport | None:
-        return self._cells.last_profile
+        return self._cells.steering.last_profile
 
     def stacks(self, ranks: Iterable[int] | str | None = None) -> GroupStacks:
         """Where each rank's cell is right now, identical stacks folded and the odd
