@@ -29,7 +29,6 @@ group that keeps the ranks' state by a :class:`Replayer` (``control/_replay.py``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -37,22 +36,19 @@ from collections.abc import Callable
 from rtnb.core._config import SessionConfig
 from rtnb.driver.cells import CellFlow, CheckpointCoordinator
 from rtnb.driver.cluster import ClusterConnection, StartProgress, StartReport
+from rtnb.driver.control._recovery import Recovery
 from rtnb.driver.control._replay import Replayer
 from rtnb.driver.control._run_files import RunRecorder, attach_run_outputs
 from rtnb.driver.lifecycle import (
     ACTIVE,
     BUSY,
-    DURING_REBUILD,
-    Decision,
     Failure,
     FailurePolicy,
     GroupState,
-    Raise,
     RankDied,
     RecoveryOutcome,
     ReplayReport,
     ScalingPolicy,
-    Shrink,
     StateChange,
     StateMachine,
 )
@@ -66,7 +62,6 @@ from rtnb.driver.ranks import (
     ray_lost_line,
 )
 from rtnb.errors import (
-    CellInterrupted,
     ClusterError,
     RtnbError,
     SessionError,
@@ -110,14 +105,12 @@ class Controller:
         self.commits = commits
         self.checkpoints = checkpoints
         self.metrics = metrics
-        self._policy = policy  # the one owner: decides each failure once (recover)
         self.scaling = scaling
         self.state_machine = StateMachine()
         self.group: RankGroup | None = None
         self.logs: RankLogs | None = None  # every rank's output, in {run}/logs/
         self.last_start: StartReport | None = None
         self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
-        self.last_recovery: RecoveryOutcome | None = None
         # Why the group has its size, when elastic ("elastic 2-4: 3 ranks (...)").
         self.size_reason: str | None = None
         # One lock for the group's changes and the cells' starts.
@@ -136,6 +129,8 @@ class Controller:
             on_ray_lost=self._ray_went_away,
         )
         self.cells = CellFlow(self, journal, commits, checkpoints, metrics)
+        # The one holder of the failure policy: decides each failure once.
+        self.recovery = Recovery(self, policy)
         self._replayer = Replayer(
             journal,
             lambda: self.world_size,
@@ -271,7 +266,7 @@ class Controller:
                 if self.state is GroupState.STARTING:
                     self.state_machine.to(GroupState.FAILED, one_line(exc))
                 raise
-            self._ready_again("started")
+            self.ready_again("started")
 
     def stop(self) -> None:
         """Stop any running cell (the cooperative grace first), free every actor and
@@ -307,11 +302,11 @@ class Controller:
         self.cells.stop_active("stopped because the worker group restarts")
         with self.lock:
             self.state_machine.to(GroupState.RESTARTING, "restart requested")
-            self._rebuild("restart requested", self._config, fresh=not replay)
-            self._policy.reset()
+            self.rebuild("restart requested", self._config, fresh=not replay)
+            self.recovery.reset()
             if replay:
                 self._replay("restart --replay")
-            self._ready_again("restarted")
+            self.ready_again("restarted")
 
     def resized(self, workers: int | tuple[int, int]) -> SessionConfig:
         """The options at ``workers`` (checked: valid, and it fits the cluster when a
@@ -334,12 +329,12 @@ class Controller:
         with self.lock:
             old = self.world_size
             self.state_machine.to(GroupState.RESIZING, f"scale to {config.workers_text}")
-            self._rebuild(
+            self.rebuild(
                 f"scaling from {old} to {config.workers_text} ranks", config, kind=EntryKind.SCALE
             )
             self._config = config  # the group runs at this size now
             self._replay(f"scale {old} → {self.world_size}")
-            self._ready_again("scaled")
+            self.ready_again("scaled")
 
     def grow(self) -> str | None:
         """An elastic group below MAX grows when the cluster has room again (never
@@ -359,19 +354,19 @@ class Controller:
         with self.lock:
             reason = f"elastic: the cluster has room for {target} ranks again"
             self.state_machine.to(GroupState.RESIZING, reason)
-            self._rebuild(reason, config, kind=EntryKind.SCALE, expect=target)
+            self.rebuild(reason, config, kind=EntryKind.SCALE, expect=target)
             report = self._replay(f"grow {old} → {self.world_size}")
-            self._ready_again("grew")
+            self.ready_again("grew")
         return (
             f"[rtnb] elastic group grew from {old} to {self.world_size} ranks "
             f"(resources came back); {report}\n"
         )
 
-    def _ready_again(self, why: str) -> None:
+    def ready_again(self, why: str) -> None:
         self.state_machine.to(GroupState.READY, why)
         self.write_run_record()
 
-    def _rebuild(
+    def rebuild(
         self,
         reason: str,
         config: SessionConfig,
@@ -414,7 +409,7 @@ class Controller:
         """Rebuild the ranks' state on the new group from the journal (fails the
         group with one line if a replayed cell fails)."""
         try:
-            report = self._replay_journal()
+            report = self.replay_journal()
         except RankDied:
             self.state_machine.to(GroupState.FAILED, "a rank died during the replay")
             raise WorkerGroupError(
@@ -429,7 +424,7 @@ class Controller:
         self.last_replay = report
         return report
 
-    def _replay_journal(self, before: int | None = None) -> ReplayReport:
+    def replay_journal(self, before: int | None = None) -> ReplayReport:
         """Replay in this thread, which alone may use the group until it is ready."""
         self._replaying = threading.get_ident()
         try:
@@ -437,107 +432,19 @@ class Controller:
         finally:
             self._replaying = None
 
-    # ---- after a failure -------------------------------------------------------------------
-    @property
-    def failures(self) -> int:
-        """Recoveries spent on the failure policy's budget so far."""
-        return self._policy.failures
+    # ---- after a failure (carried out by its Recovery) ------------------------------------
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
+        return self.recovery.recover(failure, before)
 
     def recovery_attempt(self) -> str | None:
-        """The recovery under way as the user reads it ("recovery 1 of 3"), once one
-        was decided."""
-        return self._policy.describe() if self._policy.failures else None
+        return self.recovery.attempt()
 
     def can_recover(self) -> bool:
-        """Whether the policy's budget allows another recovery."""
-        return self._policy.can_recover()
+        return self.recovery.can_recover()
 
-    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
-        """What a failed cell does next: run again on a rebuilt group with the journal
-        replayed up to it (entry ``before``), or end with an error. A rank that dies
-        during the rebuild or replay is another failure, decided again."""
-        while True:
-            failure = dataclasses.replace(failure, world_size=self.world_size)
-            decision = self._policy.decide(failure)
-            if isinstance(decision, Raise) and not failure.dead and failure.error is not None:
-                return RecoveryOutcome(decision, keep_error=True)  # the group is sound
-            self._enter_recovering(failure.summary if failure.dead else failure.cell)
-            if isinstance(decision, Raise):
-                return self._give_up(failure, decision)
-            outcome = self._rebuild_and_replay(failure, decision, before)
-            if isinstance(outcome, RecoveryOutcome):
-                return outcome
-            failure = outcome
-
-    def _enter_recovering(self, why: str) -> None:
-        if self.state is not GroupState.RECOVERING:
-            self.state_machine.to(GroupState.RECOVERING, why)
-
-    def _rebuild_and_replay(
-        self, failure: Failure, decision: Decision, before: int | None
-    ) -> RecoveryOutcome | Failure:
-        # A policy that shrinks: the size is the rebuild's argument; the options
-        # change only once the smaller group runs.
-        config = (
-            self._config.resized(decision.workers) if isinstance(decision, Shrink) else self._config
-        )
-        try:
-            self._rebuild(
-                f"{failure.summary} ({decision.attempt})",
-                config,
-                lost=sum(1 for rank in failure.dead if rank >= 0),
-            )
-            self._config = config
-            # Files a dead rank left half-written never got a manifest: drop them.
-            self.checkpoints.drop_pending()
-            self.checkpoints.cleanup_incomplete()
-            report = self._replay_journal(before)
-            self.continue_step_count()
-            self.last_recovery = RecoveryOutcome(
-                decision,
-                report,
-                failure_summary=failure.summary,
-                world_size=self.world_size,
-                resized=self.size_reason if self.world_size < failure.world_size else None,
-            )
-            self.state_machine.to(GroupState.RUNNING, f"recovered: {failure.summary}")
-            return self.last_recovery
-        except (RankLost, WorkerGroupError, RankDied) as exc:
-            if self.state is GroupState.FAILED:
-                self.state_machine.to(GroupState.RECOVERING, "retrying after a failed rebuild")
-            what = "a rank died during replay" if isinstance(exc, RankDied) else one_line(exc)
-            return Failure(failure.cell, {DURING_REBUILD: what})
-        except RtnbError as exc:
-            if self._lost:
-                return RecoveryOutcome(decision, ray_lost=True)
-            return RecoveryOutcome(
-                decision,
-                error=WorkerGroupError(f"{failure.summary}; recovery failed: {exc}"),
-            )
-
-    def _give_up(self, failure: Failure, decision: Raise) -> RecoveryOutcome:
-        """No retry: fresh ranks (the dead or stuck ones cannot be reused) and the
-        cell's error saying that its variables are gone."""
-        if failure.dead:
-            what = failure.summary + decision.why
-        else:
-            stuck = failure.stuck
-            what = (
-                f"{failure.cell} {failure.stop_reason}, but rank{'s' if len(stuck) > 1 else ''} "
-                f"{', '.join(map(str, stuck))} did not stop within "
-                f"{2 * self._config.stop_grace_s:g} s (blocked in a collective or in native code)"
-            )
-        try:
-            self._rebuild(what, self._config, fresh=True)
-            self._ready_again("rebuilt with fresh ranks")
-            tail = "the worker group was rebuilt with fresh ranks; variables defined on the ranks are gone"
-        except RtnbError as exc:
-            if self._lost:
-                return RecoveryOutcome(decision, ray_lost=True)
-            tail = f"rebuilding the worker group failed: {exc}"
-        message = f"{what}; {tail}"
-        error = WorkerGroupError(message) if failure.dead else CellInterrupted(message, kept=False)
-        return RecoveryOutcome(decision, error=error)
+    def adopt(self, config: SessionConfig) -> None:
+        """``config`` in force: a group of its size runs now."""
+        self._config = config
 
     # ---- the Ray under the group going away -------------------------------------------------
     @property

@@ -324,7 +324,7 @@ class Session(LiveAPI, RunAPI):
 
     @property
     def last_recovery(self) -> RecoveryOutcome | None:
-        return self._controller.last_recovery
+        return self._controller.recovery.last
 
     @property
     def group(self) -> RankGroup | None:
@@ -346,7 +346,7 @@ class Session(LiveAPI, RunAPI):
     @property
     def failures(self) -> int:
         """Group rebuilds spent on --max-failures so far."""
-        return self._controller.failures
+        return self._controller.recovery.failures
 
     @property
     def ray_lost(self) -> str | None:
