@@ -49,6 +49,7 @@ PEERS: dict[str, str] = {
     "stacks_latency": "py-spy dump, one per rank, run at once",
     "sweep": RAY_TRAIN_TUNED_TEXT + ", one fit() per trial in a Tune grid",
     "scale": "rtnb itself at 2 ranks (how its costs grow with the size)",
+    "relay": "the same group size calling every rank directly (rtnb's way under 4 ranks)",
     "soak": "none (growth against the goal)",
     "file_sync": "the same cell on a group of the same Ray without sync (--files off)",
     "cluster": "the same driver on one machine (embedded Ray); torchrun --nnodes 2 on the same two machines",

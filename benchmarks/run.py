@@ -363,6 +363,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         timeout_s=400,
     ),
     Benchmark(
+        "relay",
+        (
+            _x("relay_4_ratio", "trivial cell at 4 ranks: relayed through rank 0 / direct", 1.0),
+            _x("relay_8_ratio", "trivial cell at 8 ranks: relayed through rank 0 / direct", 1.0),
+            _x("relay_2_ratio", "trivial cell at 2 ranks: relayed / direct (rtnb calls directly)"),
+        ),
+        quick_args=("--sizes", "2,4,8", "--cells", "30"),
+        timeout_s=900,
+    ),
+    Benchmark(
         "file_sync",
         (
             Figure("unchanged_ms", "50-file folder synced, nothing changed: ms added", "ms", 20),
