@@ -141,6 +141,9 @@ def test_magic_mistakes_get_one_clear_line(kernel):
     assert "NameError: name 'steps' is not defined" in shown, shown
     assert "`steps` is a variable of this notebook, not of the ranks: send it with " in shown
     assert "`%rtnb push steps` before this cell" in shown, shown
+    # ... and the line's fix works.
+    assert kernel.execute("%rtnb push steps").status == "ok"
+    assert kernel.execute("%%rtrain\nfor i in range(steps): pass").status == "ok"
     shown = "\n".join(kernel.execute("%%rtrain\nnowhere_defined + 1").traceback)
     assert "NameError" in shown and "%rtnb push" not in shown, shown
     # The other way round: a plain cell reading a name only the ranks have is told
