@@ -8,6 +8,7 @@ keeps the scenarios that need a real process killed, a real Ray lost or real DDP
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,32 @@ def test_a_cells_timeout_stops_it_on_every_rank_and_keeps_the_group(tmp_path, gr
         assert session.run("2") == {0: 2, 1: 2}
         assert len(groups.built) == 1
     finally:
+        session.stop()
+
+
+# What a rank blocked in native code waits on (a collective whose peer is gone): no
+# report reaches its stop, and an interrupt never lands.
+STUCK = threading.Event()
+
+
+def test_a_rank_blocked_past_twice_the_grace_is_given_up_and_fresh_ranks_serve(tmp_path, groups):
+    session = _session(tmp_path, groups, stop_grace_s=0.5)
+    try:
+        session.run("kept = RANK")
+        with pytest.raises(rtnb.CellInterrupted) as raised:
+            session.run(
+                f"import {__name__} as here\nif RANK == 1:\n    here.STUCK.wait()\n", timeout=1
+            )
+        said = str(raised.value)
+        assert "timed out after 1 s" in said and "but rank 1 did not stop within 1 s" in said
+        assert "rebuilt with fresh ranks; variables defined on the ranks are gone" in said
+        assert "\n" not in said
+        assert len(groups.built) == 2, "the stuck rank's group was replaced once"
+        assert session.run("RANK") == {0: 0, 1: 1}
+        with pytest.raises(rtnb.CellError, match="NameError"):
+            session.run("kept")
+    finally:
+        STUCK.set()
         session.stop()
 
 
