@@ -48,9 +48,7 @@ from rtnb.errors import (
     WorkerGroupError,
     one_line,
 )
-from rtnb.metrics._store import MetricsStore
 from rtnb.storage._checkpoint import Checkpoint
-from rtnb.storage._checkpoints import CheckpointStore
 from rtnb.storage._logs import RankLogs
 
 __all__ = ["CellContext", "CellHandle"]
@@ -72,8 +70,6 @@ class CellContext(WatchedGroup, ObserverContext, Protocol):
     its waiters read of the group, what its observers need, and more."""
 
     run_name: str
-    metrics: MetricsStore
-    checkpoints: CheckpointStore
 
     def check_ray_lost(self, settle_s: float = 0.0) -> str | None: ...
 
@@ -443,13 +439,18 @@ class CellHandle:
         if update.loaded_checkpoint is not None and rank not in self.loaded:
             self.loaded[rank] = update.loaded_checkpoint
         self.reported = self.reported or bool(update.reports)
-        for failure in _keep(self._context, update, self.controls.took(update), self.replay):
-            self._saves.storage_failed(failure)
+        applied = self.controls.took(update)
+        if applied:
+            self._context.metrics.add_controls_applied(rank, applied)
         for stream, text in update.output:
             self._output.write(rank, stream, text)
         self.observers.update(update)
 
     # ---- the debugger ------------------------------------------------------------------
+    def storage_failed(self, what: str) -> None:
+        """A write to the run's storage failed: the cell stops at one step."""
+        self._saves.storage_failed(what)
+
     def show(self, rank: int, text: str) -> None:
         """``text`` as rank ``rank``'s own output (a debugger's lines)."""
         self._output.send(rank, "stdout", text)
@@ -520,37 +521,6 @@ class CellHandle:
             self._context.cell_ended(self)
         self.controls.close()  # changes asked too late: their callers get None
         self._end.ended(self)
-
-
-def _keep(
-    context: CellContext,
-    update: RankUpdate,
-    controls_applied: list[tuple[str, Any, int]],
-    replay: bool,
-) -> list[str]:
-    """What the session keeps of a rank's update: its reports, resources, applied
-    controls, checkpoint offers and output (a replayed cell's are not published);
-    the storage writes that failed, in one line each."""
-    rank, metrics, failed = update.rank, context.metrics, []
-    if update.storage_error is not None:
-        failed.append(update.storage_error)
-    if update.reports:
-        metrics.add(rank, update.reports)
-        if metrics.log is not None and metrics.log.failure:
-            failed.append(f"the metrics record could not be written: {metrics.log.failure}")
-    if update.resources and not replay:
-        metrics.add_system(rank, update.resources)
-    if controls_applied:
-        metrics.add_controls_applied(rank, controls_applied)
-    for offer in update.checkpoints:
-        context.checkpoints.offer(rank, offer)
-    logs = context.logs
-    if logs is not None and not replay:
-        for _stream, text in update.output:
-            logs.add(rank, text)
-        if update.output and logs.failure:
-            failed.append(f"the ranks' output could not be kept: {logs.failure}")
-    return failed
 
 
 def _kept_where(logs: RankLogs | None, rank: int) -> str:

@@ -1,12 +1,12 @@
 """What features see of a running cell: one hook interface and its manager.
 
-A feature that watches a cell (breakpoints, the hang doctor, profiles, the uploads'
+A feature that follows a cell (keeping its updates, breakpoints, the hang doctor, profiles, the uploads'
 notes, a re-run cell's note, where a restarted cell went on from) is a :class:`CellObserver` in a module of its own, made for each
 cell by a factory listed in :data:`FEATURES`. The handle calls its :class:`CellObservers` at five points and
 knows nothing of the features; adding one is a module and a line in
 :data:`FEATURES`. An observer sees the cell through :class:`CellView`, never the
 handle's own fields, and an observer that raises is noted once and then left out:
-a feature never ends a cell.
+a feature never ends a cell, save an essential one (keeping the updates).
 
 The hooks, in a cell's order:
 
@@ -32,6 +32,8 @@ from rtnb.errors import one_line
 
 if TYPE_CHECKING:
     from rtnb.core._stacks import GroupStacks
+    from rtnb.metrics._store import MetricsStore
+    from rtnb.storage._checkpoints import CheckpointStore
     from rtnb.storage._logs import RankLogs
 
 __all__ = ["FEATURES", "CellObserver", "CellObservers", "CellView", "ObserverContext"]
@@ -58,9 +60,17 @@ class CellView(Protocol):
         """``text`` as rank ``rank``'s own output (a debugger's lines)."""
         ...
 
+    def storage_failed(self, what: str) -> None:
+        """A write to the run's storage failed: the cell stops at one step and ends
+        with ``what``."""
+        ...
+
 
 class ObserverContext(Protocol):
     """What observers need of the session's flows (the cell's context has it)."""
+
+    metrics: MetricsStore
+    checkpoints: CheckpointStore
 
     @property
     def logs(self) -> RankLogs | None: ...
@@ -80,7 +90,11 @@ class ObserverContext(Protocol):
 
 
 class CellObserver:
-    """Every hook does nothing unless a feature says otherwise."""
+    """Every hook does nothing unless a feature says otherwise. An ``essential``
+    observer's error ends the cell (what it does the cell cannot go on without);
+    any other's is noted once and the observer left out."""
+
+    essential = False
 
     def update(self, cell: CellView, update: RankUpdate) -> None:
         """A rank's update, applied."""
@@ -103,6 +117,7 @@ Factory = Callable[[CellView, ObserverContext], "CellObserver | None"]
 # The features that watch every cell: "module:factory", each factory called with
 # the cell and its context and returning its observer (None: not for this cell).
 FEATURES: tuple[str, ...] = (
+    "rtnb.driver.cells._keeping:observe",
     "rtnb.driver.cells._watch_breakpoints:observe",
     "rtnb.driver.cells._watch_hang:observe",
     "rtnb.driver.cells._watch_profiles:observe",
@@ -152,6 +167,8 @@ class CellObservers:
             try:
                 getattr(observer, hook)(self._cell, *args)
             except Exception as exc:  # noqa: BLE001 - a feature never ends a cell
+                if observer.essential:
+                    raise
                 self.items.remove(observer)
                 self._cell.note(
                     f"[rtnb] {type(observer).__name__} left {self._cell.name} after an "
