@@ -152,8 +152,12 @@ def test_a_group_that_cannot_be_placed_gets_its_line_and_fewer_cpus_start(ray_cl
     too_many = (0.5 + others) / 2 + 0.25
     try:
         options = dict(workers=2, storage=str(tmp_path), placement_timeout_s=2)
-        with pytest.raises(rtnb.ClusterError) as raised:
-            rtnb.Session(cpus_per_worker=too_many, **options).start()
+        too_big = rtnb.Session(cpus_per_worker=too_many, **options)
+        try:
+            with pytest.raises(rtnb.ClusterError) as raised:
+                too_big.start()
+        finally:
+            too_big.stop()  # had it started, its CPUs would starve every later test
         said = str(raised.value)
         assert said.startswith("Ray could not place 2 workers"), said
         assert "held by something else" in said and "fewer --workers / --cpus-per-worker" in said
