@@ -442,9 +442,11 @@ class CellHandle:
         applied = self.controls.took(update)
         if applied:
             self._context.metrics.add_controls_applied(rank, applied)
+        # The observers keep the update before its output reaches the viewers, so a
+        # view that opens on the first report finds the reports that came with it.
+        self.observers.update(update)
         for stream, text in update.output:
             self._output.write(rank, stream, text)
-        self.observers.update(update)
 
     # ---- the debugger ------------------------------------------------------------------
     def storage_failed(self, what: str) -> None:

@@ -11,7 +11,8 @@ a feature never ends a cell, save an essential one (keeping the updates).
 The hooks, in a cell's order:
 
 - ``update(cell, update)``: a rank's :class:`~rtnb.core._messages.RankUpdate`, once
-  the handle applied it (its steps, state and output are the cell's);
+  the handle applied its steps and state, before its output reaches the cell's
+  viewers (what is kept of it is in the stores when they see it);
 - ``tick(cell)``: each turn of the driving loop (about every 0.1 s) while the cell
   runs and no stop is under way;
 - ``stop_ran_out(cell, last)``: a stop's grace ran out before the ranks stopped;
