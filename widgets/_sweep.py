@@ -134,8 +134,11 @@ def sweep_figure(sweep, shown: set[int] | None = None, widget: bool = False):
         xaxis_title="step",
         yaxis_title=sweep.metric,
         legend={"font": {"size": 10}},
-        title={"text": sweep.state_text(), "font": {"size": 12}},
     )
+    if not widget:
+        # A lasting figure stands alone in a saved notebook; the live view's header
+        # already says the sweep's state above its figure.
+        fig.update_layout(title={"text": sweep.state_text(), "font": {"size": 12}})
     return figure_widget(fig) if widget else fig
 
 
@@ -286,7 +289,6 @@ class SweepView(w.VBox):
                 for trace, t in zip(self.figure.data, trials):
                     trace.x, trace.y = list(t.steps), list(t.values)
                     trace.visible = not self._shown or t.index in self._shown
-                self.figure.layout.title.text = sweep.state_text()
         self.redraws += 1
 
     def _draw_table(self, trials) -> None:
