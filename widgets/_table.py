@@ -184,7 +184,14 @@ function render({ model, el }) {
           }
         }
       }
-      tr.addEventListener("click", () => { choose(row); root.focus(); });
+      // On the press, not the click: the table is drawn anew each second while a
+      // run or sweep goes on, and a click whose press and release fall on two
+      // drawings of the row never fires.
+      tr.addEventListener("pointerdown", (event) => {
+        if (event.button !== 0) return;
+        choose(row);
+        root.focus();
+      });
     }
     root.replaceChildren(table);
     const chosen = root.querySelector("tr.rtnb-selected");
