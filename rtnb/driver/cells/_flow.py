@@ -136,9 +136,7 @@ class CellFlow:
         # Under `rtnb run`: the live changes the saved notebook's cells received.
         self._saved_changes = SavedChanges.from_env()
         # Its parts: values in and out of the ranks, and the notebook's live calls.
-        self.values = RankValues(
-            lambda wait_s: self.require_group(wait_s), lambda: self.active, owner, self._write
-        )
+        self.values = RankValues(self.require_group, lambda: self.active, owner, self._write)
         self.steering = Steering(
             self.require_group,
             lambda: self.active,

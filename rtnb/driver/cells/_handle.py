@@ -139,8 +139,7 @@ class CellHandle:
         self.controls = CellControls(lambda: self.name, code, replay, controls, triggers, saved)
         for step, text in self.controls.saved_markers():
             context.metrics.add_marker(step, text)
-        # The features that watch the cell (cells/_observers.py: the hang doctor,
-        # profiles, the uploads' notes).
+        # The features that follow the cell (cells/_observers.py' FEATURES).
         self.observers = CellObservers(self, context)
 
     def _begin_attempt(self) -> None:
@@ -180,6 +179,11 @@ class CellHandle:
         """What the ranks loaded when the cell ran again after a recovery."""
         origin = self.observers.find(RestartOrigin)
         return origin.origin if origin is not None else None
+
+    @property
+    def debugging(self) -> list[int]:
+        """Ranks a background cell left at a breakpoint (``%rtnb debug`` attaches)."""
+        return self.observers.find(BreakpointWatch).debugging
 
     @property
     def stopping(self) -> bool:
@@ -448,7 +452,7 @@ class CellHandle:
         for stream, text in update.output:
             self._output.write(rank, stream, text)
 
-    # ---- the debugger ------------------------------------------------------------------
+    # ---- what its observers may ask -----------------------------------------------------
     def storage_failed(self, what: str) -> None:
         """A write to the run's storage failed: the cell stops at one step."""
         self._saves.storage_failed(what)
@@ -456,11 +460,6 @@ class CellHandle:
     def show(self, rank: int, text: str) -> None:
         """``text`` as rank ``rank``'s own output (a debugger's lines)."""
         self._output.send(rank, "stdout", text)
-
-    @property
-    def debugging(self) -> list[int]:
-        """Ranks a background cell left at a breakpoint (``%rtnb debug`` attaches)."""
-        return self.observers.find(BreakpointWatch).debugging
 
     # ---- live controls (``controls``: what the ranks declared, what a saved notebook keeps)
     def _make_asked_changes(self, execution: Execution) -> None:

@@ -41,12 +41,15 @@ __all__ = ["FEATURES", "CellObserver", "CellObservers", "CellView", "ObserverCon
 
 
 class CellView(Protocol):
-    """What an observer may read of a cell, and its one way to speak."""
+    """What an observer may read of a cell, and its ways to speak (``note``, ``show``)
+    and to stop it (``storage_failed``)."""
 
     name: str
     replay: bool
     background: bool
     ranks: list[int]
+    # The checkpoint each rank said it loaded, in this run of the cell on its group.
+    loaded: dict[int, str | None]
 
     @property
     def stopping(self) -> bool: ...

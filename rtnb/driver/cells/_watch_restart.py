@@ -14,17 +14,14 @@ __all__ = ["RestartOrigin", "observe"]
 class RestartOrigin(CellObserver):
     def __init__(self) -> None:
         self.origin: str | None = None
-        self._loaded: dict[int, str | None] = {}
         self._due = False  # restarted, and not yet said where from
 
     def restart(self, cell: CellView) -> None:
-        self.origin, self._loaded, self._due = None, {}, True
+        self.origin, self._due = None, True
 
     def update(self, cell: CellView, update: RankUpdate) -> None:
-        if update.loaded_checkpoint is not None and update.rank not in self._loaded:
-            self._loaded[update.rank] = update.loaded_checkpoint
-            if len(self._loaded) >= len(cell.ranks):
-                self._say(cell)
+        if update.loaded_checkpoint is not None and len(cell.loaded) >= len(cell.ranks):
+            self._say(cell)
 
     def end(self, cell: CellView) -> None:
         self._say(cell)
@@ -33,7 +30,7 @@ class RestartOrigin(CellObserver):
         if not self._due:
             return
         self._due = False
-        by_rank = {r: self._loaded.get(r) for r in cell.ranks}
+        by_rank = {r: cell.loaded.get(r) for r in cell.ranks}
         ids = sorted({c for c in by_rank.values() if c})
         if not ids:
             cell.note(f"[rtnb] {cell.name} restarted without loading a checkpoint\n")
