@@ -391,14 +391,21 @@ def _class_sizes(tree: ast.AST) -> dict[str, int]:
     }
 
 
-def test_no_driver_class_over_500_lines_and_the_session_within_300():
+def test_no_driver_class_over_500_lines_and_the_session_and_the_cells_owners_within_300():
     sizes = {}
     for path in sorted((REPO / "rtnb" / "driver").rglob("*.py")):
         for name, size in _class_sizes(ast.parse(path.read_text())).items():
             sizes[f"{path.relative_to(REPO / 'rtnb' / 'driver')}:{name}"] = size
     over = {name: size for name, size in sizes.items() if size > 500}
     assert over == {}, f"driver classes over 500 lines: {over}"
-    assert sizes["session/_session.py:Session"] <= 300, sizes["session/_session.py:Session"]
+    # What stays in them is their flow; a feature is an observer, a control a command.
+    for owner in (
+        "session/_session.py:Session",
+        "cells/_handle.py:CellHandle",
+        "cells/_flow.py:CellFlow",
+        "control/_controller.py:Controller",
+    ):
+        assert sizes[owner] <= 300, (owner, sizes[owner])
     assert len(sizes) > 80, "the rule sees every driver class"
     assert _class_sizes(ast.parse("class A:\n    x = 1\n    y = 2\n")) == {"A": 3}
 

@@ -94,10 +94,6 @@ class GroupOwner(Protocol):
 
     def grow(self) -> str | None: ...
 
-    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome: ...
-
-    def recovery_attempt(self) -> str | None: ...
-
     def can_recover(self) -> bool: ...
 
     def cell_started(self, name: str) -> None: ...
@@ -107,12 +103,22 @@ class GroupOwner(Protocol):
     def write_run_record(self) -> None: ...
 
 
+class Recovering(Protocol):
+    """What the cell flow asks of the session's recovery: a failed cell's next step,
+    and the attempt under way as the user reads it."""
+
+    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome: ...
+
+    def attempt(self) -> str | None: ...
+
+
 class CellFlow:
     """Runs the session's cells; see the module docstring."""
 
     def __init__(
         self,
         owner: GroupOwner,
+        recovery: Recovering,
         journal: Journal,
         commits: CheckpointCoordinator,
         checkpoints: CheckpointStore,
@@ -122,6 +128,7 @@ class CellFlow:
         self.metrics = metrics
         self.checkpoints = checkpoints
         self._owner = owner
+        self._recovery = recovery
         self._journal = journal
         self._commits = commits
         self._lock = owner.lock
@@ -181,7 +188,7 @@ class CellFlow:
     def commit(self, handle: CellHandle) -> None:
         steps = dict(handle.steps)
         if not handle.replay:
-            self._commits.track(dict(handle.lines), steps)
+            self._commits.track(dict(handle.attempt.lines), steps)
         self._commits.commit_ready(steps, set(handle.ranks))
         self.validations.start_due()
 
@@ -226,7 +233,7 @@ class CellFlow:
 
     def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
         """The controller's decision on a failed cell, carried out."""
-        return self._owner.recover(failure, before)
+        return self._recovery.recover(failure, before)
 
     def cell_ended(self, handle: CellHandle) -> None:
         with self._lock:
@@ -271,7 +278,7 @@ class CellFlow:
         state = self._owner.state
         active = self._active
         recovering = active is not None and active.recovering
-        attempt = self._owner.recovery_attempt()
+        attempt = self._recovery.attempt()
         if (state is GroupState.RECOVERING or recovering) and attempt is not None:
             return f"recovering ({attempt})"
         return str(state)

@@ -24,42 +24,37 @@ group runs, so a failed scale leaves the options as they were. The cells run
 through the :class:`CellFlow` the controller owns (``cells/_flow.py``), which asks it
 for the running group and hands it failures; the journal is replayed onto every new
 group that keeps the ranks' state by a :class:`Replayer` (``control/_replay.py``).
+How the cell flow, a recovery and the status reach the group (waiting while it is
+made or replaced) is its base, :class:`GroupHolding` (``control/_holding.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable
 
 from rtnb.core._config import SessionConfig
 from rtnb.driver.cells import CellFlow, CheckpointCoordinator
-from rtnb.driver.cluster import ClusterConnection, StartProgress, StartReport
+from rtnb.driver.cluster import StartProgress, StartReport
+from rtnb.driver.control._holding import GroupHolding
 from rtnb.driver.control._recovery import Recovery
 from rtnb.driver.control._replay import Replayer
 from rtnb.driver.control._run_files import RunRecorder, attach_run_outputs
 from rtnb.driver.lifecycle import (
     ACTIVE,
-    BUSY,
-    Failure,
     FailurePolicy,
     GroupState,
     RankDied,
-    RecoveryOutcome,
     ReplayReport,
     ScalingPolicy,
-    StateChange,
-    StateMachine,
 )
 from rtnb.driver.ranks import (
     Connector,
     GroupBuilder,
     GroupFactory,
-    RankGroup,
     RankLost,
     command_all,
-    ray_lost_line,
 )
 from rtnb.errors import (
     ClusterError,
@@ -78,8 +73,9 @@ from rtnb.worker._commands import SetStep
 __all__ = ["Controller"]
 
 
-class Controller:
-    """Owns the group, its size and its state; see the module docstring."""
+class Controller(GroupHolding):
+    """Owns the group, its size and its state; see the module docstring. How its
+    readers reach the group is its base, :class:`GroupHolding`."""
 
     def __init__(
         self,
@@ -98,27 +94,18 @@ class Controller:
         at_exit: Callable[[], None],
         tracking_record: Callable[[], dict],
     ) -> None:
-        self._config = config
-        self.run_name = run_name
+        super().__init__(config, run_name, commits.latest_id)
         self.run_dir = run_dir
         self.journal = journal
         self.commits = commits
         self.checkpoints = checkpoints
         self.metrics = metrics
         self.scaling = scaling
-        self.state_machine = StateMachine()
-        self.group: RankGroup | None = None
         self.logs: RankLogs | None = None  # every rank's output, in {run}/logs/
         self.last_start: StartReport | None = None
         self.last_replay: ReplayReport | None = None  # of start/restart --replay, scale
-        # Why the group has its size, when elastic ("elastic 2-4: 3 ranks (...)").
-        self.size_reason: str | None = None
         # One lock for the group's changes and the cells' starts.
         self.lock = threading.RLock()
-        self._ready = threading.Event()
-        self.state_machine.subscribe(self._track_ready)
-        self._lost: str | None = None  # set once the Ray under the group is gone
-        self._replaying: int | None = None  # the thread replaying onto a new group
         self._record = RunRecorder(run_dir, run_name, commits, tracking_record)
         self._builder = GroupBuilder(
             run_name,
@@ -128,9 +115,9 @@ class Controller:
             at_exit=at_exit,
             on_ray_lost=self._ray_went_away,
         )
-        self.cells = CellFlow(self, journal, commits, checkpoints, metrics)
         # The one holder of the failure policy: decides each failure once.
         self.recovery = Recovery(self, policy)
+        self.cells = CellFlow(self, self.recovery, journal, commits, checkpoints, metrics)
         self._replayer = Replayer(
             journal,
             lambda: self.world_size,
@@ -140,86 +127,12 @@ class Controller:
             self.cells.values.send_controls,
         )
 
-    # ---- what it holds -------------------------------------------------------------------
-    @property
-    def config(self) -> SessionConfig:
-        """The options in force (a scale swaps in a resized copy)."""
-        return self._config
-
-    @property
-    def state(self) -> GroupState:
-        return self.state_machine.state
-
-    @property
-    def connection(self) -> ClusterConnection | None:
-        return self._builder.connection
-
-    @property
-    def world_size(self) -> int:
-        """The running group's ranks (an elastic group's current size), else the
-        configured size."""
-        group = self.group
-        return group.world_size if group is not None else self._config.world_size
-
-    @property
-    def is_ready(self) -> bool:
-        return self._ready.is_set()
-
-    def _track_ready(self, change: StateChange) -> None:
-        if change.new in (GroupState.READY, GroupState.RUNNING):
-            self._ready.set()
-        else:
-            self._ready.clear()
-
-    def require_group(
-        self, wait_s: float = 0.0, state_text: Callable[[], str] | None = None
-    ) -> RankGroup:
-        """The running group. While it is being made or replaced (start, recovery,
-        scale, restart), wait up to ``wait_s`` for it, then say so (in
-        ``state_text()``'s words, only then asked); never "no worker group"."""
-        if self._lost is not None:
-            raise ClusterError(self._lost)
-        group = self.group
-        if group is not None and self._replaying == threading.get_ident():
-            return group  # the replay that makes the new group ready runs on it
-        if self.state in BUSY:
-            self._ready.wait(wait_s)
-        group, state = self.group, self.state
-        if group is not None and state in (GroupState.READY, GroupState.RUNNING):
-            return group
-        if state in BUSY:
-            raise SessionError(
-                f"the worker group is {state_text() if state_text else state}; "
-                "try again once it is ready (`%rtnb status`)"
-            )
-        raise SessionError(
-            "no worker group is running: start one with `%rtnb start` (or Session.start())"
-        )
-
-    def replacement(
-        self, lost: RankGroup, coming: Callable[[], bool], timeout_s: float
-    ) -> RankGroup | None:
-        """The group a recovery builds to replace ``lost``, once ready; None when
-        ``coming()`` says none is coming any more, or after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            group = self.group
-            if group is not None and group is not lost and self.is_ready:
-                return group
-            if not coming() and self.group is lost:
-                return None
-            time.sleep(0.05)
-        return None
-
     def cell_started(self, name: str) -> None:
         self.state_machine.to(GroupState.RUNNING, name)
 
     def cell_ended(self, name: str) -> None:
         if self.state is GroupState.RUNNING:
             self.state_machine.to(GroupState.READY, f"{name} ended")
-
-    def check_fits(self, config: SessionConfig) -> None:
-        self._builder.check_fits(config)
 
     # ---- start and stop ------------------------------------------------------------------
     def start(self, steps: StartProgress, prepare: Callable[[], None], replay: bool) -> None:
@@ -313,7 +226,7 @@ class Controller:
         group runs): N ranks, ``(MIN, MAX)`` for an elastic group, 0 for local mode."""
         config = self._config.resized(workers)
         if self.group is not None:
-            self._builder.check_fits(config)  # before the group is taken down
+            self.check_fits(config)  # before the group is taken down
         return config
 
     def scale(self, config: SessionConfig) -> None:
@@ -433,43 +346,12 @@ class Controller:
             self._replaying = None
 
     # ---- after a failure (carried out by its Recovery) ------------------------------------
-    def recover(self, failure: Failure, before: int | None) -> RecoveryOutcome:
-        return self.recovery.recover(failure, before)
-
-    def recovery_attempt(self) -> str | None:
-        return self.recovery.attempt()
-
     def can_recover(self) -> bool:
         return self.recovery.can_recover()
 
     def adopt(self, config: SessionConfig) -> None:
         """``config`` in force: a group of its size runs now."""
         self._config = config
-
-    # ---- the Ray under the group going away -------------------------------------------------
-    @property
-    def ray_lost(self) -> str | None:
-        """One line on the Ray this session used being gone, once it is: no Ray call
-        is made after that (each would wait on a GCS that never answers)."""
-        return self._lost
-
-    def check_ray_lost(self, settle_s: float = 0.0) -> str | None:
-        """As :attr:`ray_lost`, asking the cluster now (before a rebuild, or on a Ray
-        error that a GCS going away causes)."""
-        if self._lost is None:
-            self._builder.check_lost(settle_s)
-        return self._lost
-
-    def _ray_went_away(self, why: str) -> None:
-        latest = None
-        with contextlib.suppress(Exception):
-            latest = self.commits.latest_id()
-        connection = self._builder.connection
-        own_driver = connection is not None and not connection.driver_outlives_ray
-        self._lost = ray_lost_line(why, self.run_name, latest, own_driver)
-        self.group = None
-        with contextlib.suppress(RuntimeError):  # already stopping or stopped
-            self.state_machine.to(GroupState.FAILED, self._lost)
 
     # ---- where the ranks are ----------------------------------------------------------------
     def continue_step_count(self) -> None:

@@ -372,7 +372,7 @@ class DataWatch:
             fetch,
             cell.note,
             split=handover.split_names,
-            rank_waits=lambda: {r: dict(cell.data_waits.get(r, {})) for r in cell.ranks},
+            rank_waits=lambda: {r: dict(cell.attempt.data_waits.get(r, {})) for r in cell.ranks},
         )
 
     def start(self) -> None:

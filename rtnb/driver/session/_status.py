@@ -33,10 +33,10 @@ def group_status(
         last = metrics.last.get(info.rank)
         state, step = "idle", last.step if last is not None else 0
         if active is not None and info.rank in active.ranks:
-            state = active.states.get(info.rank, "running")
+            state = active.attempt.states.get(info.rank, "running")
             # the rank's own step once it answered (after a resume it is below the
             # last report of the earlier line)
-            if info.rank in active.lines:
+            if info.rank in active.attempt.lines:
                 step = max(active.steps.get(info.rank, -1), 0)
         where = f"{info.hostname} ({info.node_ip})"
         ranks.append(RankStatus(info.rank, where, info.pid, info.device, step, state))
