@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from tests._margins import until
-from tests.conftest import wait_for_free_cpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -245,83 +244,6 @@ def test_each_ranks_cpu_and_memory_reach_the_header_and_the_system_record_not_th
     trained = [r for r in read_metrics(run_dir) if "loss" in r]
     assert not any(k.startswith("sys/") for r in read_metrics(run_dir) for k in r)
     assert len(trained) >= 50
-
-
-# 200 steps from the checkpoint it resumes (one, at step 40); every step reads the
-# live control and reports it. Rank 1 dies once at step 150 when DIE is set (its
-# marker file missing): the recovery runs the cell again from step 41.
-CONTROLLED = """\
-import os, time, signal, rtnb
-rank = rtnb.get_context().world_rank
-checkpoint = rtnb.get_checkpoint()
-start = checkpoint.load_state()["step"] + 1 if checkpoint else 0
-seen = []
-for step in range(start, 200):
-    lr = rtnb.control("lr", 0.1)
-    seen.append((step, lr))
-    if DIE and rank == 1 and step == 150 and not os.path.exists(DIE):
-        open(DIE, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-    saved = rtnb.Checkpoint.from_state({"step": step}) if step == 40 else None
-    rtnb.report({"lr": lr}, checkpoint=saved)
-    time.sleep(0.01)
-"""
-
-
-def _first_step_with(rows: list[dict], rank: int, value: float) -> int:
-    return min(r["step"] for r in rows if r["rank"] == rank and r.get("lr") == value)
-
-
-def test_a_control_change_reaches_every_rank_at_the_same_step_and_a_recovery_repeats_it(
-    ray_cluster, tmp_path
-):
-    import rtnb
-    from rtnb.storage._journal import EntryKind
-    from rtnb.storage._metricslog import read_metrics
-    from rtnb.storage._rundir import RunDirectory
-
-    die = tmp_path / "died"
-    session = rtnb.Session(
-        workers=2, cpus_per_worker=0.5, stop_grace_s=1.0, max_failures=1, storage=str(tmp_path)
-    ).start()
-    try:
-        # Set between cells: the next cell starts with it.
-        assert session.set_controls(lr=0.2) is None
-        assert list(
-            session.run("import rtnb\nrtnb.control('lr', 0.1)", output=lambda *_: None).values()
-        ) == [0.2, 0.2]
-        session.push({"DIE": str(die)})
-        handle = session.run_background(CONTROLLED, output=lambda *_: None)
-        _wait_for(lambda: min(handle.steps.values()) >= 50, 60, "step 50")
-        step = session.set_controls(lr=0.5)
-        assert 50 <= step < 150
-        handle.wait(120)
-        assert handle.recoveries == 1  # rank 1 died at step 150, after the change
-        # The run again (on a new group, from the checkpoint at step 40) took the
-        # change at the same step: 0.2 up to it, 0.5 from it on.
-        expected = [(s, 0.2 if s < step else 0.5) for s in range(41, 200)]
-        assert session.pull("seen") == [expected, expected]
-        session.metrics.flush()
-        rows = read_metrics(RunDirectory(str(tmp_path), session.run_name))
-        assert _first_step_with(rows, 0, 0.5) == _first_step_with(rows, 1, 0.5) == step
-        assert session.metrics.markers == [(step, "lr = 0.5")]
-        system = read_metrics(RunDirectory(str(tmp_path), session.run_name), system=True)
-        applied = {r["rank"]: r["step"] for r in system if r.get("control/lr") == 0.5}
-        assert applied == {0: step, 1: step}
-        controls = [e for e in session.journal.entries() if e.kind is EntryKind.CONTROL]
-        assert [(e.controls, e.step, e.of is None) for e in controls] == [
-            ({"lr": 0.2}, None, True),
-            ({"lr": 0.5}, step, False),
-        ]
-        # A replay onto a fresh group repeats it all: the set between cells, the
-        # change at its step.
-        session.restart(replay=True)
-        assert session.pull("seen") == [expected, expected]
-        with pytest.raises(rtnb.ConfigError, match="takes a number"):
-            session.set_controls(lr=[1, 2])
-    finally:
-        session.stop()
-    assert wait_for_free_cpus(2.0) >= 2.0
 
 
 TRIGGERED = """\

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from rtnb.core._messages import RankUpdate
 from rtnb.driver.cells import _observers
 from rtnb.driver.cells._observers import CellObserver, CellView, ObserverContext
 from rtnb.driver.ranks import command_all
+from rtnb.storage._journal import EntryKind
 from rtnb.worker._commands import RankCommand
 from tests._margins import until
 from tests._threaded_group import ThreadedGroup, no_ray, threaded_ranks
@@ -381,5 +383,235 @@ def test_a_new_control_is_one_command_that_reaches_every_rank_through_the_groups
         # The commands the driver itself sends go the same way: values out and in.
         session.push({"seen_pushed": 7})
         assert session.pull("seen_pushed") == [7, 7]
+    finally:
+        session.stop()
+
+
+def _notes(into: list[str]):
+    return lambda rank, stream, text: into.append(text) if rank < 0 else None
+
+
+def _lose_when(group: ThreadedGroup, rank: int, ready) -> threading.Thread:
+    """Lose ``rank`` of ``group`` (its process gone) once ``ready()`` holds."""
+
+    def run() -> None:
+        until("the moment to lose the rank", ready, 30, poll_s=0.01)
+        group.lose(rank)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_pushes_functions_and_a_rank_subsets_cells_are_replayed_after_a_rank_is_lost(
+    tmp_path, groups
+):
+    def setup(config):  # local: cloudpickle journals it by value
+        import rtnb
+
+        # State a function leaves on its rank: kept by the rank's runtime.
+        extra = rtnb.get_context().extra
+        extra["from_fn"] = config["base"] + rtnb.get_context().get_world_rank()
+        return extra["from_fn"]
+
+    session = _session(tmp_path, groups, max_failures=2)
+    try:
+        session.push({"scale": 3})
+        assert session.run(setup, config={"base": 10}) == {0: 10, 1: 11}
+        session.run("only_on_one = 'kept'", ranks=[1])
+        session.run("counter = 0")
+        session.run("counter += 1")  # replayed once, so it must end at 1, not 2
+        session.run("expensive = 'once'", once=True)  # %%rtrain --once: never replayed
+        session.run("import time, rtnb")
+        kinds = [e.kind for e in session.journal.entries()]
+        assert kinds[:3] == [EntryKind.START, EntryKind.PUSH, EntryKind.CELL]
+
+        loser = _lose_when(groups.built[0], 1, lambda: session.active_cell is not None)
+        notes: list[str] = []
+        value = session.run(
+            "time.sleep(0.5)\n"
+            "(scale * rtnb.get_context().extra['from_fn'], counter, 'only_on_one' in globals())",
+            output=_notes(notes),
+        )
+        loser.join()
+        assert session.failures == 1 and len(groups.built) == 2
+        assert value == {0: (30, 1, False), 1: (33, 1, True)}
+        assert session.pull("only_on_one", ranks="1") == ["kept"]
+        with pytest.raises(rtnb.SessionError, match="'expensive' is not defined"):
+            session.pull("expensive")
+        assert any("worker group rebuilt (recovery 1 of 2)" in n for n in notes), notes
+        assert any("5 cells and 1 push replayed in" in n for n in notes), notes
+        assert any("not replayed: cell 5 (marked --once)" in n for n in notes), notes
+        assert any("restarted without loading a checkpoint" in n for n in notes), notes
+    finally:
+        session.stop()
+
+
+# The resume pattern of Ray Train: start after the step the checkpoint holds.
+RESUMING = (
+    "import time, rtnb\n"
+    "ck = rtnb.get_checkpoint()\n"
+    "loaded_i = ck.load_state()['i'] if ck is not None else None\n"
+    "i = loaded_i + 1 if ck is not None else 0\n"
+    "while i < STEPS:\n"
+    "    time.sleep(globals().get('SLEEP', 0))\n"
+    "    first = rtnb.get_context().get_world_rank() == 0\n"
+    "    rtnb.report({{'i': i}}, checkpoint=rtnb.Checkpoint.from_state({{'i': i}}) if first else None)\n"
+    "    i += 1\n"
+    "{tail}"
+)
+
+
+def test_scale_down_and_up_keeps_the_ranks_variables_and_training_goes_on_from_the_latest(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups)
+    try:
+        session.push({"lr": 0.25})
+        session.run("STEPS = 6\nnote = 'defined before scaling'")
+        session.run(RESUMING.format(tail="i"))
+        latest = session.checkpoints.latest()
+
+        session.scale(1)
+        assert session.world_size == 1 and groups.built[-1].world_size == 1
+        assert session.pull("note") == ["defined before scaling"]
+        assert session.pull("lr") == [0.25]
+        assert session.last_replay.cells == 2 and session.last_replay.pushes == 1
+        assert session.run("rtnb.get_context().get_world_size()") == {0: 1}
+
+        session.scale(2)
+        assert session.pull("note") == ["defined before scaling"] * 2
+        session.run("STEPS = 9")
+        size = "rtnb.get_context().get_world_size()"
+        value = session.run(RESUMING.format(tail=f"(loaded_i, i, {size})"))
+        assert value == {0: (5, 9, 2), 1: (5, 9, 2)}
+        assert session.checkpoints.latest().step > latest.step
+        kinds = [e.kind for e in session.journal.entries()]
+        assert kinds.count(EntryKind.SCALE) == 2
+
+        # restart without --replay is a fresh group; with it, the state stays.
+        session.restart(replay=True)
+        assert session.pull("note") == ["defined before scaling"] * 2
+        session.restart()
+        with pytest.raises(rtnb.SessionError, match="not defined"):
+            session.pull("note")
+    finally:
+        session.stop()
+
+
+def test_a_pull_during_a_recovery_waits_for_the_new_group_or_says_it_is_recovering(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups, max_failures=1)
+    try:
+        session.run("import time\nanswer = 42")
+        handle = session.run_background("time.sleep(1)\n1")
+        groups.built[0].lose(0)
+        seen = []
+        while not handle.done():
+            try:
+                seen.append(session.pull("answer"))
+            except rtnb.SessionError as exc:
+                seen.append(str(exc))
+            seen.append(str(session.status()).splitlines()[0])
+            handle.wait_left(0.05)
+        assert handle.wait(30) == {0: 1, 1: 1}
+        assert not any("no worker group" in str(s) for s in seen), seen
+        assert [42, 42] in seen
+        assert session.failures == 1 and len(groups.built) == 2
+    finally:
+        session.stop()
+
+
+# 200 steps from the checkpoint it resumes (one, at step 40); every step reads the
+# live control and reports it. Rank 1 is lost once at step 150 (while the DIE file
+# is missing): the recovery runs the cell again from step 41.
+CONTROLLED = """\
+import os, time, rtnb
+rank = rtnb.get_context().world_rank
+checkpoint = rtnb.get_checkpoint()
+start = checkpoint.load_state()["step"] + 1 if checkpoint else 0
+seen = []
+for step in range(start, 200):
+    lr = rtnb.control("lr", 0.1)
+    seen.append((step, lr))
+    if rank == 1 and step == 150 and not os.path.exists(DIE):
+        open(DIE, "w").close()
+        lose_me()
+    saved = rtnb.Checkpoint.from_state({"step": step}) if step == 40 else None
+    rtnb.report({"lr": lr}, checkpoint=saved)
+    time.sleep(0.002)
+"""
+
+
+def test_a_control_change_reaches_every_rank_at_one_step_and_a_recovery_and_a_replay_repeat_it(
+    tmp_path, groups
+):
+    from rtnb.storage._metricslog import read_metrics
+    from rtnb.storage._rundir import RunDirectory
+
+    session = _session(tmp_path, groups, max_failures=1)
+    try:
+        # Set between cells: the next cell starts with it.
+        assert session.set_controls(lr=0.2) is None
+        assert list(session.run("import rtnb\nrtnb.control('lr', 0.1)").values()) == [0.2, 0.2]
+        session.push({"DIE": str(tmp_path / "died")})
+        handle = session.run_background(CONTROLLED)
+        until("step 50 on both ranks", lambda: min(handle.steps.values()) >= 50, 30, 0.01)
+        step = session.set_controls(lr=0.5)
+        assert 50 <= step < 150
+        handle.wait(60)
+        assert handle.recoveries == 1 and len(groups.built) == 2  # rank 1 lost at 150
+        # The run again (on a new group, from the checkpoint at step 40) took the
+        # change at the same step: 0.2 up to it, 0.5 from it on.
+        expected = [(s, 0.2 if s < step else 0.5) for s in range(41, 200)]
+        assert session.pull("seen") == [expected, expected]
+        session.metrics.flush()
+        rows = read_metrics(RunDirectory(str(tmp_path), session.run_name))
+        first = {
+            rank: min(r["step"] for r in rows if r["rank"] == rank and r.get("lr") == 0.5)
+            for rank in (0, 1)
+        }
+        assert first == {0: step, 1: step}
+        assert session.metrics.markers == [(step, "lr = 0.5")]
+        system = read_metrics(RunDirectory(str(tmp_path), session.run_name), system=True)
+        applied = {r["rank"]: r["step"] for r in system if r.get("control/lr") == 0.5}
+        assert applied == {0: step, 1: step}
+        controls = [e for e in session.journal.entries() if e.kind is EntryKind.CONTROL]
+        assert [(e.controls, e.step, e.of is None) for e in controls] == [
+            ({"lr": 0.2}, None, True),
+            ({"lr": 0.5}, step, False),
+        ]
+        # A replay onto a fresh group repeats it all: the set between cells, the
+        # change at its step.
+        session.restart(replay=True)
+        assert session.pull("seen") == [expected, expected]
+        with pytest.raises(rtnb.ConfigError, match="takes a number"):
+            session.set_controls(lr=[1, 2])
+    finally:
+        session.stop()
+
+
+def test_replaying_finished_resume_pattern_cells_costs_their_setup_not_their_training(
+    tmp_path, groups
+):
+    session = _session(tmp_path, groups, max_failures=1)
+    try:
+        trained_s = 0.0
+        for k in range(1, 6):
+            session.run(f"STEPS = {15 * k}")
+            started = time.monotonic()
+            session.run("SLEEP = 0.02\n" + RESUMING.format(tail="i"))
+            trained_s += time.monotonic() - started
+        loser = _lose_when(groups.built[0], 1, lambda: session.active_cell is not None)
+        session.run("time.sleep(0.5)\n1")
+        loser.join()
+        report = session.last_recovery.replay
+        assert report.cells == 10
+        # Re-training would take about trained_s (~5 s); each replayed cell starts past
+        # the latest checkpoint and costs its set-up: half of the training separates
+        # the two without racing a busy machine.
+        assert report.duration_s < 0.5 * trained_s, (report.duration_s, trained_s)
+        assert session.run("i") == {0: 75, 1: 75}
     finally:
         session.stop()
