@@ -99,6 +99,17 @@ def test_rtnb_demo_from_a_wheel_installed_into_a_fresh_venv(tmp_path):
     assert "quickstart.ipynb ran to completion" in proc.stdout
     output = work / "rtnb_runs" / "demo" / "quickstart.output.ipynb"
     assert ", Ray embedded" in output.read_text(), "the demo joined a cluster, not a Ray of its own"
+    # The newcomer's first plot: the training cell's figure, every rank's curve to the
+    # last of the notebook's steps (a live view in JupyterLab; kept as it ended here).
+    figures = [
+        output_data["application/vnd.plotly.v1+json"]
+        for cell in json.loads(output.read_text())["cells"]
+        for output_data in (o.get("data", {}) for o in cell.get("outputs", []))
+        if "application/vnd.plotly.v1+json" in output_data
+    ]
+    assert len(figures) == 1, "the training cell leaves one figure"
+    curves = {(t["name"], len(t["x"])) for t in figures[0]["data"] if t.get("xaxis") == "x"}
+    assert curves == {("rank 0", 300), ("rank 1", 300), ("mean", 300)}, curves
     # A pip user's way to the example notebooks: out of the package, into a folder.
     copied = subprocess.run(
         [str(venv / "bin" / "rtnb"), "demo", "--copy"],
