@@ -357,6 +357,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "scale",
         (
             _x("trivial_ratio_max", "trivial cell at 32 ranks (8 quick) / at 2 ranks", 3.0),
+            _x(
+                "trivial_cpu_ratio_max",
+                "the kernel's CPU per trivial cell at 32 ranks (8 quick) / at 2 ranks",
+            ),
             Figure("kernel_cpu_max", "kernel CPU, 32 ranks (8 quick) at 100 reports/s", "%", 10),
         ),
         quick_args=("--sizes", "2,8"),
