@@ -107,7 +107,15 @@ class CellHandle(CellRecord):
     ) -> None:
         """``saved``: the changes the saved notebook's cell received (``rtnb run``)."""
         super().__init__(
-            context, context.logs, cell_id, code, ranks, label, timeout_s, background, replay
+            context,
+            lambda rank: context.logs.where(rank) if context.logs is not None else "the run",
+            cell_id,
+            code,
+            ranks,
+            label,
+            timeout_s,
+            background,
+            replay,
         )
         self._context = context
         self.journal_seq = journal_seq

@@ -22,7 +22,6 @@ from rtnb.driver.cells._outcome import Completion, WatchedGroup
 from rtnb.driver.cells._watch_breakpoints import BreakpointWatch
 from rtnb.driver.cells._watch_hang import HangDoctor
 from rtnb.driver.cells._watch_restart import RestartOrigin
-from rtnb.storage._logs import RankLogs
 
 if TYPE_CHECKING:
     from rtnb.driver.cells._observers import CellObservers
@@ -44,7 +43,7 @@ class CellRecord:
     def __init__(
         self,
         waited: WatchedGroup,
-        logs: RankLogs | None,
+        kept_where: Callable[[int], str],
         cell_id: int,
         code: str,
         ranks: list[int],
@@ -63,7 +62,7 @@ class CellRecord:
         self.replay = replay  # rebuilding state after a failure: nothing is published
         self.started_at = time.time()
         self.ended_at: float | None = None
-        self._output = CellOutput(lambda rank: logs.where(rank) if logs else "the run")
+        self._output = CellOutput(kept_where)  # where a rank's whole output is kept
         self.reported, self.recoveries = False, 0
         self.recovering = False  # the group is being rebuilt for this cell right now
         self._end = Completion()
