@@ -431,3 +431,17 @@ def group(ray_cluster):
     session.start()
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster, tmp_path_factory):
+    """A real IPython kernel with rtnb loaded (a user's notebook, on the suite's
+    cluster), one per module; once it shuts down every CPU its ranks held is free.
+    A module that needs another kind of kernel (a newcomer's machine) defines its own."""
+    from tests._kernel import kernel_with_rtnb
+
+    with kernel_with_rtnb(str(tmp_path_factory.mktemp("nb"))) as k:
+        yield k
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS, (
+        "kernel shutdown left ranks holding CPUs"
+    )

@@ -17,8 +17,7 @@ import nbformat
 import pytest
 
 import rtnb
-from tests._kernel import kernel_with_rtnb, new_notebook, one_line_error
-from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+from tests._kernel import new_notebook, one_line_error
 
 RTNB = [sys.executable, "-m", "rtnb.batch.cli"]
 # Where a GPU is, `--gpu` starts a group rather than failing (GPU tests cover it).
@@ -97,13 +96,6 @@ AFTER_START = [
     ("%rtnb status now", "takes no arguments"),
     ("%rtnb restart --hard", "unrecognized arguments: --hard"),
 ]
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory):
-    with kernel_with_rtnb(str(tmp_path_factory.mktemp("bad"))) as k:
-        yield k
-    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
 
 
 def _lines(text: str) -> list[str]:

@@ -109,7 +109,7 @@ def test_the_architecture_page_draws_every_state_and_transition_of_the_controlle
     # One arrow per transition the state machine allows, and no other.
     assert drawn.count("marker-end=") == sum(len(targets) for targets in _ALLOWED.values())
     text = " ".join(_text(site / "architecture.html").split())
-    assert "recovering" in text and "resizing" in text and "Controller.recover" in text
+    assert "recovering" in text and "resizing" in text and "Recovery.recover" in text
 
 
 def test_the_site_needs_nothing_from_the_network(site):

@@ -7,19 +7,10 @@ import time
 
 import pytest
 
-from tests._kernel import kernel_with_rtnb, one_line_error
+from tests._kernel import one_line_error
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory):
-    with kernel_with_rtnb(str(tmp_path_factory.mktemp("nb"))) as k:
-        yield k
-    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS, (
-        "kernel shutdown left ranks holding CPUs"
-    )
 
 
 def test_user_mistakes_before_start_give_one_clear_line(kernel):

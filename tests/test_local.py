@@ -13,7 +13,7 @@ import threading
 import nbformat
 import pytest
 
-from tests._kernel import kernel_with_rtnb, new_notebook
+from tests._kernel import new_notebook
 
 pytestmark = [pytest.mark.slow]
 
@@ -123,12 +123,6 @@ def test_local_mode_with_gpu_and_no_gpu_here_is_one_line(tmp_path):
     message = str(caught.value)
     assert "--gpu" in message and "torch sees none" in message and "\n" not in message
     assert session.group is None
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory):
-    with kernel_with_rtnb(str(tmp_path_factory.mktemp("nb"))) as k:
-        yield k
 
 
 @pytest.mark.ray
