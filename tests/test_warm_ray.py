@@ -411,3 +411,21 @@ def test_warm_status_and_stop_from_a_notebook_and_the_shell(tmp_path):
                     proc.kill()
                 except psutil.Error:
                     pass
+
+
+def test_the_kernel_that_launches_a_warm_ray_holds_it_until_it_leaves_or_dies():
+    """A kernel joins the Ray it launched only after its ``ray.init`` (seconds on a
+    slow machine): a short idle time must not end that Ray under it meanwhile. The
+    pool's leases alone, no Ray."""
+    from rtnb.driver.cluster._warm_host import WarmPool
+
+    held = WarmPool(idle_s=0.05, spares=0, first_kernel=os.getpid())
+    nobody = WarmPool(idle_s=0.05, spares=0)
+    until("the pool nobody launched ends when idle", nobody.is_idle, 10, poll_s=0.05)
+    assert not held.is_idle() and held.usage()["kernels"] == [os.getpid()]
+    held.detach(os.getpid())  # the kernel's session stopped
+    until("the launching kernel's pool ends once it left", held.is_idle, 10, poll_s=0.05)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    orphaned = WarmPool(idle_s=0.05, spares=0, first_kernel=gone.pid)
+    gone.wait()
+    until("a pool whose launching kernel died ends", orphaned.is_idle, 10, poll_s=0.05)

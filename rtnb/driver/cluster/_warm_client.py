@@ -207,7 +207,7 @@ def live_state(state_file: Path) -> dict[str, Any] | None:
         return None
 
 
-def _launch(state_file: Path, key: str, spares: int) -> dict[str, Any]:
+def _launch(state_file: Path, key: str, spares: int, first_kernel: int | None) -> dict[str, Any]:
     log_path = state_file.with_suffix(".log")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(_private_token_env(_token_file(state_file.parent)))
@@ -225,6 +225,7 @@ def _launch(state_file: Path, key: str, spares: int) -> dict[str, Any]:
                 str(spares),
                 "--idle-s",
                 str(idle_seconds()),
+                *(["--first-kernel", str(first_kernel)] if first_kernel is not None else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -255,11 +256,15 @@ def switched_off() -> bool:
 
 
 def ensure_running(
-    spares: int = 2, progress: Callable[[str], None] | None = None
+    spares: int = 2,
+    progress: Callable[[str], None] | None = None,
+    first_kernel: int | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """The live warm Ray's state (address, pid, temp dir), started if none runs, and
     whether this call started it. Imports no Ray: the warm Ray is a process of its
-    own. A second caller waits for the first's start (a file lock) and joins it."""
+    own. A second caller waits for the first's start (a file lock) and joins it.
+    ``first_kernel``: the kernel that will join what this call starts (it holds the
+    Ray until it attaches); none for a Jupyter server warming it for kernels to come."""
     say = progress or (lambda text: None)
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -275,7 +280,7 @@ def ensure_running(
             "starting the warm Ray (later kernels join it in about a second; it ends "
             f"{after} after the last kernel leaves)"
         )
-        return _launch(state_file, key, spares), True
+        return _launch(state_file, key, spares, first_kernel), True
 
 
 def _join(state: dict[str, Any]) -> None:
@@ -333,7 +338,7 @@ def attach(
     global _active
     say = progress or (lambda text: None)
     importing = _import_ray_beside()
-    state, launched = ensure_running(spares, say)
+    state, launched = ensure_running(spares, say, first_kernel=os.getpid())
     say(f"joining the warm Ray at {state['address']}")
     if importing is not None:
         importing.join()
@@ -346,6 +351,9 @@ def attach(
         pool = ray.get_actor(POOL_NAME, namespace=POOL_NAMESPACE)
         free = rank_cpus(ray.available_resources(), ray.cluster_resources())
         if free + 1e-9 < need_cpus:
+            # Not this kernel's Ray after all: a lease it held from the launch goes.
+            with contextlib.suppress(Exception):
+                ray.get(pool.detach.remote(os.getpid()), timeout=5)
             ray.shutdown()
             as_the_environment_says()
             say(

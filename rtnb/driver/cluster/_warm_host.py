@@ -85,9 +85,19 @@ def kernel_alive(pid: int, started: float | None) -> bool:
 class WarmPool:
     """Spare rank actors and the kernels attached to this Ray (a Ray actor)."""
 
-    def __init__(self, idle_s: float, spares: int, started: list | tuple = ()) -> None:
+    def __init__(
+        self,
+        idle_s: float,
+        spares: int,
+        started: list | tuple = (),
+        first_kernel: int | None = None,
+    ) -> None:
         """``started``: (actor, warm-up ref) pairs of spares the host began before
-        this pool's process was up (see :func:`start_spare`)."""
+        this pool's process was up (see :func:`start_spare`); ``first_kernel``: the
+        kernel that launched this Ray, which holds it from the start (it attaches
+        only once it has joined, which on a slow machine takes longer than a short
+        idle time: the Ray must not end under it meanwhile). Should that kernel die
+        first, the watchdog lets its lease go as any other's."""
         self._idle_s = idle_s
         self._target = min(MAX_SPARES, max(0, spares))
         self._lock = threading.Lock()
@@ -102,6 +112,8 @@ class WarmPool:
         self._claimed: dict[int, list[Any]] = {}
         self._leases: dict[int, float | None] = {}
         self._detached: dict[int, str] = {}  # a detached group's host pid -> its run
+        if first_kernel is not None:
+            self._leases[first_kernel] = _started(first_kernel)
         self._idle_since = time.monotonic()
         self._idle_since_wall = time.time()
         self._idle = threading.Event()
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--spares", type=int, default=2)
     parser.add_argument("--idle-s", type=float, default=600.0)
+    parser.add_argument("--first-kernel", type=int, default=None)
     args = parser.parse_args(argv)
 
     from rtnb.core._startup import defer_unused_imports
@@ -337,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         pool = (
             ray.remote(WarmPool)
             .options(name=POOL_NAME, num_cpus=0, max_concurrency=16)
-            .remote(args.idle_s, args.spares, first)
+            .remote(args.idle_s, args.spares, first, args.first_kernel)
         )
         # Written before the pool is up (its name is taken already): the waiting
         # kernel joins this Ray while the pool's process starts, and its first call
