@@ -283,7 +283,6 @@ class CellHandle(CellRecord):
         if not remaining:
             self._finish(error=outcome.ranks_left_out(self.name, self.ranks))
             return False
-        self.ranks = remaining
         self.recoveries += 1
         self.note(outcome.restart_note(self.name))
         self._stopping.forgive_failure()

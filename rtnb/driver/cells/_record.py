@@ -56,7 +56,6 @@ class CellRecord:
         self.cell_id = cell_id
         self.label = label  # Jupyter's "[4]" for the header and errors, else rtnb's number
         self.code = code
-        self.ranks = ranks
         self.timeout_s = timeout_s
         self.background = background
         self.replay = replay  # rebuilding state after a failure: nothing is published
@@ -75,6 +74,12 @@ class CellRecord:
         """What messages call this cell: ``cell [4]`` (the notebook's execution
         count) when it came from a notebook cell, else ``cell 3`` (rtnb's number)."""
         return f"cell {self.label or self.cell_id}"
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks the cell runs on (after a recovery that shrank the group, those
+        that remain)."""
+        return self.attempt.ranks
 
     @property
     def steps(self) -> dict[int, int]:
