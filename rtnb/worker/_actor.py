@@ -23,6 +23,7 @@ from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
 from rtnb.core._net import local_addresses
 from rtnb.worker._capture import release_capture
+from rtnb.worker._channel import ChannelServer
 from rtnb.worker._commands import RankCommand
 from rtnb.worker._runtime import RankContext, RankRuntime
 from rtnb.worker._stopping import CellStopped
@@ -91,6 +92,7 @@ class RankActor:
 
     def __init__(self, context: dict[str, Any] | None, env: dict[str, str]) -> None:
         self._rendezvous: socket.socket | None = None
+        self._channel: ChannelServer | None = None
         self._relay: Any = None
         self._relayed = 0  # rank 0: the last token relayed
         self._sweeper: _KeySweeper | None = None  # rank 0: deletes spent relay keys
@@ -282,6 +284,15 @@ class RankActor:
         remove_torchrun_compat()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    # ---- the open channel --------------------------------------------------------------
+    def open_channel(self, host: str, key: bytes) -> int:
+        """Listen on ``host`` for the kernel's open channel (``worker/_channel.py``),
+        which carries this rank's ``run`` and ``poll`` calls; its port."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = ChannelServer(self.run, self.poll, key)
+        return self._channel.open(host)
 
     # ---- the cell relay (groups of RELAY_FROM_RANKS and more) -------------------------
     def open_relay(self, master_addr: str, master_port: int) -> None:

@@ -35,6 +35,8 @@ from rtnb.driver.cluster import (
     watch_ranks,
 )
 from rtnb.driver.ranks._datasets import wait_for_data_room
+from rtnb.core._channel import channel_wanted
+from rtnb.driver.ranks._channel import ChannelCall, OpenChannel, channel_key, fall_back
 from rtnb.driver.ranks._execution import Execution, RankCalls, RankLost
 from rtnb.driver.ranks._folder_sync import FolderSync
 from rtnb.driver.ranks._reach import Machine, MachineWatch
@@ -120,9 +122,12 @@ class WorkerGroup:
         self.ranks: list[RankInfo] = []
         self._reach: MachineWatch | None = None
         self._placement_group = None
-        # Set when cells go through rank 0's relay (RELAY_FROM_RANKS and more ranks):
-        # the dispatch tokens, 1, 2, ... in the order the ranks listen for them.
-        self.relay_tokens: itertools.count | None = None
+        # Every cell's dispatch token, 1, 2, ...: a rank starts a cell at most once
+        # under it (a relayed cell also asked directly, a channel call made again
+        # through Ray), and the relay's listeners read them in this order.
+        self._tokens = itertools.count(1)
+        self._relaying = False  # cells go through rank 0's relay
+        self._channel: OpenChannel | None = None
         self._wired: tuple[CellRequest, bytes] | None = None
         self.folder: FolderSync | None = None
 
@@ -242,7 +247,8 @@ class WorkerGroup:
                     ],
                     timeout=slow(120),
                 )
-                if cfg.workers >= RELAY_FROM_RANKS:
+                self._open_channel(slow(30))
+                if cfg.workers >= RELAY_FROM_RANKS and self._channel is None:
                     ray.get(
                         [
                             a.open_relay.remote(self.ranks[0].node_ip, master_port)
@@ -250,7 +256,7 @@ class WorkerGroup:
                         ],
                         timeout=slow(60),
                     )
-                    self.relay_tokens = itertools.count(1)
+                    self._relaying = True
         except ConfigError:
             self.shutdown()
             raise
@@ -264,6 +270,31 @@ class WorkerGroup:
         if self.lender is not None and not self.lender.adopt(self):
             self.shutdown(graceful=False, timeout_s=2.0)  # the pool closed meanwhile
             raise ClusterError("the sweep is over: its groups are shut down")
+
+    def _open_channel(self, timeout_s: float) -> None:
+        """Open the channel to every rank this process reaches (``_channel.py``); none
+        through a Ray Client, or with ``RTNB_OPEN_CHANNEL=0``."""
+        import ray
+
+        if not channel_wanted() or ray.util.client.ray.is_connected():
+            return
+        key = channel_key()
+        ports = ray.get(
+            [a.open_channel.remote(info.node_ip, key) for a, info in zip(self.actors, self.ranks)],
+            timeout=timeout_s,
+        )
+        channel = OpenChannel.connect(
+            {info.rank: (info.node_ip, port) for info, port in zip(self.ranks, ports)}, key
+        )
+        if channel.ranks:
+            self._channel = channel
+        else:
+            channel.close()
+
+    @property
+    def channel_ranks(self) -> list[int]:
+        """The ranks whose cells and polls go over the open channel."""
+        return self._channel.ranks if self._channel is not None else []
 
     def _open_folder(self, progress: StartProgress, timeout_s: float) -> None:
         """The notebook's folder on each rank: seen in place, or copied where its node
@@ -326,11 +357,11 @@ class WorkerGroup:
     @property
     def relays(self) -> bool:
         """Cells go through rank 0's relay (groups of RELAY_FROM_RANKS ranks and more)."""
-        return self.relay_tokens is not None
+        return self._relaying
 
     def next_token(self) -> int | None:
-        """The next cell's dispatch token (None in a group that does not relay)."""
-        return next(self.relay_tokens) if self.relay_tokens is not None else None
+        """The next cell's dispatch token."""
+        return next(self._tokens)
 
     def cut_off(self) -> dict[int, str]:
         """Ranks whose machine stopped answering (``_reach``), each with its line."""
@@ -393,10 +424,22 @@ class WorkerGroup:
 
     def run(self, rank: int, request: CellRequest) -> Any:
         """Start ``request`` on ``rank`` (once per token) and long-poll it once."""
+        if self._channel is not None and self._channel.has(rank):
+            return self._channel.run(rank, self._wire(request))
         return self.actors[rank].run.remote(self._wire(request))
 
     def poll(self, rank: int) -> Any:
+        if self._channel is not None and self._channel.has(rank):
+            return self._channel.poll(rank, *poll_timing(len(self.actors)))
         return self.actors[rank].poll.remote(*poll_timing(len(self.actors)))
+
+    def _through_ray(self, call: ChannelCall) -> Any:
+        """A broken channel call made again through Ray: the same run (its token
+        starts nothing twice) or a poll."""
+        actor = self.actors[call.rank]
+        if call.request is not None:
+            return actor.run.remote(call.request)
+        return actor.poll.remote(*poll_timing(len(self.actors)))
 
     def command(self, rank: int, command: RankCommand, payload: Any = None) -> Any:
         return self.actors[rank].command.remote(command, payload)
@@ -469,7 +512,40 @@ class WorkerGroup:
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
         """Whatever ``calls`` are done within ``timeout_s``, with their results (a
         failed call's result is its exception; a rank's update as a
-        :class:`RankUpdate`), as soon as one is.
+        :class:`RankUpdate`), as soon as one is. Calls on the open channel are read
+        there; one that broke is made again through Ray and waited on as Ray's."""
+        channel = self._channel
+        if channel is None or not any(isinstance(c, ChannelCall) for c in calls):
+            return self._take_ray(calls, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fall_back(calls, self._through_ray)
+            on_channel = [c for c in calls if isinstance(c, ChannelCall) and c.fallback is None]
+            by_ref = {
+                (c.fallback if isinstance(c, ChannelCall) else c): c
+                for c in calls
+                if not (isinstance(c, ChannelCall) and c.fallback is None)
+            }
+            left = max(0.0, deadline - time.monotonic())
+            if not by_ref:
+                ready = channel.take_ready(on_channel, left)
+                answers = [c.answer for c in ready]
+                if ready or left <= 0 or not any(c.broken for c in on_channel):
+                    return ready, answers
+                continue  # a connection broke: its call goes to Ray
+            # Ray's calls beside the channel's (a rank whose connection broke): take
+            # turns in short waits (rare: a rank just died or lost its link).
+            refs, answers = self._take_ray(list(by_ref), 0.0)
+            ready = [by_ref[r] for r in refs]
+            if on_channel:
+                more = channel.take_ready(on_channel, min(left, 0.005) if not ready else 0.0)
+                ready += more
+                answers += [c.answer for c in more]
+            if ready or time.monotonic() >= deadline:
+                return ready, answers
+
+    def _take_ray(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
+        """:meth:`take_ready` for Ray's calls.
 
         One call in flight (the relay, or a single rank) is fetched with one
         ``ray.get``. With several, all are awaited for ``_TOGETHER_S`` first (ranks
@@ -516,6 +592,9 @@ class WorkerGroup:
         if self._reach is not None:
             self._reach.close()
             self._reach = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         actors, self.actors = self.actors, []
         if graceful and actors:
             refs = [a.shutdown_distributed.remote() for a in actors]

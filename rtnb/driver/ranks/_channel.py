@@ -1,0 +1,200 @@
+"""The kernel's end of the open channel (the wire: ``core/_channel.py``).
+
+A group opens one connection to each rank when it starts and keeps it for its life:
+a cell's start and its long-polls go over it as frames, so a trivial cell costs the
+kernel a send and a read per rank instead of a Ray actor call each. What it cannot
+carry falls back to Ray's calls on its own:
+
+- a rank the kernel cannot reach (a Ray Client, a firewall, ``RTNB_OPEN_CHANNEL=0``)
+  never gets a connection, and its calls are Ray's from the start;
+- a connection that breaks (the rank's process died, the link was cut) marks its
+  call *broken*: the group then makes the same call through Ray, which answers it
+  if the rank lives (a cell started under a token is not started twice) and names
+  how the rank died if not, in Ray's own words.
+
+Each call carries a number the rank sends back with its answer: a call the kernel
+let go (a Ctrl-C between a send and its read) has its late answer dropped instead
+of being taken for the next call's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import selectors
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rtnb.core._channel import (
+    ANSWER,
+    RUN,
+    ChannelClosed,
+    answer_challenge,
+    pack_poll,
+    recv_frame,
+    send_frame,
+    set_fast,
+)
+from rtnb.core._messages import RankUpdate, from_wire
+
+__all__ = ["ChannelCall", "OpenChannel", "channel_key"]
+
+# How long the whole connect (every rank) may take before the ranks not reached
+# keep Ray's calls: a reachable rank answers in a millisecond.
+CONNECT_S = 2.0
+
+
+def channel_key() -> bytes:
+    return os.urandom(32)
+
+
+class ChannelCall:
+    """A call in flight on the channel (a *pending call* of the group)."""
+
+    __slots__ = ("answer", "broken", "fallback", "number", "rank", "request")
+
+    def __init__(self, rank: int, number: int, request: bytes | None) -> None:
+        self.rank, self.number = rank, number
+        self.request = request  # a run's pickled request (its fallback is the same run)
+        self.answer: Any = None
+        self.broken = False  # the connection broke before the answer came
+        self.fallback: Any = None  # the same call made through Ray, once broken
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None
+
+
+class OpenChannel:
+    """The connections of one group, by rank (a rank without one is not here)."""
+
+    def __init__(self, socks: dict[int, socket.socket]) -> None:
+        self._socks = socks
+        self._selector = selectors.DefaultSelector()
+        for rank, sock in socks.items():
+            self._selector.register(sock, selectors.EVENT_READ, rank)
+        self._numbers = itertools.count(1)
+        # Per rank, its call in flight: the one whose answer is read next.
+        self._live: dict[int, ChannelCall] = {}
+
+    @classmethod
+    def connect(
+        cls, addresses: dict[int, tuple[str, int]], key: bytes, timeout_s: float = CONNECT_S
+    ) -> OpenChannel:
+        """Connect to each rank at its ``(host, port)`` and prove ``key``; the ranks
+        not reached within ``timeout_s`` are left out (their calls stay Ray's)."""
+        deadline = time.monotonic() + timeout_s
+        socks: dict[int, socket.socket] = {}
+        for rank, (host, port) in addresses.items():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                sock = socket.create_connection((host, port), timeout=left)
+            except OSError:
+                continue
+            try:
+                answer_challenge(sock, key)
+            except (ChannelClosed, OSError):
+                sock.close()
+                continue
+            sock.settimeout(None)
+            set_fast(sock)
+            socks[rank] = sock
+        return cls(socks)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._socks)
+
+    def has(self, rank: int) -> bool:
+        return rank in self._socks
+
+    def close(self) -> None:
+        for rank in list(self._socks):
+            self._drop(rank)
+        self._selector.close()
+
+    # ---- calls -------------------------------------------------------------------------
+    def run(self, rank: int, request: bytes) -> ChannelCall:
+        return self._send(rank, RUN + request, request)
+
+    def poll(self, rank: int, wait_s: float, batch_s: float) -> ChannelCall:
+        return self._send(rank, pack_poll(wait_s, batch_s), None)
+
+    def _send(self, rank: int, body: bytes, request: bytes | None) -> ChannelCall:
+        # A call sent while an earlier one is unread: the earlier one was let go
+        # (its answer, when it comes, matches no call and is dropped).
+        call = ChannelCall(rank, next(self._numbers), request)
+        self._live[rank] = call
+        try:
+            send_frame(self._socks[rank], call.number, body)
+        except ChannelClosed:
+            self._break(rank)
+        return call
+
+    # ---- answers -----------------------------------------------------------------------
+    def take_ready(self, calls: list[ChannelCall], timeout_s: float) -> list[ChannelCall]:
+        """The calls of ``calls`` answered within ``timeout_s`` (``call.answer``: a
+        :class:`RankUpdate`, or the exception the rank's call raised), returned as
+        soon as one is, or as soon as one broke (``call.broken``; not returned)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = [c for c in calls if c.done]
+            if done or any(c.broken for c in calls):
+                return done
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            # (A rank outside ``calls`` with data is read too, so that its socket
+            # does not wake every select: its answer waits in its call.)
+            for key, _ in self._selector.select(left):
+                self._read(key.data)
+
+    def _read(self, rank: int) -> None:
+        try:
+            number, body = recv_frame(self._socks[rank])
+        except ChannelClosed:
+            self._break(rank)
+            return
+        call = self._live.get(rank)
+        if call is None or call.number != number:
+            return  # a call the kernel let go
+        del self._live[rank]
+        call.answer = _answer(body)
+
+    def _break(self, rank: int) -> None:
+        call = self._live.pop(rank, None)
+        if call is not None:
+            call.broken = True
+        self._drop(rank)
+
+    def _drop(self, rank: int) -> None:
+        sock = self._socks.pop(rank, None)
+        if sock is None:
+            return
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+
+
+def _answer(body: bytes) -> RankUpdate | BaseException:
+    if body[:1] == ANSWER:
+        return from_wire(body[1:])
+    try:
+        exc = pickle.loads(body[1:])
+    except Exception as unpickled:  # noqa: BLE001
+        return RuntimeError(f"the rank's answer could not be read: {unpickled}")
+    return exc if isinstance(exc, BaseException) else RuntimeError(str(exc))
+
+
+def fall_back(calls: Iterable[Any], make: Callable[[ChannelCall], Any]) -> None:
+    """Give each broken channel call of ``calls`` its Ray call (``make``), once."""
+    for call in calls:
+        if isinstance(call, ChannelCall) and call.broken and call.fallback is None:
+            call.fallback = make(call)
