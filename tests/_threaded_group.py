@@ -136,6 +136,9 @@ class ThreadedGroup:
     def world_size(self) -> int:
         return len(self.runtimes)
 
+    def calls_path(self, rank: int) -> str:
+        return "in process"
+
     def start(self, progress: StartProgress | None = None) -> None:
         size = self.config.workers
         self._pool = concurrent.futures.ThreadPoolExecutor(

@@ -178,6 +178,9 @@ def test_a_detached_cell_outlives_its_kernel_recovers_and_another_kernel_attache
         # The history so far came with the attach: both ranks' steps up to 29 at least.
         assert int(attached.split("history ")[1].split()[0]) >= 60, attached
         value = _cell(second, "%rtnb wait --timeout 180")
+        # The host's rebuilt group keeps its open channel to both ranks.
+        status = _cell(second, "%rtnb status")
+        assert sum(" channel " in line for line in status.splitlines()) == 2, status
         assert "rank 0 at 59" in value and "rank 1 at 59" in value, value
         restarted = _cell(
             second,

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rtnb.core._channel import channel_wanted
 from rtnb.core._config import SessionConfig
 from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, RankPlace, RankUpdate, from_wire, to_wire
@@ -34,12 +35,12 @@ from rtnb.driver.cluster import (
     warm_rank_env,
     watch_ranks,
 )
+from rtnb.driver.ranks._channel import ChannelCall, OpenChannel, channel_key
 from rtnb.driver.ranks._datasets import wait_for_data_room
-from rtnb.core._channel import channel_wanted
-from rtnb.driver.ranks._channel import ChannelCall, OpenChannel, channel_key, fall_back
 from rtnb.driver.ranks._execution import Execution, RankCalls, RankLost
 from rtnb.driver.ranks._folder_sync import FolderSync
 from rtnb.driver.ranks._reach import Machine, MachineWatch
+from rtnb.driver.ranks._waiting import take_ready
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
 from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
 from rtnb.worker._commands import Ping, RankCommand, SetDatasets
@@ -52,10 +53,6 @@ __all__ = [
     "check_capacity",
     "check_storage_locality",
 ]
-
-
-# Ranks in step answer a cell's calls within this of each other (see take_ready).
-_TOGETHER_S = 0.004
 
 
 @dataclass
@@ -77,6 +74,10 @@ class RankGroup(RankCalls, Protocol):
     ranks: list[RankInfo]
 
     def start(self, progress: StartProgress | None = None) -> None: ...
+
+    def calls_path(self, rank: int) -> str:
+        """How the kernel's cell calls reach ``rank`` (``%rtnb status``'s column)."""
+        ...
 
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None: ...
 
@@ -296,6 +297,9 @@ class WorkerGroup:
         """The ranks whose cells and polls go over the open channel."""
         return self._channel.ranks if self._channel is not None else []
 
+    def calls_path(self, rank: int) -> str:
+        return "channel" if self._channel is not None and self._channel.has(rank) else "Ray"
+
     def _open_folder(self, progress: StartProgress, timeout_s: float) -> None:
         """The notebook's folder on each rank: seen in place, or copied where its node
         cannot see it (``--files``; see driver/_folder_sync.py)."""
@@ -512,69 +516,8 @@ class WorkerGroup:
     def take_ready(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
         """Whatever ``calls`` are done within ``timeout_s``, with their results (a
         failed call's result is its exception; a rank's update as a
-        :class:`RankUpdate`), as soon as one is. Calls on the open channel are read
-        there; one that broke is made again through Ray and waited on as Ray's."""
-        channel = self._channel
-        if channel is None or not any(isinstance(c, ChannelCall) for c in calls):
-            return self._take_ray(calls, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            fall_back(calls, self._through_ray)
-            on_channel = [c for c in calls if isinstance(c, ChannelCall) and c.fallback is None]
-            by_ref = {
-                (c.fallback if isinstance(c, ChannelCall) else c): c
-                for c in calls
-                if not (isinstance(c, ChannelCall) and c.fallback is None)
-            }
-            left = max(0.0, deadline - time.monotonic())
-            if not by_ref:
-                ready = channel.take_ready(on_channel, left)
-                answers = [c.answer for c in ready]
-                if ready or left <= 0 or not any(c.broken for c in on_channel):
-                    return ready, answers
-                continue  # a connection broke: its call goes to Ray
-            # Ray's calls beside the channel's (a rank whose connection broke): take
-            # turns in short waits (rare: a rank just died or lost its link).
-            refs, answers = self._take_ray(list(by_ref), 0.0)
-            ready = [by_ref[r] for r in refs]
-            if on_channel:
-                more = channel.take_ready(on_channel, min(left, 0.005) if not ready else 0.0)
-                ready += more
-                answers += [c.answer for c in more]
-            if ready or time.monotonic() >= deadline:
-                return ready, answers
-
-    def _take_ray(self, calls: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
-        """:meth:`take_ready` for Ray's calls.
-
-        One call in flight (the relay, or a single rank) is fetched with one
-        ``ray.get``. With several, all are awaited for ``_TOGETHER_S`` first (ranks
-        in step answer within that of each other: one wait and one get for the
-        group), then the first ready one is taken with those ready by then: a
-        ``ray.get`` of all of them held a rank's finished poll until the others'
-        were ready too, up to a tick, so two ranks whose batches fell out of step
-        (often for a whole cell) each waited for the other, and live reports
-        arrived every ~300 ms instead of every 100 ms.
-        """
-        import ray
-
-        if len(calls) == 1:
-            try:
-                return calls, [from_wire(r) for r in ray.get(calls, timeout=timeout_s)]
-            except ray.exceptions.GetTimeoutError:
-                return [], []
-            except ray.exceptions.RayError:
-                return calls, _get_each(ray, calls)
-        together = min(timeout_s, _TOGETHER_S)
-        try:
-            return calls, [from_wire(r) for r in ray.get(calls, timeout=together)]
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
-            pass  # some still running, or a rank is gone: take what is ready
-        ready, rest = ray.wait(calls, num_returns=1, timeout=timeout_s - together)
-        if ready and rest:
-            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-            ready += more
-        return ready, _get_each(ray, ready)
+        :class:`RankUpdate`), as soon as one is (``ranks/_waiting.py``)."""
+        return take_ready(calls, timeout_s, self._channel, self._through_ray)
 
     # ---- stop --------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True, timeout_s: float = 5.0) -> None:
@@ -636,23 +579,6 @@ def _storage_in_folder(storage_path: str) -> tuple[str, ...]:
     if inside == "." or inside.startswith(".."):
         return ()
     return ("/" + inside.replace(os.sep, "/") + "/",)
-
-
-def _get_each(ray, refs: list) -> list:
-    """Results of ``refs`` in one call when all succeed (the common, fast case); a
-    failed ref (its rank died) yields its exception instead of losing the others."""
-    if not refs:
-        return []
-    try:
-        return [from_wire(r) for r in ray.get(refs)]
-    except ray.exceptions.RayError:
-        results = []
-        for ref in refs:
-            try:
-                results.append(from_wire(ray.get(ref)))
-            except ray.exceptions.RayError as exc:
-                results.append(exc)
-        return results
 
 
 def check_capacity(

@@ -61,6 +61,9 @@ class LocalGroup:
     def world_size(self) -> int:
         return 1 if self.runtime is not None else 0
 
+    def calls_path(self, rank: int) -> str:
+        return "in process"
+
     def start(self, progress: StartProgress | None = None) -> None:
         progress = progress or StartProgress()
         cfg = self.config

@@ -39,7 +39,11 @@ def group_status(
             if info.rank in active.attempt.lines:
                 step = max(active.steps.get(info.rank, -1), 0)
         where = f"{info.hostname} ({info.node_ip})"
-        ranks.append(RankStatus(info.rank, where, info.pid, info.device, step, state))
+        ranks.append(
+            RankStatus(
+                info.rank, where, info.pid, info.device, step, state, group.calls_path(info.rank)
+            )
+        )
     cell = controller.ray_lost or ""
     if not cell and active is not None:
         background = " (background)" if active.background else ""
@@ -66,6 +70,7 @@ class RankStatus:
     device: str
     step: int = 0
     state: str = "idle"
+    calls: str = ""  # how cells reach it: "channel" (open), "Ray" (actor calls), "in process"
 
 
 @dataclass
@@ -83,11 +88,20 @@ class GroupStatus:
 
     def _rows(self) -> list[list[str]]:
         return [
-            [str(r.rank), r.node, str(r.pid), r.device, self.backend, r.state, str(r.step)]
+            [
+                str(r.rank),
+                r.node,
+                str(r.pid),
+                r.device,
+                self.backend,
+                r.calls,
+                r.state,
+                str(r.step),
+            ]
             for r in self.ranks
         ]
 
-    _HEAD = ["rank", "node", "pid", "device", "backend", "state", "step"]
+    _HEAD = ["rank", "node", "pid", "device", "backend", "calls", "state", "step"]
 
     def __str__(self) -> str:
         lines = [

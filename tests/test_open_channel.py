@@ -1,0 +1,183 @@
+"""The open channel: each rank's cell starts and long-polls cross one connection the
+kernel keeps open, with Ray's calls as the path it falls back to on its own.
+
+Without Ray: the channel's two ends over real sockets (a wrong key, a call let go).
+On Ray: a rank killed mid-cell is recovered onto a rebuilt group with its own
+channel, a cut link goes on through Ray without running the cell twice, and a scaled
+group opens its channel to every rank. (A detached group's host opens its channel
+too: ``test_detached.py`` checks it after a rank was killed and another kernel
+attached.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+import rtnb
+from rtnb.core._channel import recv_frame, verify_peer
+from rtnb.core._messages import CellState, RankUpdate, from_wire, to_wire
+from rtnb.driver.ranks._channel import OpenChannel
+from rtnb.worker._channel import ChannelServer
+from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
+
+KEY = b"k" * 32
+
+
+def _update(step: int, state: CellState = CellState.DONE) -> bytes:
+    return to_wire(RankUpdate(rank=0, cell=1, state=state, step=step))
+
+
+def _serving(run, poll) -> tuple[ChannelServer, dict[int, tuple[str, int]]]:
+    server = ChannelServer(run, poll, KEY)
+    return server, {0: ("127.0.0.1", server.open("127.0.0.1"))}
+
+
+def test_a_connection_without_the_key_is_refused_and_the_rank_still_serves_its_kernel():
+    ran: list[int] = []
+
+    def run(request: bytes) -> bytes:
+        ran.append(from_wire(request))
+        return _update(7)
+
+    server, address = _serving(run, lambda wait_s, batch_s: _update(0))
+    try:
+        intruder = OpenChannel.connect(address, b"x" * 32)
+        assert intruder.ranks == [], "a wrong key opened the channel"
+        intruder.close()
+        channel = OpenChannel.connect(address, KEY)
+        assert channel.ranks == [0]
+        call = channel.run(0, to_wire(RankUpdate(rank=0, cell=3, state=CellState.RUNNING, step=1)))
+        assert channel.take_ready([call], 10.0) == [call]
+        assert call.answer.step == 7
+        assert len(ran) == 1 and ran[0].cell == 3, "only the kernel with the key ran a call"
+        channel.close()
+    finally:
+        server.close()
+
+
+def test_a_call_let_go_has_its_late_answer_dropped_not_taken_for_the_next():
+    steps = iter(range(1, 100))
+    gate = threading.Event()
+
+    def poll(wait_s: float, batch_s: float) -> bytes:
+        gate.wait(wait_s)  # the first poll holds until the gate opens
+        return _update(next(steps), CellState.RUNNING)
+
+    server, address = _serving(lambda request: _update(0), poll)
+    channel = OpenChannel.connect(address, KEY)
+    try:
+        first = channel.poll(0, 30.0, 0.1)
+        assert channel.take_ready([first], 0.05) == [], "the poll is held"
+        # A Ctrl-C landed here: the kernel let the first poll go and polls again.
+        second = channel.poll(0, 30.0, 0.1)
+        gate.set()
+        assert channel.take_ready([second], 10.0) == [second]
+        assert second.answer.step == 2, "the first poll's answer was taken for the second"
+        assert not first.done
+        # The connection goes on answering in order.
+        third = channel.poll(0, 0.0, 0.0)
+        assert channel.take_ready([third], 10.0) == [third] and third.answer.step == 3
+    finally:
+        channel.close()
+        server.close()
+
+
+def test_a_rank_whose_process_ends_breaks_its_call_at_once():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def rank_that_dies() -> None:
+        conn, _ = listener.accept()
+        verify_peer(conn, KEY)
+        recv_frame(conn)  # the kernel's poll arrives, and the process is gone
+        conn.close()
+
+    dying = threading.Thread(target=rank_that_dies, daemon=True)
+    dying.start()
+    channel = OpenChannel.connect({0: ("127.0.0.1", listener.getsockname()[1])}, KEY)
+    try:
+        assert channel.ranks == [0]
+        call = channel.poll(0, 30.0, 0.1)
+        started = time.monotonic()
+        assert channel.take_ready([call], 30.0) == []
+        assert call.broken and time.monotonic() - started < 10.0
+        assert not channel.has(0), "a broken connection is not used again"
+    finally:
+        channel.close()
+        listener.close()
+        dying.join(10)
+
+
+# ---- on Ray ------------------------------------------------------------------------------
+
+GATED_LOOP = (
+    "import os, time, rtnb\n"
+    "for s in range(40):\n"
+    "    rtnb.report({'s': s}, step=s)\n"
+    "    while s == 20 and not os.path.exists(GATE):\n"
+    "        time.sleep(0.02)\n"
+    "runs += 1\n"
+    "s"
+)
+
+
+def _calls(session) -> list[str]:
+    return [r.calls for r in session.status().ranks]
+
+
+def _until(what: str, check, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_rank_a_cut_link_and_a_scale_each_keep_cells_running_once(ray_cluster, tmp_path):
+    gate = tmp_path / "gate"
+    with rtnb.Session(
+        workers=2,
+        cpus_per_worker=0.5,
+        storage=str(tmp_path / "runs"),
+        max_failures=1,
+        stop_grace_s=1.0,
+    ) as session:
+        assert _calls(session) == ["channel", "channel"]
+        assert "channel" in str(session.status())
+        session.run(f"runs = 0\nGATE = {str(gate)!r}")
+
+        # A link cut mid-cell: rank 0's connection ends while its cell waits at the
+        # gate. Its calls go on through Ray; the cell ends once on every rank.
+        handle = session.run_background(GATED_LOOP)
+        _until("both ranks at the gate", lambda: min(handle.steps.get(r, -1) for r in (0, 1)) >= 20)
+        session.group._channel._socks[0].shutdown(socket.SHUT_RDWR)
+        gate.touch()
+        assert handle.wait(120) == {0: 39, 1: 39}
+        assert session.run("runs") == {0: 1, 1: 1}, "the cell ran twice on the cut rank"
+        assert _calls(session) == ["Ray", "channel"]
+        assert session.failures == 0, "a cut link alone is not a lost rank"
+
+        # A rank killed mid-cell: found at once (its connection ends), the group is
+        # rebuilt with a channel to every rank, and the cell is run again there.
+        gate.unlink()
+        handle = session.run_background(GATED_LOOP)
+        _until("the ranks at the gate", lambda: handle.steps.get(1, -1) >= 20)
+        os.kill(session.status().ranks[1].pid, signal.SIGKILL)
+        _until("the rebuilt group", lambda: session.failures == 1)
+        gate.touch()
+        assert handle.wait(180) == {0: 39, 1: 39}
+        assert _calls(session) == ["channel", "channel"]
+
+        # A scale: the new group opens its channel to each of its ranks.
+        session.scale(3)
+        assert _calls(session) == ["channel"] * 3
+        assert session.run("import torch.distributed as dist\ndist.get_world_size()") == {
+            r: 3 for r in range(3)
+        }
+    assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
