@@ -103,7 +103,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "cell_latency",
         (
-            _x("trivial_ratio", "warm trivial cell vs plain actor exec", 1.5),
+            _x("trivial_ratio", "warm trivial cell vs plain actor exec", 0.75),
+            _x("trivial_ray_ratio", "the same with the open channel off (Ray's calls) vs plain"),
+            _x("trivial_compiled_ratio", "warm trivial cell vs a Ray Compiled Graph echo"),
             Figure("trivial_ms", "warm trivial cell", "ms"),
             _x(
                 "lifecycle_ratio",
