@@ -19,7 +19,7 @@ import time
 import pytest
 
 import rtnb
-from rtnb.core._channel import recv_frame, verify_peer
+from rtnb.core._channel import CHANNEL_ENV, recv_frame, verify_peer
 from rtnb.core._messages import CellState, RankUpdate, from_wire, to_wire
 from rtnb.driver.ranks._channel import OpenChannel
 from rtnb.worker._channel import ChannelServer
@@ -181,3 +181,21 @@ def test_a_killed_rank_a_cut_link_and_a_scale_each_keep_cells_running_once(ray_c
             r: 3 for r in range(3)
         }
     assert wait_for_free_cpus(CLUSTER_CPUS) >= CLUSTER_CPUS
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_with_the_channel_off_cells_go_through_rays_calls_on_ranks_that_ask_no_cpu(
+    ray_cluster, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(CHANNEL_ENV, "0")
+    with rtnb.Session(workers=2, cpus_per_worker=0, storage=str(tmp_path)) as session:
+        assert _calls(session) == ["Ray", "Ray"]
+        lines: list[str] = []
+        value = session.run(
+            "import rtnb\nfor s in range(30):\n    rtnb.report({'s': s})\nprint('done')\ns",
+            output=lambda rank, stream, text: lines.append(text),
+        )
+        assert value == {0: 29, 1: 29}
+        assert "".join(lines).count("done") == 2
+        assert session.metrics.count(0) == 30 and session.metrics.count(1) == 30

@@ -64,12 +64,17 @@ def rank_cpus(resources: Mapping[str, float], total: Mapping[str, float] | None 
     return min(cpus, resources.get(RANK_CPU, 0.0)) if marked else cpus
 
 
+_LEAST_CPU = 0.0001
+
+
 def rank_bundle(cpus: float, gpus: float, cluster: Mapping[str, float]) -> dict[str, float]:
     """What one rank's placement-group bundle asks for on ``cluster``."""
     bundle = {"CPU": cpus, "GPU": gpus}
     if RANK_CPU in cluster:
         bundle[RANK_CPU] = cpus
-    return {k: v for k, v in bundle.items() if v}
+    # Ray never places an empty bundle: a rank that asks for nothing
+    # (--cpus-per-worker 0) holds Ray's smallest share of a CPU.
+    return {k: v for k, v in bundle.items() if v} or {"CPU": _LEAST_CPU}
 
 
 def start_embedded_ray(
