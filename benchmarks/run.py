@@ -358,10 +358,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "scale",
         (
-            _x("trivial_ratio_max", "trivial cell at 32 ranks (8 quick) / at 2 ranks", 3.0),
+            _x("trivial_ratio_max", "trivial cell at 32 ranks (8 quick) / at 2 ranks", 2.0),
             _x(
                 "trivial_cpu_ratio_max",
                 "the kernel's CPU per trivial cell at 32 ranks (8 quick) / at 2 ranks",
+                2.0,
             ),
             Figure("kernel_cpu_max", "kernel CPU, 32 ranks (8 quick) at 100 reports/s", "%", 10),
         ),
@@ -374,7 +375,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             _x("relay_4_ratio", "trivial cell at 4 ranks: relayed through rank 0 / direct", 1.0),
             _x("relay_8_ratio", "trivial cell at 8 ranks: relayed through rank 0 / direct", 1.0),
             _x("relay_2_ratio", "trivial cell at 2 ranks: relayed / direct (rtnb calls directly)"),
+            _x("channel_2_ratio", "trivial cell at 2 ranks: open channel / the better Ray path", 1.0),
+            _x("channel_8_ratio", "trivial cell at 8 ranks: open channel / the better Ray path", 1.0),
         ),
+        args=("--sizes", "2,4,8"),
         quick_args=("--sizes", "2,4,8", "--cells", "30"),
         timeout_s=900,
     ),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from rtnb.core._folder import FolderChanges
@@ -190,6 +190,28 @@ class RankUpdate:
     # The cell's exception itself, with its frames, from a rank in the kernel's own
     # process (local mode) only, for %debug; it never crosses a process.
     exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled as its four head fields and only the others that are not empty:
+        # most answers carry one or two of them, and a cell's every rank's every
+        # answer is unpickled by the kernel (half the time of pickling the whole
+        # object's dict, 22 fields, with its state enum called by value).
+        held = self.__dict__
+        extras = {name: held[name] for name, empty in _EMPTY_UPDATE.items() if held[name] != empty}
+        return _rank_update, (self.rank, self.cell, self.state.value, self.step, extras)
+
+
+_EMPTY_UPDATE: dict[str, Any] = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    for f in fields(RankUpdate)[4:]
+}
+_STATES = {state.value: state for state in CellState}
+
+
+def _rank_update(
+    rank: int, cell: int | None, state: str, step: int, extras: dict[str, Any]
+) -> RankUpdate:
+    return RankUpdate(rank, cell, _STATES[state], step, **extras)
 
 
 def to_wire(message: CellRequest | RankUpdate) -> bytes:

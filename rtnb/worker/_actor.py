@@ -47,7 +47,8 @@ POLL_WAIT_S = 0.25
 BATCH_S = 0.1
 
 
-# From this many ranks, cells are started through rank 0's relay (see RankActor.relay):
+# From this many ranks, a group without an open channel (a Ray Client) starts its
+# cells through rank 0's relay (see RankActor.relay):
 # each Ray call costs the kernel ~0.2 ms of CPU on a small machine, one per rank,
 # while the relay costs rank 0 its store round trips and a listener's wake-up.
 # Measured on 2 cores (trivial cells back to back, messages pickled by rtnb): at 2

@@ -116,6 +116,8 @@ class CellObserver:
         """The cell ends."""
 
 
+_HOOKS = ("update", "tick", "stop_ran_out", "restart", "end")
+
 Factory = Callable[[CellView, ObserverContext], "CellObserver | None"]
 
 # The features that watch every cell: "module:factory", each factory called with
@@ -146,6 +148,18 @@ class CellObservers:
         self._cell = cell
         made = (factory(cell, context) for factory in _factories())
         self.items: list[CellObserver] = [observer for observer in made if observer is not None]
+        self._hooked: dict[str, list[CellObserver]] = {}
+        self._index()
+
+    def _index(self) -> None:
+        # Per hook, the observers that do something in it: a rank's update reaches
+        # only those (every rank's every update goes through here).
+        self._hooked = {
+            hook: [
+                o for o in self.items if getattr(type(o), hook) is not getattr(CellObserver, hook)
+            ]
+            for hook in _HOOKS
+        }
 
     def find(self, kind: type) -> Any:
         """The observer of ``kind`` (what a view reads of a feature), or None."""
@@ -167,13 +181,14 @@ class CellObservers:
         self._each("end")
 
     def _each(self, hook: str, *args: Any) -> None:
-        for observer in list(self.items):
+        for observer in self._hooked[hook]:
             try:
                 getattr(observer, hook)(self._cell, *args)
             except Exception as exc:  # noqa: BLE001 - a feature never ends a cell
                 if observer.essential:
                     raise
                 self.items.remove(observer)
+                self._index()
                 self._cell.note(
                     f"[rtnb] {type(observer).__name__} left {self._cell.name} after an "
                     f"error: {one_line(exc)}\n"

@@ -42,6 +42,12 @@ from rtnb.core._messages import RankUpdate, from_wire
 
 __all__ = ["ChannelCall", "OpenChannel", "channel_key"]
 
+# Ranks in step answer a cell's calls within this of each other: once one answered,
+# the others' answers are read as long as one comes within it (up to the most), so
+# a cell's updates reach its handle in a few batches instead of one by one (each
+# take costs the cell's driving loop a tick: at 32 ranks, 18 ticks a trivial cell).
+_TOGETHER_S = 0.0005
+_TOGETHER_MAX_S = 0.004
 # How long the whole connect (every rank) may take before the ranks not reached
 # keep Ray's calls: a reachable rank answers in a millisecond.
 CONNECT_S = 2.0
@@ -144,15 +150,31 @@ class OpenChannel:
         deadline = time.monotonic() + timeout_s
         while True:
             done = [c for c in calls if c.done]
-            if done or any(c.broken for c in calls):
+            if any(c.broken for c in calls):
+                return done
+            if done:
+                if len(done) < len(calls) and self._more(_TOGETHER_S, _TOGETHER_MAX_S):
+                    done = [c for c in calls if c.done]
                 return done
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
-            # (A rank outside ``calls`` with data is read too, so that its socket
-            # does not wake every select: its answer waits in its call.)
-            for key, _ in self._selector.select(left):
+            self._more(left, left)
+
+    def _more(self, wait_s: float, most_s: float) -> bool:
+        """Read what arrives, until nothing has for ``wait_s`` (at most ``most_s`` in
+        all); whether anything did. A rank outside the caller's calls is read too,
+        so that its socket does not wake every select: its answer waits in its call."""
+        end, got = time.monotonic() + most_s, False
+        while True:
+            ready = self._selector.select(min(wait_s, max(0.0, end - time.monotonic())))
+            if not ready:
+                return got
+            for key, _ in ready:
                 self._read(key.data)
+            got = True
+            if time.monotonic() >= end or not self._live:
+                return got
 
     def _read(self, rank: int) -> None:
         try:
