@@ -19,7 +19,7 @@ import time
 import pytest
 
 import rtnb
-from rtnb.core._channel import CHANNEL_ENV, recv_frame, verify_peer
+from rtnb.core._channel import CHANNEL_ENV, ChannelClosed, recv_frame, verify_peer
 from rtnb.core._messages import CellState, RankUpdate, from_wire, to_wire
 from rtnb.driver.ranks._channel import OpenChannel
 from rtnb.worker._channel import ChannelServer
@@ -199,3 +199,26 @@ def test_with_the_channel_off_cells_go_through_rays_calls_on_ranks_that_ask_no_c
         assert value == {0: 29, 1: 29}
         assert "".join(lines).count("done") == 2
         assert session.metrics.count(0) == 30 and session.metrics.count(1) == 30
+
+
+def test_a_channel_closed_under_a_waiting_call_answers_it_as_gone():
+    gate = threading.Event()
+    server, address = _serving(
+        lambda request: _update(0), lambda wait_s, batch_s: gate.wait(wait_s) and _update(1)
+    )
+    channel = OpenChannel.connect(address, KEY)
+    try:
+        call = channel.poll(0, 30.0, 0.1)
+        taken: list = []
+        waiter = threading.Thread(target=lambda: taken.extend(channel.take_ready([call], 30.0)))
+        waiter.start()
+        time.sleep(0.1)  # the waiter is in its select
+        channel.close()  # the group is shut down meanwhile (a stop)
+        waiter.join(10)
+        assert not waiter.is_alive(), "a wait on a closed channel did not end"
+        assert taken == [call] and isinstance(call.answer, ChannelClosed)
+        later = channel.poll(0, 1.0, 0.1)
+        assert channel.take_ready([later], 1.0) == [later], "a call after the close waits"
+    finally:
+        gate.set()
+        server.close()

@@ -19,6 +19,7 @@ of being taken for the next call's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -83,6 +84,10 @@ class OpenChannel:
         for rank, sock in socks.items():
             self._selector.register(sock, selectors.EVENT_READ, rank)
         self._numbers = itertools.count(1)
+        self._closed = False
+        # Closing the selector does not wake a thread waiting in it: a byte here does.
+        self._wake, self._waker = socket.socketpair()
+        self._selector.register(self._wake, selectors.EVENT_READ, None)
         # Per rank, its call in flight: the one whose answer is read next.
         self._live: dict[int, ChannelCall] = {}
 
@@ -120,9 +125,19 @@ class OpenChannel:
         return rank in self._socks
 
     def close(self) -> None:
+        """Close every connection (the group is shut down): a call still in flight,
+        or made later, is answered with :class:`ChannelClosed` (its rank is gone
+        with the group), never made again through Ray."""
+        self._closed = True
+        for call in self._live.values():
+            call.answer = ChannelClosed("the worker group was shut down")
+        self._live.clear()
+        with contextlib.suppress(OSError):
+            self._waker.send(b"x")
         for rank in list(self._socks):
             self._drop(rank)
         self._selector.close()
+        self._waker.close()
 
     # ---- calls -------------------------------------------------------------------------
     def run(self, rank: int, request: bytes) -> ChannelCall:
@@ -135,10 +150,13 @@ class OpenChannel:
         # A call sent while an earlier one is unread: the earlier one was let go
         # (its answer, when it comes, matches no call and is dropped).
         call = ChannelCall(rank, next(self._numbers), request)
+        if self._closed:
+            call.answer = ChannelClosed("the worker group was shut down")
+            return call
         self._live[rank] = call
         try:
             send_frame(self._socks[rank], call.number, body)
-        except ChannelClosed:
+        except (ChannelClosed, KeyError):
             self._break(rank)
         return call
 
@@ -149,6 +167,10 @@ class OpenChannel:
         soon as one is, or as soon as one broke (``call.broken``; not returned)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if self._closed:
+                for call in calls:
+                    if not call.done and not call.broken:
+                        call.answer = ChannelClosed("the worker group was shut down")
             done = [c for c in calls if c.done]
             if any(c.broken for c in calls):
                 return done
@@ -167,10 +189,15 @@ class OpenChannel:
         so that its socket does not wake every select: its answer waits in its call."""
         end, got = time.monotonic() + most_s, False
         while True:
-            ready = self._selector.select(min(wait_s, max(0.0, end - time.monotonic())))
+            try:
+                ready = self._selector.select(min(wait_s, max(0.0, end - time.monotonic())))
+            except (OSError, ValueError):
+                return True  # closed from another thread: its calls are answered
             if not ready:
                 return got
             for key, _ in ready:
+                if key.data is None:
+                    return True  # closed: its calls are answered
                 self._read(key.data)
             got = True
             if time.monotonic() >= end or not self._live:
@@ -179,7 +206,7 @@ class OpenChannel:
     def _read(self, rank: int) -> None:
         try:
             number, body = recv_frame(self._socks[rank])
-        except ChannelClosed:
+        except (ChannelClosed, KeyError):
             self._break(rank)
             return
         call = self._live.get(rank)

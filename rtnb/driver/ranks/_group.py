@@ -536,8 +536,7 @@ class WorkerGroup:
             self._reach.close()
             self._reach = None
         if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+            self._channel.close()  # kept: the calls in flight take their answer from it
         actors, self.actors = self.actors, []
         if graceful and actors:
             refs = [a.shutdown_distributed.remote() for a in actors]
