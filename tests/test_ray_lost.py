@@ -90,12 +90,22 @@ def kill():
     if victim == "address":
         os.killpg(head.pid, signal.SIGKILL)
         return
-    state = next((pathlib.Path(os.environ["RTNB_HOME"]) / "warm-ray").glob("*.json"))
-    host = psutil.Process(json.loads(state.read_text())["pid"])
-    if victim == "host":
-        host.kill()
-    else:
-        next(p for p in host.children(recursive=True) if "gcs_server" in p.name()).kill()
+    # The warm Ray this session joined: the one whose host still has its GCS (the
+    # Ray lost in the first round may not have cleared its state file, nor reaped
+    # its killed GCS, yet).
+    for state in (pathlib.Path(os.environ["RTNB_HOME"]) / "warm-ray").glob("*.json"):
+        try:
+            host = psutil.Process(json.loads(state.read_text())["pid"])
+            gcs = [
+                p for p in host.children(recursive=True)
+                if "gcs_server" in p.name() and p.status() != psutil.STATUS_ZOMBIE
+            ]
+        except (OSError, ValueError, psutil.Error):
+            continue
+        if gcs:
+            (host if victim == "host" else gcs[0]).kill()
+            return
+    raise RuntimeError("no warm Ray with a GCS to kill")
 
 loop = "import time, rtnb\nfor i in range(100000):\n    time.sleep(0.02)\n    rtnb.report({'i': i})\n"
 first_kill = None
