@@ -1,7 +1,7 @@
 """What the live view costs the kernel, and how far its plot is behind the reports.
 
-For 2, 8 and 16 ranks (simulated: the reports are fed into the kernel's store
-here, not sent by rank processes, so 16 ranks fit on this machine), each reporting
+For 2, 8, 32 and 128 ranks (``--sizes``; simulated: the reports are fed into the kernel's store
+here, not sent by rank processes, so 128 ranks fit on this machine), each reporting
 100 times a second for ``--seconds`` (fed into the
 kernel's metrics store in 50 ms batches per rank, as the long-polls deliver them):
 
@@ -18,7 +18,7 @@ the band's) is behind its last report, as a median and 95th percentile (and in s
 is attached: this is the kernel's side of the view (the browser's side is measured
 by tests/test_browser.py against the header's step).
 
-    .venv/bin/python benchmarks/live_view.py [--seconds 10]
+    .venv/bin/python benchmarks/live_view.py [--seconds 10] [--sizes 2,8,32,128]
 """
 
 from __future__ import annotations
@@ -196,6 +196,7 @@ def _thread_cpu(thread: threading.Thread) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--sizes", default="2,8,32,128")
     args = parser.parse_args()
     tempfile.tempdir = tempfile.mkdtemp(prefix="rtnb-live-bench-")
     # As in a kernel after `%rtnb start`: plotly's widget machinery imported already.
@@ -209,7 +210,7 @@ def main() -> None:
     for kind in ("rtnb", "peer"):
         _measure(kind, 2, 1.5)
     figures = {}
-    for ranks in (2, 8, 16):
+    for ranks in (int(n) for n in args.sizes.split(",")):
         measured = {kind: _measure(kind, ranks, args.seconds) for kind in in_order("rtnb", "peer")}
         results = {kind: measured[kind] for kind in ("rtnb", "peer")}
         for kind, r in results.items():

@@ -23,7 +23,7 @@ its trials' run directories.
 from __future__ import annotations
 
 import posixpath
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = [
@@ -211,7 +211,10 @@ class RunRecord:
         return self.last_step - (self.line is None)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # Shallow: its values are plain already (JSON-ready dicts and lists), and a
+        # training cell writes the record at its end (asdict's deep copy was most
+        # of that write's ~0.5 ms).
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> RunRecord:

@@ -60,6 +60,7 @@ class RunRecorder:
         self._commits = commits
         self._tracking_record = tracking_record
         self._started_at: float | None = None  # run.json's "started"
+        self._config: tuple[SessionConfig, dict] | None = None  # (config, as recorded)
 
     def carry_on(self) -> None:
         if self._started_at is not None:
@@ -71,6 +72,12 @@ class RunRecorder:
         self._started_at = (earlier.started if earlier is not None else 0.0) or time.time()
         self._commits.restore(earlier)
 
+    def _recorded(self, config: SessionConfig) -> dict:
+        # A session's config is frozen and replaced, never changed: recorded once.
+        if self._config is None or self._config[0] is not config:
+            self._config = (config, config.to_dict())
+        return self._config[1]
+
     def write(self, state: str, config: SessionConfig, group: RankGroup | None) -> None:
         self.carry_on()
         write_run_record(
@@ -79,7 +86,7 @@ class RunRecorder:
                 run_name=self._run_name,
                 started=self._started_at or time.time(),
                 status=state,
-                config=config.to_dict(),
+                config=self._recorded(config),
                 ranks=[vars(r) for r in group.ranks] if group is not None else [],
                 updated=time.time(),
                 mlflow=self._tracking_record(),
