@@ -314,7 +314,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             Figure("p95_lag_steps_32", "rtnb plot lag p95, 32 ranks at 100 steps/s", "steps", 100),
             Figure("cpu_share_32", "rtnb view's kernel CPU share, 32 simulated ranks", "%", 10),
             _x("cpu_ratio_128", "kernel CPU of the view, 128 ranks: rtnb / throttled FigureWidget"),
-            Figure("p95_lag_steps_128", "rtnb plot lag p95, 128 ranks at 100 steps/s", "steps", 100),
+            Figure(
+                "p95_lag_steps_128", "rtnb plot lag p95, 128 ranks at 100 steps/s", "steps", 100
+            ),
             Figure("cpu_share_128", "rtnb view's kernel CPU share, 128 simulated ranks", "%", 20),
         ),
         quick_args=("--seconds", "4"),
@@ -380,8 +382,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             _x("relay_4_ratio", "trivial cell at 4 ranks: relayed through rank 0 / direct", 1.0),
             _x("relay_8_ratio", "trivial cell at 8 ranks: relayed through rank 0 / direct", 1.0),
             _x("relay_2_ratio", "trivial cell at 2 ranks: relayed / direct (rtnb calls directly)"),
-            _x("channel_2_ratio", "trivial cell at 2 ranks: open channel / the better Ray path", 1.0),
-            _x("channel_8_ratio", "trivial cell at 8 ranks: open channel / the better Ray path", 1.0),
+            _x(
+                "channel_2_ratio",
+                "trivial cell at 2 ranks: open channel / the better Ray path",
+                1.0,
+            ),
+            _x(
+                "channel_8_ratio",
+                "trivial cell at 8 ranks: open channel / the better Ray path",
+                1.0,
+            ),
         ),
         args=("--sizes", "2,4,8"),
         quick_args=("--sizes", "2,4,8", "--cells", "30"),
