@@ -53,6 +53,11 @@ _use_the_suites_own_ray_token()
 # Kernels the tests start embed their own Ray (or join the test cluster): a warm Ray
 # would outlive the test that started it. tests/test_warm_ray.py turns it on itself.
 os.environ["RTNB_WARM_RAY"] = "0"
+# The suite's ranks stay at Ray's own niceness: the scenarios beside it run at nice 10
+# (tests/_background.py), and its ranks at the kernel's priority starved them on 2
+# cores (a user head's job agent never registered in 10 minutes). The default, ranks
+# at the kernel's priority, is tested by tests/test_startup.py with this unset.
+os.environ.setdefault("RAY_worker_niceness", "15")
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CPUS = 4  # logical CPUs: two 2-rank groups may coexist (kernel + this process)

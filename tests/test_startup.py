@@ -64,6 +64,7 @@ try:
         agents[proc.name()] = {"nice": proc.nice(), "ports": sorted(
             c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN")}
     print(json.dumps({"env_var": env_var, "agents": agents, "logs": node.get_logs_dir_path(),
+                      "nice": os.nice(0),
                       "ports": [node.runtime_env_agent_port, node.dashboard_agent_listen_port]}))
 finally:
     ray.shutdown()
@@ -89,8 +90,13 @@ def test_a_started_ray_registers_its_node_before_its_agents_are_up():
             capture_output=True,
             text=True,
             timeout=300,
-            # A Ray of its own, not the suite's cluster that RAY_ADDRESS names.
-            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+            # A Ray of its own, not the suite's cluster that RAY_ADDRESS names, with
+            # the ranks' priority as a user gets it (not the suite's).
+            env={
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("RAY_ADDRESS", "RAY_worker_niceness")
+            },
         )
         assert out.returncode == 0, out.stderr[-2000:]
         seen = json.loads(out.stdout.strip().splitlines()[-1])
@@ -101,9 +107,13 @@ def test_a_started_ray_registers_its_node_before_its_agents_are_up():
     finally:
         shutil.rmtree(private, ignore_errors=True)
     assert seen["env_var"] == "yes"
-    agents = seen["agents"]
-    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= set(agents), agents
+    children = seen["agents"]
+    agents = {name: child for name, child in children.items() if name.endswith("Agent")}
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= set(agents), children
     assert all(agent["nice"] >= 10 for agent in agents.values()), agents
+    # Its workers (the ranks to be) at the driver's priority, not Ray's niceness 15.
+    workers = [child for name, child in children.items() if name.startswith("ray::IDLE")]
+    assert workers and all(w["nice"] == seen["nice"] for w in workers), (seen["nice"], children)
     runtime_env_port, listen_port = seen["ports"]
     assert runtime_env_port in agents["ray::RuntimeEnvAgent"]["ports"]
     assert listen_port in agents["ray::DashboardAgent"]["ports"]
