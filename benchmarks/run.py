@@ -751,7 +751,9 @@ def _later_runs(result: dict) -> list[str]:
             for b in result["benchmarks"]
             if b.get("measured", {}).get("commit") == commit and b["measured"]["date"] == date
         )
-        lines.append(f"\\* {names}: measured later, {date}, commit `{commit}`, {rounds} rounds.")
+        lines.append(
+            f"\\* {names}: measured in another run, {date}, commit `{commit}`, {rounds} rounds."
+        )
     return lines
 
 
@@ -845,7 +847,7 @@ def main() -> int:
         default="",
         metavar="FILE",
         help="put this run's benchmarks into an earlier --json FILE's result (marked as "
-        "measured later) and write that with --json / --docs",
+        "measured in another run) and write that with --json / --docs",
     )
     parser.add_argument("--rounds", type=int, default=0, help="override the round count")
     parser.add_argument(
