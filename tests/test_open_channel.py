@@ -2,7 +2,9 @@
 kernel keeps open, with Ray's calls as the path it falls back to on its own.
 
 Without Ray: the channel's two ends over real sockets (a wrong key, a call let go).
-On Ray: a rank killed mid-cell is recovered onto a rebuilt group with its own
+Without Ray too: a cell fanned out through rank 0 (its answers in one frame, a slow
+rank's late answer dropped, a peer gone answered as "ask it directly"). On Ray: a
+rank killed mid-cell is recovered onto a rebuilt group with its own
 channel, a cut link goes on through Ray without running the cell twice, and a scaled
 group opens its channel to every rank. (A detached group's host opens its channel
 too: ``test_detached.py`` checks it after a rank was killed and another kernel
@@ -32,9 +34,11 @@ def _update(step: int, state: CellState = CellState.DONE) -> bytes:
     return to_wire(RankUpdate(rank=0, cell=1, state=state, step=step))
 
 
-def _serving(run, poll) -> tuple[ChannelServer, dict[int, tuple[str, int]]]:
-    server = ChannelServer(run, poll, KEY)
-    return server, {0: ("127.0.0.1", server.open("127.0.0.1"))}
+def _serving(
+    run, poll, start=None, rank: int = 0
+) -> tuple[ChannelServer, dict[int, tuple[str, int]]]:
+    server = ChannelServer(run, poll, start or (lambda request, wait_s: None), KEY, rank)
+    return server, {rank: ("127.0.0.1", server.open("127.0.0.1"))}
 
 
 def test_a_connection_without_the_key_is_refused_and_the_rank_still_serves_its_kernel():
@@ -222,3 +226,55 @@ def test_a_channel_closed_under_a_waiting_call_answers_it_as_gone():
     finally:
         gate.set()
         server.close()
+
+
+def test_a_cell_fanned_out_through_rank_0_answers_for_every_rank_in_one_frame():
+    """Rank 0 starts the cell on the others over its own connections: the quick ranks'
+    final updates come back with its own; a rank still busy past the wait, or one
+    whose connection is gone, is answered as None (the kernel asks it directly), and
+    a late answer is never taken for the next cell's."""
+    slow = threading.Event()  # rank 2 answers the first cell only once this is set
+    started: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def starter(rank: int):
+        def start(request: bytes, wait_s: float) -> bytes | None:
+            cell = from_wire(request).cell
+            started[rank].append(cell)
+            if rank == 2 and cell == 1:
+                slow.wait(10)
+                return to_wire(RankUpdate(rank=2, cell=1, state=CellState.DONE, step=-1))
+            return to_wire(RankUpdate(rank=rank, cell=cell, state=CellState.DONE, step=cell))
+
+        return start
+
+    servers, addresses = [], {}
+    for rank in range(3):
+        server, address = _serving(lambda r: b"", lambda w, b: b"", starter(rank), rank)
+        servers.append(server)
+        addresses.update(address)
+    try:
+        assert servers[0].reach_peers({1: addresses[1], 2: addresses[2]}, 5.0) == [1, 2]
+        channel = OpenChannel.connect(addresses, KEY)
+
+        def fan(cell: int, ranks: list[int]) -> dict:
+            request = to_wire(RankUpdate(rank=0, cell=cell, state=CellState.RUNNING, step=0))
+            call = channel.fan_out(request, ranks, 0.3)
+            assert channel.take_ready([call], 10.0) == [call]
+            return call.answer
+
+        first = fan(1, [0, 1, 2])
+        assert {r: u and u.step for r, u in first.items()} == {0: 1, 1: 1, 2: None}
+        slow.set()  # rank 2's late answer to cell 1 arrives while cell 2 fans out
+        second = fan(2, [0, 1, 2])
+        assert {r: u.step for r, u in second.items()} == {0: 2, 1: 2, 2: 2}
+        assert fan(3, [1]) == {1: RankUpdate(rank=1, cell=3, state=CellState.DONE, step=3)}
+        assert started == {0: [1, 2], 1: [1, 2, 3], 2: [1, 2]}, "each rank started each cell once"
+        servers[1].close()  # rank 1's process is gone: its connection from rank 0 ends
+        servers[0]._fanout._socks[1].shutdown(socket.SHUT_RDWR)
+        fourth = fan(4, [0, 1, 2])
+        assert fourth[1] is None and fourth[0].step == 4 and fourth[2].step == 4
+        channel.close()
+    finally:
+        slow.set()
+        for server in servers:
+            server.close()

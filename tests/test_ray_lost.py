@@ -103,10 +103,19 @@ def kill():
         except (OSError, ValueError, psutil.Error):
             continue
         if gcs:
+            if victim == "gcs":
+                lost_ray.extend(p for p in host.children(recursive=True) if p.pid != gcs[0].pid)
             (host if victim == "host" else gcs[0]).kill()
             return
     raise RuntimeError("no warm Ray with a GCS to kill")
 
+lost_ray = []  # the processes of a warm Ray whose GCS was killed
+
+def alive(p):
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 loop = "import time, rtnb\nfor i in range(100000):\n    time.sleep(0.02)\n    rtnb.report({'i': i})\n"
 first_kill = None
 
@@ -173,6 +182,11 @@ if head is not None:
         os.killpg(head.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+# A Ray whose GCS was lost leaves no process behind (its raylet's agents included).
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and any(alive(p) for p in lost_ray):
+    time.sleep(0.5)
+out["strays"] = [f"{p.pid} {p.name()}" for p in lost_ray if alive(p)]
 print("OUT " + json.dumps(out), flush=True)
 """
 )
@@ -254,6 +268,7 @@ def test_the_kernel_outlives_its_ray(background, victim, where):
     if victim == "host":
         assert out["alive_after_s"] >= 2 * RAYS_RULE_S, out
     assert out["after"] in ({"0": 42, "1": 42}, {0: 42, 1: 42}), out["after"]
+    assert out["strays"] == [], f"the lost Ray left {out['strays']} running"
 
 
 # A Ray driver rtnb has no part in, its GCS killed: Ray's rule ends it.

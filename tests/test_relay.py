@@ -1,6 +1,7 @@
-"""Groups of 2 ranks and more start cells through rank 0's relay (one Ray call for the
-group, the ranks woken through their own store): nothing is lost or run twice, and a
-dead rank (rank 0 too) is found and recovered as without it."""
+"""Groups of 4 ranks and more start cells through rank 0: on the open channel it fans a
+cell out over its own connections to the others, without one (a Ray Client) it
+relays it through the group's store with one Ray call. Either way nothing is lost or
+run twice, and a dead rank (rank 0 too) is found and recovered as without it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 import rtnb
 from rtnb.core._channel import CHANNEL_ENV
+from rtnb.driver.ranks import _group
 from rtnb.driver.ranks._execution import Execution
 from rtnb.worker._actor import RELAY_FROM_RANKS
 from tests.conftest import CLUSTER_CPUS, wait_for_free_cpus
@@ -20,19 +22,27 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RANK = "import torch.distributed as dist\nrank = dist.get_rank()\n"
 
 
+@pytest.mark.parametrize("path", ["channel", "store"])
 def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
-    ray_cluster, tmp_path, monkeypatch
+    ray_cluster, tmp_path, monkeypatch, path
 ):
     world = 8
     everyone = range(world)
-    # The relay is the path when the kernel cannot open its channel to the ranks
-    # (a Ray Client): this group is made to take it.
-    monkeypatch.setenv(CHANNEL_ENV, "0")
+    if path == "store":
+        # The store's relay is the path when the kernel cannot open its channel to
+        # the ranks (a Ray Client): this group is made to take it.
+        monkeypatch.setenv(CHANNEL_ENV, "0")
+    else:
+        # Fanning out starts at more ranks than this machine holds in a test: this
+        # group takes it at its size.
+        monkeypatch.setattr(_group, "FANOUT_FROM_RANKS", world)
     with rtnb.Session(
         workers=world, cpus_per_worker=0.2, storage=str(tmp_path), max_failures=2, stop_grace_s=1.0
     ) as session:
         assert world >= RELAY_FROM_RANKS
-        assert session.group.relays, "this size goes through the relay"
+        assert session.group.relays, "this size goes through rank 0"
+        calls = "channel" if path == "channel" else "Ray"
+        assert [r.calls for r in session.status().ranks] == [calls] * world
         assert session.run(RANK + "rank") == {r: r for r in everyone}
         lines: list[tuple[int, str]] = []
         session.run(
@@ -97,6 +107,7 @@ def test_relayed_cells_lose_nothing_run_once_and_find_dead_ranks(
         os.kill(session.status().ranks[0].pid, signal.SIGKILL)
         assert session.run(RANK + "rank * 2") == {r: 2 * r for r in everyone}
         assert session.group.relays, "the rebuilt group relays too"
+        assert [r.calls for r in session.status().ranks] == [calls] * world
         # A rank other than 0 dies: rank 0 stops waiting for its answer, the driver
         # asks it directly, finds it dead and recovers.
         os.kill(session.status().ranks[5].pid, signal.SIGKILL)

@@ -292,8 +292,16 @@ class RankActor:
         which carries this rank's ``run`` and ``poll`` calls; its port."""
         if self._channel is not None:
             self._channel.close()
-        self._channel = ChannelServer(self.run, self.poll, key)
+        self._channel = ChannelServer(
+            self.run, self.poll, self.start, key, self.runtime.context.world_rank
+        )
         return self._channel.open(host)
+
+    def reach_peers(self, addresses: dict[int, tuple[str, int]], timeout_s: float) -> list[int]:
+        """Rank 0 of a fanning group: connect to the other ranks' channels; the ranks
+        reached (see ``ChannelServer.reach_peers``)."""
+        assert self._channel is not None, "the rank's channel is open first"
+        return self._channel.reach_peers(addresses, timeout_s)
 
     # ---- the cell relay (groups of RELAY_FROM_RANKS and more) -------------------------
     def open_relay(self, master_addr: str, master_port: int) -> None:
@@ -465,6 +473,16 @@ class RankActor:
 
     def poll(self, wait_s: float = POLL_WAIT_S, batch_s: float = BATCH_S) -> bytes:
         return to_wire(self.runtime.wait(wait_s, batch_s))
+
+    def start(self, request: bytes, wait_s: float) -> bytes | None:
+        """Start a cell (once per token) and answer with its final update if it ends
+        within ``wait_s`` (at most a long-poll's hold) with nothing else to
+        deliver, else None: the kernel then asks this rank directly. Nothing is
+        drained, so an answer that is let go loses nothing."""
+        if not self.runtime.start_cell(from_wire(request)):
+            return None
+        final = self.runtime.final_update(min(wait_s, POLL_WAIT_S))
+        return to_wire(final) if final is not None else None
 
     # ---- control ----------------------------------------------------------------------
     def command(self, command: RankCommand, payload: Any = None) -> Any:

@@ -25,6 +25,7 @@ does not wait for them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,8 @@ POOL_NAMESPACE = "rtnb-warm"
 MAX_SPARES = 8
 # After a claim, the user's first cells come first; spares are made after this.
 REFILL_DELAY_S = 3.0
+# How often the host notes the processes its Ray started (see _NodeProcesses).
+_NOTE_PROCESSES_S = 10.0
 
 
 # How often the pool looks at the attached kernels: a dead kernel's ranks (busy in
@@ -313,6 +316,59 @@ def private_ray_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
+class _NodeProcesses:
+    """The processes this host's Ray started (its descendants, each with its start
+    time, so a reused pid is never taken for one). When the GCS is lost the rest
+    of the node would wait out Ray's reconnect time (a minute and more) before it
+    ends, and the raylet's agents, handed to init then, have been seen to outlive
+    it for hours: the host ends the Ray at once and every process it noted."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, str] = {}
+        self._gcs: tuple[int, str] | None = None
+
+    def note(self) -> None:
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+            stat = _stat(entry.name) if entry.name.isdigit() else None
+            if stat is not None:
+                children.setdefault(int(stat[1][1]), []).append(int(entry.name))
+        found, todo = [], [os.getpid()]
+        while todo:
+            found += (kids := children.get(todo.pop(), []))
+            todo += kids
+        for pid in found:
+            stat = _stat(str(pid))
+            if stat is None:
+                continue
+            self.seen.setdefault(pid, stat[1][19])
+            if stat[0] == "gcs_server" and self._gcs is None:
+                self._gcs = (pid, stat[1][19])
+
+    def gcs_lost(self) -> bool:
+        """The GCS this host started has ended (a zombie counts: this host reaps it)."""
+        if self._gcs is None:
+            return False
+        stat = _stat(str(self._gcs[0]))
+        return stat is None or stat[1][19] != self._gcs[1] or stat[1][0] in "ZX"
+
+    def end_strays(self) -> None:
+        for pid, started in self.seen.items():
+            stat = _stat(str(pid))
+            if stat is not None and stat[1][19] == started and stat[1][0] not in "ZX":
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _stat(pid: str) -> tuple[str, list[str]] | None:
+    """A process's name and ``/proc/<pid>/stat``'s fields after it (state, ppid, …)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+
+
 def _write_state(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
@@ -342,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     private_dir = private_ray_dir()
+    ray_processes = _NodeProcesses()
+    gcs_lost = False
     start_embedded_ray(ray, num_cpus=args.cpus, namespace=POOL_NAMESPACE, private_dir=private_dir)
     try:
         # The first spares begin with the pool, not once its process is up: their
@@ -368,7 +426,15 @@ def main(argv: list[str] | None = None) -> int:
         _write_state(args.state, state)
         print(f"warm Ray ready for {args.key} (pid {os.getpid()})", flush=True)
         version = -1
+        noted_at = 0.0
         while not stop.is_set():
+            if time.monotonic() - noted_at > _NOTE_PROCESSES_S:
+                ray_processes.note()
+                noted_at = time.monotonic()
+            if ray_processes.gcs_lost():
+                print("the warm Ray's GCS ended: shutting down", flush=True)
+                gcs_lost = True
+                break
             try:
                 version, usage = ray.get(pool.next_usage.remote(version, 1.0), timeout=30)
                 if ray.get(pool.is_idle.remote(), timeout=30):
@@ -387,7 +453,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.state.unlink()
         except (OSError, ValueError):
             pass
+        ray_processes.note()
+        if gcs_lost:
+            ray_processes.end_strays()  # first: a driver's shutdown may wait on the GCS
         ray.shutdown()
+        ray_processes.end_strays()
         shutil.rmtree(private_dir, ignore_errors=True)
     return 0
 

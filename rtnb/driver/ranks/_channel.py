@@ -12,6 +12,10 @@ carry falls back to Ray's calls on its own:
   if the rank lives (a cell started under a token is not started twice) and names
   how the rank died if not, in Ray's own words.
 
+In a group of ``FANOUT_FROM_RANKS`` ranks and more whose every rank is reached, a
+cell goes to rank 0 alone (:meth:`OpenChannel.fan_out`), which starts it on the
+others and answers for all of them in one frame.
+
 Each call carries a number the rank sends back with its answer: a call the kernel
 let go (a Ctrl-C between a send and its read) has its late answer dropped instead
 of being taken for the next call's.
@@ -33,11 +37,11 @@ from rtnb.core._channel import (
     ANSWER,
     RUN,
     ChannelClosed,
-    answer_challenge,
+    connect_all,
+    pack_fanout,
     pack_poll,
     recv_frame,
     send_frame,
-    set_fast,
 )
 from rtnb.core._messages import RankUpdate, from_wire
 
@@ -61,11 +65,16 @@ def channel_key() -> bytes:
 class ChannelCall:
     """A call in flight on the channel (a *pending call* of the group)."""
 
-    __slots__ = ("answer", "broken", "fallback", "number", "rank", "request")
+    __slots__ = ("answer", "broken", "fallback", "fans_out", "number", "rank", "request")
 
-    def __init__(self, rank: int, number: int, request: bytes | None) -> None:
+    def __init__(
+        self, rank: int, number: int, request: bytes | None, fans_out: bool = False
+    ) -> None:
         self.rank, self.number = rank, number
         self.request = request  # a run's pickled request (its fallback is the same run)
+        # A cell fanned out through rank 0: if its connection breaks, the call is
+        # answered with the break (every rank is then asked directly), not remade.
+        self.fans_out = fans_out
         self.answer: Any = None
         self.broken = False  # the connection broke before the answer came
         self.fallback: Any = None  # the same call made through Ray, once broken
@@ -97,25 +106,7 @@ class OpenChannel:
     ) -> OpenChannel:
         """Connect to each rank at its ``(host, port)`` and prove ``key``; the ranks
         not reached within ``timeout_s`` are left out (their calls stay Ray's)."""
-        deadline = time.monotonic() + timeout_s
-        socks: dict[int, socket.socket] = {}
-        for rank, (host, port) in addresses.items():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                sock = socket.create_connection((host, port), timeout=left)
-            except OSError:
-                continue
-            try:
-                answer_challenge(sock, key)
-            except (ChannelClosed, OSError):
-                sock.close()
-                continue
-            sock.settimeout(None)
-            set_fast(sock)
-            socks[rank] = sock
-        return cls(socks)
+        return cls(connect_all(addresses, key, timeout_s))
 
     @property
     def ranks(self) -> list[int]:
@@ -146,10 +137,17 @@ class OpenChannel:
     def poll(self, rank: int, wait_s: float, batch_s: float) -> ChannelCall:
         return self._send(rank, pack_poll(wait_s, batch_s), None)
 
-    def _send(self, rank: int, body: bytes, request: bytes | None) -> ChannelCall:
+    def fan_out(self, request: bytes, ranks: list[int], wait_s: float) -> ChannelCall:
+        """Rank 0 starts ``request`` on ``ranks`` and answers with each one's final
+        update (None: still running, or nothing heard; ask that rank directly)."""
+        return self._send(0, pack_fanout(wait_s, ranks, request), None, fans_out=True)
+
+    def _send(
+        self, rank: int, body: bytes, request: bytes | None, fans_out: bool = False
+    ) -> ChannelCall:
         # A call sent while an earlier one is unread: the earlier one was let go
         # (its answer, when it comes, matches no call and is dropped).
-        call = ChannelCall(rank, next(self._numbers), request)
+        call = ChannelCall(rank, next(self._numbers), request, fans_out)
         if self._closed:
             call.answer = ChannelClosed("the worker group was shut down")
             return call
@@ -217,7 +215,9 @@ class OpenChannel:
 
     def _break(self, rank: int) -> None:
         call = self._live.pop(rank, None)
-        if call is not None:
+        if call is not None and call.fans_out:
+            call.answer = ChannelClosed("rank 0's channel broke")
+        elif call is not None:
             call.broken = True
         self._drop(rank)
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rtnb.core._channel import channel_wanted
+from rtnb.core._channel import FANOUT_FROM_RANKS, channel_wanted
 from rtnb.core._config import SessionConfig
 from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, RankPlace, RankUpdate, from_wire, to_wire
@@ -35,7 +35,7 @@ from rtnb.driver.cluster import (
     warm_rank_env,
     watch_ranks,
 )
-from rtnb.driver.ranks._channel import ChannelCall, OpenChannel, channel_key
+from rtnb.driver.ranks._channel import CONNECT_S, ChannelCall, OpenChannel, channel_key
 from rtnb.driver.ranks._datasets import wait_for_data_room
 from rtnb.driver.ranks._execution import Execution, RankCalls, RankLost
 from rtnb.driver.ranks._folder_sync import FolderSync
@@ -127,7 +127,8 @@ class WorkerGroup:
         # under it (a relayed cell also asked directly, a channel call made again
         # through Ray), and the relay's listeners read them in this order.
         self._tokens = itertools.count(1)
-        self._relaying = False  # cells go through rank 0's relay
+        self._relaying = False  # cells go through rank 0's relay (no channel)
+        self._fanning = False  # cells fan out through rank 0 on the channel
         self._channel: OpenChannel | None = None
         self._wired: tuple[CellRequest, bytes] | None = None
         self.folder: FolderSync | None = None
@@ -284,13 +285,20 @@ class WorkerGroup:
             [a.open_channel.remote(info.node_ip, key) for a, info in zip(self.actors, self.ranks)],
             timeout=timeout_s,
         )
-        channel = OpenChannel.connect(
-            {info.rank: (info.node_ip, port) for info, port in zip(self.ranks, ports)}, key
-        )
-        if channel.ranks:
-            self._channel = channel
-        else:
+        addresses = {info.rank: (info.node_ip, port) for info, port in zip(self.ranks, ports)}
+        channel = OpenChannel.connect(addresses, key)
+        if not channel.ranks:
             channel.close()
+            return
+        self._channel = channel
+        if len(channel.ranks) == len(self.actors) >= FANOUT_FROM_RANKS:
+            # Cells fan out through rank 0 when it reaches every other rank (on the
+            # nodes' own network, which the kernel's machine may not share).
+            others = {rank: at for rank, at in addresses.items() if rank != 0}
+            reached = ray.get(
+                self.actors[0].reach_peers.remote(others, CONNECT_S), timeout=timeout_s
+            )
+            self._fanning = len(reached) == len(others)
 
     @property
     def channel_ranks(self) -> list[int]:
@@ -360,8 +368,9 @@ class WorkerGroup:
 
     @property
     def relays(self) -> bool:
-        """Cells go through rank 0's relay (groups of RELAY_FROM_RANKS ranks and more)."""
-        return self._relaying
+        """Cells go through rank 0 (groups of FANOUT_FROM_RANKS ranks and more on the
+        channel, of RELAY_FROM_RANKS without it)."""
+        return self._fanning or self._relaying
 
     def next_token(self) -> int | None:
         """The next cell's dispatch token."""
@@ -407,6 +416,8 @@ class WorkerGroup:
 
     def relay(self, request: CellRequest, ranks: list[int], wait_s: float) -> Any:
         """Rank 0 starts ``request`` on ``ranks`` and gathers their quick answers."""
+        if self._fanning and self._channel is not None:
+            return self._channel.fan_out(self._wire(request), ranks, wait_s)
         return self.actors[0].relay.remote(self._wire(request), ranks, wait_s)
 
     def _wire(self, request: CellRequest) -> bytes:
