@@ -239,7 +239,8 @@ def _wait_nodes_alive(count: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while sum(node["Alive"] for node in ray.nodes()) != count:
         if time.monotonic() > deadline:
-            raise SystemExit(f"the cluster did not settle at {count} live node(s)")
+            nodes = [(n["NodeManagerAddress"], n["Resources"], n["Alive"]) for n in ray.nodes()]
+            raise SystemExit(f"the cluster did not settle at {count} live node(s): {nodes}")
         time.sleep(0.1)
 
 

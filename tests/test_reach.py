@@ -68,6 +68,31 @@ def test_a_machine_that_stops_answering_is_cut_off_and_one_never_reached_is_not_
         listener.close()
 
 
+def test_a_node_whose_raylet_ended_is_lost_once_its_port_refuses_though_the_machine_answers(
+    monkeypatch,
+):
+    # Its ranks may linger and still answer on the open channel: the refusal tells.
+    monkeypatch.setattr(_reach, "CUT_OFF_S", 60.0)
+    monkeypatch.setattr(_reach, "REFUSED_S", 0.5)
+    monkeypatch.setattr(_reach, "_KNOCK_EVERY_S", 0.1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    node = Machine("w1", "127.0.0.1", listener.getsockname()[1], (1,))
+    watch = MachineWatch([node])
+    try:
+        deadline = time.monotonic() + 10
+        while node not in watch._answered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        listener.close()  # the raylet ends; the machine still answers (refuses)
+        while not watch.cut_off() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lost = watch.cut_off()
+        assert list(lost) == [1] and "refused every connection" in lost[1], lost
+        assert lost[1].startswith("on w1 (127.0.0.1): its Ray node's port"), lost
+    finally:
+        watch.close()
+        listener.close()
+
+
 def test_collectives_bind_the_interface_that_holds_the_nodes_address(monkeypatch):
     assert _interface_of("127.0.0.1") == "lo"
     addresses = {

@@ -56,6 +56,9 @@ _RECONNECT_S = 7 * 24 * 3600
 _LIFT_OVER_ENV = "RTNB_LIFT_RAY_RULE_OVER_ENV"
 # How often the watch knocks on the GCS's port, and for how long it must stay shut.
 _WATCH_S = 0.5
+# How long a join waits for a node of the cluster starting on this machine to
+# register with its GCS before taking this machine for one outside it.
+_REGISTERING_S = 30.0
 _LOST_AFTER_S = 1.0
 
 # A driver whose Ray died is shut down in the background (ray.shutdown takes ~5 s
@@ -464,6 +467,17 @@ def _join_from_here(
     gcs = f"{host}:{port}"
     with joining_with(users_token(gcs)):
         view = look_at_cluster(host, port)
+        # A node of this GCS starting on this machine (`ray start` just returned), or
+        # a GCS with no node yet (its head's raylet still starting): this machine may
+        # be one of its nodes once they register, not an outsider.
+        deadline = time.monotonic() + _REGISTERING_S
+        while (
+            view.node_here() is None
+            and (view.registering or not view.nodes)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+            view = look_at_cluster(host, port)
     if view.node_here() is not None:
         return gcs, None
     here = f"{machine_name()} ({view.this_machine})"

@@ -73,6 +73,9 @@ class ClusterView:
     this_machine: str
     # Node ids of the raylets running on this machine, of any Ray.
     local_raylets: frozenset[str]
+    # Raylets on this machine started for this GCS that it does not list yet (a
+    # node still registering: `ray start` just returned).
+    registering: frozenset[str] = frozenset()
 
     def node_here(self) -> NodeSeen | None:
         """The cluster's node on this machine, if any."""
@@ -141,29 +144,37 @@ def look_at_cluster(host: str, port: int, timeout_s: float = 10.0) -> ClusterVie
         for info in reply.node_info_list
         if info.state == alive
     )
+    local = _local_raylets()
+    listed = {node.node_id for node in nodes}
     return ClusterView(
-        nodes=nodes, this_machine=_address_toward(host, port), local_raylets=_local_raylets()
+        nodes=nodes,
+        this_machine=_address_toward(host, port),
+        local_raylets=frozenset(local),
+        registering=frozenset(
+            node for node, gcs in local.items() if gcs.endswith(f":{port}") and node not in listed
+        ),
     )
 
 
-def _local_raylets() -> frozenset[str]:
-    """Node ids of the raylets running on this machine, read from their command
-    lines as Ray's own tools read them (older Rays have no function for it)."""
+def _local_raylets() -> dict[str, str]:
+    """The raylets running on this machine, node id -> its GCS's address, read from
+    their command lines as Ray's own tools read them (older Rays have no function
+    for it)."""
     import psutil
 
-    found: set[str] = set()
+    found: dict[str, str] = {}
     try:
         processes = list(psutil.process_iter(["cmdline"]))
     except Exception:  # noqa: BLE001 - no process table: no raylet seen here
-        return frozenset()
+        return found
     for process in processes:
         cmdline = process.info.get("cmdline") or []
         if not cmdline or "raylet" not in os.path.basename(cmdline[0]):
             continue
-        for arg in " ".join(cmdline).split(" "):
-            if arg.startswith("--node_id="):
-                found.add(arg.partition("=")[2])
-    return frozenset(found)
+        args = dict(arg.partition("=")[::2] for arg in " ".join(cmdline).split(" "))
+        if args.get("--node_id"):
+            found[args["--node_id"]] = args.get("--gcs-address", "")
+    return found
 
 
 def resolve(host: str) -> str:

@@ -381,20 +381,20 @@ class WorkerGroup:
         return self._reach.cut_off() if self._reach is not None else {}
 
     def _watch_machines(self) -> None:
-        """Knock on the machines under the ranks other than this process's own; not
+        """Knock on the nodes under the ranks other than this process's own; not
         through a Ray Client, whose kernel may not reach the nodes at all."""
         import ray
 
         try:
             if ray.util.client.ray.is_connected():
                 return
-            here = ray.util.get_node_ip_address()
+            here = ray.get_runtime_context().get_node_id()
             ports = {n["NodeID"]: n["NodeManagerPort"] for n in ray.nodes() if n.get("Alive")}
         except Exception:  # noqa: BLE001 - no watch: Ray's own checks still hold
             return
         machines: dict[str, list[RankInfo]] = {}
         for info in self.ranks:
-            if info.node_ip != here and info.node_id in ports:
+            if info.node_id != here and info.node_id in ports:
                 machines.setdefault(info.node_id, []).append(info)
         if machines:
             self._reach = MachineWatch(
