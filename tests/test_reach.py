@@ -44,6 +44,9 @@ def test_a_machine_that_stops_answering_is_cut_off_and_one_never_reached_is_not_
     monkeypatch,
 ):
     monkeypatch.setattr(_reach, "CUT_OFF_S", 1.5)
+    # A closed port on loopback refuses at once, where a cut-off machine is silent:
+    # the refusal rule is set out of reach, so the silence rule is what is judged.
+    monkeypatch.setattr(_reach, "REFUSED_S", 60.0)
     monkeypatch.setattr(_reach, "_KNOCK_EVERY_S", 0.1)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

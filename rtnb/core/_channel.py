@@ -19,9 +19,11 @@ answers back in one frame, so the kernel's work for a cell stays flat in the ran
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
+import selectors
 import socket
 import struct
 import time
@@ -37,6 +39,7 @@ __all__ = [
     "answer_challenge",
     "channel_wanted",
     "connect_all",
+    "drop_connection",
     "pack_fanout",
     "pack_poll",
     "pack_start",
@@ -68,11 +71,12 @@ _COUNT = struct.Struct("<H")
 _NONCE_BYTES = 32
 _MAX_FRAME = 1 << 31
 
-# From this many ranks on the channel, cells fan out through rank 0: the extra hop
-# costs a cell's wall time what it saves the kernel's CPU below it. Measured on 2
-# cores, trivial cells alternating between groups of the same size
-# (``benchmarks/relay.py``): at 4 ranks fanned out 1.18x the wall time for 0.79x
-# the kernel's CPU, at 8 1.14x for 0.76x, at 16 0.98x for 0.57x.
+# From this many ranks on the channel, cells fan out through rank 0: below it the
+# extra hop costs a cell's wall time about what it saves the kernel's CPU. Measured
+# on 2 cores, trivial cells alternating between groups of the same size
+# (``benchmarks/relay.py``, 3 rounds): fanned out, the wall time 0.97-1.03x and the
+# kernel's CPU 0.73-0.83x at 4 ranks, 1.04-1.07x and 0.69x at 8, 0.89-1.02x and
+# 0.54x at 16.
 FANOUT_FROM_RANKS = 16
 
 
@@ -174,6 +178,18 @@ def connect_all(
         set_fast(sock)
         socks[rank] = sock
     return socks
+
+
+def drop_connection(
+    socks: dict[int, socket.socket], selector: selectors.BaseSelector, rank: int
+) -> None:
+    """Close ``rank``'s connection of ``socks`` and stop watching it in ``selector``."""
+    sock = socks.pop(rank, None)
+    if sock is None:
+        return
+    with contextlib.suppress(KeyError, ValueError):
+        selector.unregister(sock)
+    sock.close()
 
 
 def _mac(key: bytes, nonce: bytes) -> bytes:

@@ -23,7 +23,7 @@ from rtnb.core._folder import FolderChanges, FolderRoot
 from rtnb.core._messages import CellRequest, CellState, RankPlace, from_wire, to_wire
 from rtnb.core._net import local_addresses
 from rtnb.worker._capture import release_capture
-from rtnb.worker._channel import ChannelServer
+from rtnb.worker._channel import GIVE_WAY_S, ChannelServer
 from rtnb.worker._commands import RankCommand
 from rtnb.worker._runtime import RankContext, RankRuntime
 from rtnb.worker._stopping import CellStopped
@@ -65,9 +65,6 @@ _RELAY_KEPT_CELLS = 256
 _RELAY_LISTEN_S = 24 * 24 * 3600.0
 # A relayed rank's answer when it has none to give (the driver asks it directly).
 _NO_ANSWER = b"-"
-# How long rank 0 still waits for the others' answers once its own has gone to the
-# long-poll (the first reports of a live plot wait this much longer at most).
-_GIVE_WAY_S = 0.05
 # How long a direct run() waits for the listener to read a relayed cell's token.
 _HEAR_S = 5.0
 
@@ -342,7 +339,7 @@ class RankActor:
         to deliver, else None: the driver then asks that rank directly (``run`` with
         the same token, which does not start the cell twice).
 
-        Rank 0 waits up to ``wait_s`` for the answers (``_GIVE_WAY_S`` once its own
+        Rank 0 waits up to ``wait_s`` for the answers (``GIVE_WAY_S`` once its own
         cell has output or reports, or runs long), then closes the missing ones, so
         a listener still running the cell finds its answer closed and writes
         nothing that would stay in the store."""
@@ -370,7 +367,7 @@ class RankActor:
                 # Rank 0 has output or reports to deliver, or a long cell: the
                 # others get a moment more (a cell where only rank 0 prints still
                 # brings their answers back here), not the whole wait.
-                wait_s = min(wait_s, _GIVE_WAY_S)
+                wait_s = min(wait_s, GIVE_WAY_S)
         keys = {r: _ANSWER_KEY.format(token, r) for r in ranks if r != 0}
         if keys:
             values = self._gather(list(keys.values()), wait_s)

@@ -16,7 +16,6 @@ while its long-poll waits.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import pickle
 import selectors
@@ -34,6 +33,7 @@ from rtnb.core._channel import (
     START,
     ChannelClosed,
     connect_all,
+    drop_connection,
     pack_start,
     recv_frame,
     send_frame,
@@ -48,9 +48,9 @@ __all__ = ["GIVE_WAY_S", "ChannelServer", "Fanout"]
 
 # A connection that has not answered the challenge by then is dropped.
 _CHALLENGE_S = 10.0
-# How long rank 0 still waits for the others' answers to a fanned-out cell once its
-# own has gone to the long-poll (the first points of a live plot wait this much
-# longer at most).
+# How long rank 0 still waits for the others' answers to a cell it relays or fans
+# out once its own has gone to the long-poll (the first points of a live plot wait
+# this much longer at most).
 GIVE_WAY_S = 0.05
 
 
@@ -143,7 +143,7 @@ class ChannelServer:
 
     def _fan_out(self, wait_s: float, ranks: list[int], request: bytes) -> bytes:
         """Start the cell on ``ranks`` (the others first, then this rank's own) and
-        gather their quick answers; pickled ``{rank: update bytes or None}``."""
+        gather their quick answers; pickled ``{rank: RankUpdate or None}``."""
         fanout = self._fanout
         others = [r for r in ranks if r != self._rank]
         sent = fanout.start(others, request, wait_s) if fanout is not None else None
@@ -230,12 +230,7 @@ class Fanout:
         self._selector.close()
 
     def _drop(self, rank: int) -> None:
-        sock = self._socks.pop(rank, None)
-        if sock is None:
-            return
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(sock)
-        sock.close()
+        drop_connection(self._socks, self._selector, rank)
 
 
 def _pickled(exc: Exception) -> bytes:

@@ -328,22 +328,21 @@ class _NodeProcesses:
         self._gcs: tuple[int, str] | None = None
 
     def note(self) -> None:
+        stats: dict[int, tuple[str, list[str]]] = {}
         children: dict[int, list[int]] = {}
         for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
             stat = _stat(entry.name) if entry.name.isdigit() else None
             if stat is not None:
+                stats[int(entry.name)] = stat
                 children.setdefault(int(stat[1][1]), []).append(int(entry.name))
-        found, todo = [], [os.getpid()]
+        todo = [os.getpid()]
         while todo:
-            found += (kids := children.get(todo.pop(), []))
-            todo += kids
-        for pid in found:
-            stat = _stat(str(pid))
-            if stat is None:
-                continue
-            self.seen.setdefault(pid, stat[1][19])
-            if stat[0] == "gcs_server" and self._gcs is None:
-                self._gcs = (pid, stat[1][19])
+            for pid in children.get(todo.pop(), []):
+                todo.append(pid)
+                name, fields = stats[pid]
+                self.seen.setdefault(pid, fields[19])
+                if name == "gcs_server" and self._gcs is None:
+                    self._gcs = (pid, fields[19])
 
     def gcs_lost(self) -> bool:
         """The GCS this host started has ended (a zombie counts: this host reaps it)."""

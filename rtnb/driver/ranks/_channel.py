@@ -38,6 +38,7 @@ from rtnb.core._channel import (
     RUN,
     ChannelClosed,
     connect_all,
+    drop_connection,
     pack_fanout,
     pack_poll,
     recv_frame,
@@ -222,14 +223,7 @@ class OpenChannel:
         self._drop(rank)
 
     def _drop(self, rank: int) -> None:
-        sock = self._socks.pop(rank, None)
-        if sock is None:
-            return
-        try:
-            self._selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
-        sock.close()
+        drop_connection(self._socks, self._selector, rank)
 
 
 def _answer(body: bytes) -> RankUpdate | BaseException:
