@@ -134,3 +134,24 @@ def test_a_slow_tracking_server_holds_up_no_report_and_the_runs_end_sends_everyt
     means = client.get_metric_history(mirror.run_id, "loss")
     assert sorted((m.step, m.value) for m in means) == [(s, 2.0 + s) for s in range(1, 50)]
     assert client.get_run(mirror.run_id).info.status == "FINISHED"
+
+
+def test_the_mean_across_ranks_keeps_its_steps_in_order_when_ranks_batches_arrive_out_of_step(
+    tmp_path,
+):
+    # Rank 1 ran ahead (its reports stamped earlier) and its last step arrived after
+    # rank 0's whole batch: MLflow lists a history by time, so the mean of a step is
+    # stamped with the step's latest report, not with the one that arrived last.
+    from mlflow.tracking import MlflowClient
+
+    from rtnb.metrics._mlflow import MlflowMirror, default_tracking_uri
+
+    uri = default_tracking_uri(str(tmp_path / "mlflow.db"))
+    mirror = MlflowMirror(uri, "out-of-step", {"workers": 2}, lambda: 2)
+    early, late = 1_000.0, 2_000.0
+    mirror.add(1, [(s, early + s, {"loss": 10.0 + s}) for s in range(5)])
+    mirror.add(0, [(s, late + s, {"loss": float(s)}) for s in range(6)])
+    mirror.add(1, [(5, early + 5, {"loss": 15.0})])
+    mirror.finish()
+    history = MlflowClient(uri).get_metric_history(mirror.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(s, 5.0 + s) for s in range(6)]

@@ -128,7 +128,8 @@ class MlflowMirror:
         self._expected = expected_ranks
         self._lock = threading.Lock()
         self._pending: list[Any] = []
-        self._steps: dict[tuple[str, int], list[float]] = {}  # values of a step so far
+        # A step's values so far, each with its rank's time of the report.
+        self._steps: dict[tuple[str, int], list[tuple[float, int]]] = {}
         self._flushed_at = time.monotonic()
         self.error: str | None = None
         self._wake = threading.Event()
@@ -164,12 +165,16 @@ class MlflowMirror:
                     self._pending.append(Metric(f"{key}/rank{rank}", value, millis, int(step)))
                     if expected > 1:
                         seen = self._steps.setdefault((key, int(step)), [])
-                        seen.append(value)
+                        seen.append((value, millis))
                         if len(seen) >= expected:
                             del self._steps[(key, int(step))]
-                            self._pending.append(
-                                Metric(key, sum(seen) / len(seen), millis, int(step))
-                            )
+                            # Stamped with the step's latest report, not the one that
+                            # arrived last: ranks' batches arrive out of step, and
+                            # MLflow lists a history by time, so the mean's steps
+                            # keep their order only with a time that grows with them.
+                            mean = sum(v for v, _ in seen) / len(seen)
+                            latest = max(t for _, t in seen)
+                            self._pending.append(Metric(key, mean, latest, int(step)))
             due = time.monotonic() - self._flushed_at >= _FLUSH_S
         if due:
             self._wake.set()
