@@ -280,6 +280,14 @@ class _Broken(CellObserver):
         raise RuntimeError("the feature's own bug")
 
 
+class _BrokenOnUpdate(CellObserver):
+    updates = 0
+
+    def update(self, cell: CellView, update: RankUpdate) -> None:
+        type(self).updates += 1
+        raise RuntimeError("the feature fails on a rank's update")
+
+
 def steps_seen(cell: CellView, context: ObserverContext) -> CellObserver:
     return _StepsSeen()
 
@@ -288,13 +296,22 @@ def broken(cell: CellView, context: ObserverContext) -> CellObserver:
     return _Broken()
 
 
+def broken_on_update(cell: CellView, context: ObserverContext) -> CellObserver:
+    return _BrokenOnUpdate()
+
+
 def test_a_feature_added_as_a_module_and_a_registration_sees_every_report_and_one_that_raises_is_left_out(
     tmp_path, groups, monkeypatch
 ):
     monkeypatch.setattr(
         _observers,
         "FEATURES",
-        (*_observers.FEATURES, f"{__name__}:steps_seen", f"{__name__}:broken"),
+        (
+            *_observers.FEATURES,
+            f"{__name__}:broken_on_update",
+            f"{__name__}:steps_seen",
+            f"{__name__}:broken",
+        ),
     )
     session = _session(tmp_path, groups)
     try:
@@ -311,6 +328,10 @@ def test_a_feature_added_as_a_module_and_a_registration_sees_every_report_and_on
         assert out.count("_Broken left") == 1, out
         assert "the feature's own bug" in out
         assert _Broken.ticks == 1, "a feature that raised is asked nothing more"
+        # The updates a turn of the loop took reach each feature together: one that
+        # raised on the first is left out, and the features after it get them all.
+        assert out.count("_BrokenOnUpdate left") == 1, out
+        assert _BrokenOnUpdate.updates == 1
         assert session.run("RANK").values_list() == [0, 1], "the group serves on"
     finally:
         session.stop()

@@ -278,3 +278,37 @@ def test_a_cell_fanned_out_through_rank_0_answers_for_every_rank_in_one_frame():
         slow.set()
         for server in servers:
             server.close()
+
+
+def test_an_update_that_crossed_the_wire_is_the_rank_s_and_its_empty_fields_cannot_be_changed():
+    """The kernel's copy of a rank's answer equals what the rank sent, field by
+    field, whether it crossed once or was passed on by rank 0's fan-out; the empty
+    fields it shares with every other answer refuse a change instead of taking it
+    into every update at once."""
+    sent = RankUpdate(
+        rank=3,
+        cell=7,
+        state=CellState.DONE,
+        step=12,
+        output=[("stdout", "hi\n")],
+        controls_applied=[("lr", 0.1, 4)],
+    )
+    once = from_wire(to_wire(sent))
+    passed_on = from_wire(to_wire({3: once}))[3]
+    plain = from_wire(to_wire(RankUpdate(rank=1, cell=7, state=CellState.DONE, step=0)))
+    for got in (once, passed_on):
+        assert got == sent and got.output == [("stdout", "hi\n")] and got.checkpoints == []
+        assert got.controls_applied == [("lr", 0.1, 4)] and got.controls_declared == {}
+    assert len(to_wire(plain)) == len(
+        to_wire(RankUpdate(rank=1, cell=7, state=CellState.DONE, step=0))
+    )
+    for change in (
+        lambda: plain.output.append(("stdout", "x")),
+        lambda: plain.checkpoints.extend([1]),
+        lambda: plain.data_waits.update(data=1.0),
+        lambda: plain.controls_declared.__setitem__("lr", 0.1),
+    ):
+        with pytest.raises(TypeError, match="read-only"):
+            change()
+    other = from_wire(to_wire(RankUpdate(rank=2, cell=7, state=CellState.DONE, step=0)))
+    assert other.output == [] and other.data_waits == {} and other.controls_declared == {}

@@ -205,13 +205,47 @@ _EMPTY_UPDATE: dict[str, Any] = {
     f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
     for f in fields(RankUpdate)[4:]
 }
+
+
+class _NoItems(list):  # type: ignore[type-arg]
+    """An empty list that stays empty (it equals ``[]``): what an unpickled update's
+    empty list fields share."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("an update received from a rank is read-only")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
+
+
+class _NoEntries(dict):  # type: ignore[type-arg]
+    """An empty dict that stays empty (it equals ``{}``), as :class:`_NoItems`."""
+
+    _read_only = _NoItems._read_only
+    update = setdefault = pop = popitem = clear = _read_only  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
+
+
+# An unpickled update is read, never changed: its empty list and dict fields
+# share one :class:`_NoItems` and one :class:`_NoEntries`. A fresh list per field per rank per answer was most of what a
+# 32-rank cell allocated in the kernel, and the garbage collections those
+# allocations set off cost it more than reading the answers.
+_SHARED_EMPTY = {list: _NoItems(), dict: _NoEntries()}
+_UNPICKLED_EMPTY: dict[str, Any] = {
+    name: _SHARED_EMPTY.get(type(empty), empty) for name, empty in _EMPTY_UPDATE.items()
+}
 _STATES = {state.value: state for state in CellState}
 
 
 def _rank_update(
     rank: int, cell: int | None, state: str, step: int, extras: dict[str, Any]
 ) -> RankUpdate:
-    return RankUpdate(rank, cell, _STATES[state], step, **extras)
+    update = object.__new__(RankUpdate)
+    held = update.__dict__
+    held.update(_UNPICKLED_EMPTY)
+    held.update(rank=rank, cell=cell, state=_STATES[state], step=step)
+    held.update(extras)
+    return update
 
 
 def to_wire(message: CellRequest | RankUpdate) -> bytes:

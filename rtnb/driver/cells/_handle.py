@@ -239,8 +239,7 @@ class CellHandle(CellRecord):
         while not execution.over:
             if self._context.ray_lost:
                 raise _RayLost()
-            for update in execution.take(_TICK_S):
-                self._apply(update)
+            self._apply(execution.take(_TICK_S))
             if execution.dead:
                 raise _Restart()
             # A rank whose cell raised leaves the others waiting for it in their next
@@ -291,18 +290,24 @@ class CellHandle(CellRecord):
         self._dispatch()
         return True
 
-    def _apply(self, update: RankUpdate) -> None:
-        rank = update.rank
-        self.attempt.took(update)
-        self.reported = self.reported or bool(update.reports)
-        applied = self.controls.took(update)
-        if applied:
-            self._context.metrics.add_controls_applied(rank, applied)
-        # The observers keep the update before its output reaches the viewers, so a
+    def _apply(self, updates: list[RankUpdate]) -> None:
+        """The updates a turn of the loop took, in order: stage by stage over all of
+        them (a fanned-out cell brings 16 or more at once)."""
+        if not updates:
+            return
+        took, controls = self.attempt.took, self.controls.took
+        for update in updates:
+            took(update)
+            self.reported = self.reported or bool(update.reports)
+            applied = controls(update)
+            if applied:
+                self._context.metrics.add_controls_applied(update.rank, applied)
+        # The observers keep the updates before their output reaches the viewers, so a
         # view that opens on the first report finds the reports that came with it.
-        self.observers.update(update)
-        for stream, text in update.output:
-            self._output.write(rank, stream, text)
+        self.observers.updates(updates)
+        for update in updates:
+            for stream, text in update.output:
+                self._output.write(update.rank, stream, text)
 
     # ---- what its observers may ask -----------------------------------------------------
     def storage_failed(self, what: str) -> None:

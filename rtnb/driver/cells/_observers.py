@@ -165,8 +165,18 @@ class CellObservers:
         """The observer of ``kind`` (what a view reads of a feature), or None."""
         return next((o for o in self.items if isinstance(o, kind)), None)
 
-    def update(self, update: RankUpdate) -> None:
-        self._each("update", update)
+    def updates(self, updates: list[RankUpdate]) -> None:
+        """The updates one turn of the driving loop took, in order, to each observer
+        (at 32 ranks a fanned-out cell brings every rank's at once: one dispatch per
+        observer, not one per rank and observer)."""
+        cell = self._cell
+        for observer in self._hooked["update"]:
+            take = observer.update
+            try:
+                for update in updates:
+                    take(cell, update)
+            except Exception as exc:  # noqa: BLE001 - a feature never ends a cell
+                self._failed(observer, exc)
 
     def tick(self) -> None:
         self._each("tick")
@@ -185,11 +195,15 @@ class CellObservers:
             try:
                 getattr(observer, hook)(self._cell, *args)
             except Exception as exc:  # noqa: BLE001 - a feature never ends a cell
-                if observer.essential:
-                    raise
-                self.items.remove(observer)
-                self._index()
-                self._cell.note(
-                    f"[rtnb] {type(observer).__name__} left {self._cell.name} after an "
-                    f"error: {one_line(exc)}\n"
-                )
+                self._failed(observer, exc)
+
+    def _failed(self, observer: CellObserver, exc: Exception) -> None:
+        """An essential observer's error ends the cell; any other observer leaves it."""
+        if observer.essential:
+            raise exc
+        self.items.remove(observer)
+        self._index()
+        self._cell.note(
+            f"[rtnb] {type(observer).__name__} left {self._cell.name} after an "
+            f"error: {one_line(exc)}\n"
+        )
