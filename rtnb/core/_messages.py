@@ -226,10 +226,11 @@ class _NoEntries(dict):  # type: ignore[type-arg]
     __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
 
 
-# An unpickled update is read, never changed: its empty list and dict fields
-# share one :class:`_NoItems` and one :class:`_NoEntries`. A fresh list per field per rank per answer was most of what a
-# 32-rank cell allocated in the kernel, and the garbage collections those
-# allocations set off cost it more than reading the answers.
+# An unpickled update is read, never changed: its empty list and dict fields share
+# one :class:`_NoItems` and one :class:`_NoEntries`. A fresh list per field per rank
+# per answer was most of what a 32-rank cell allocated in the kernel, and the
+# garbage collections those allocations set off cost it more than reading the
+# answers.
 _SHARED_EMPTY = {list: _NoItems(), dict: _NoEntries()}
 _UNPICKLED_EMPTY: dict[str, Any] = {
     name: _SHARED_EMPTY.get(type(empty), empty) for name, empty in _EMPTY_UPDATE.items()
