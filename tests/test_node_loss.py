@@ -102,3 +102,71 @@ def test_a_node_with_another_torch_is_named_in_one_line_before_any_rank_starts(
         assert wait_for_free_cpus(free_before) >= free_before, "no rank left holding a CPU"
     finally:
         node.kill()
+
+
+_OWN_RAY = """
+import sys, ray, rtnb
+from rtnb.core._startup import defer_unused_imports, lazy_imports_for_children
+
+site, runs = sys.argv[1], sys.argv[2]
+defer_unused_imports()
+
+
+def own_ray(**options):
+    with lazy_imports_for_children():
+        ray.init(num_cpus=1, object_store_memory=80_000_000, include_dashboard=False,
+                 log_to_driver=False, **options)
+
+
+# The user's own Ray, whose job puts another torch first on its workers' path.
+own_ray(runtime_env={"env_vars": {"PYTHONPATH": site}})
+try:
+    rtnb.Session(workers=1, cpus_per_worker=1, storage=runs).start().stop()
+    print("STARTED on the other torch")
+except rtnb.ClusterError as exc:
+    print("REFUSED", exc)
+ray.shutdown()
+# The user's own Ray as ray.init() starts it: this very Python on its one node.
+own_ray()
+session = rtnb.Session(workers=1, cpus_per_worker=1, storage=runs).start()
+print("ANSWER", session.run("6 * 7")[0])
+asked = [e["name"] for e in ray.timeline() if "versions" in str(e.get("name"))]
+print("ASKED" if asked else "NOT ASKED", asked)
+session.stop()
+ray.shutdown()
+"""
+
+
+def test_a_kernel_s_own_ray_is_not_asked_its_versions_unless_its_job_brings_other_packages(
+    tmp_path,
+):
+    """A kernel that ran its own ``ray.init()`` starts its ranks on this very Python:
+    no probe of the node's versions holds up the start (it took one of Ray's spare
+    workers, which the ranks then waited for). When the job's runtime env puts
+    another torch first on the workers' path, the node is asked and the start is
+    refused in one line, as on any cluster."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "other-env"
+    info = site / "torch-2.0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.0.0\n")
+    home = tmp_path / "home"  # where ray.init() writes its token: not the suite's
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _OWN_RAY, str(site), str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**env, "HOME": str(home)},
+        cwd=tmp_path,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-2000:] + proc.stderr[-3000:]
+    refused = [line for line in out.splitlines() if line.startswith("REFUSED")]
+    assert refused and "runs torch 2.0.0; this kernel runs torch 2.13" in refused[0], out
+    assert "ANSWER 42" in out, out
+    assert "NOT ASKED" in out, out

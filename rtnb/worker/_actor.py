@@ -83,6 +83,12 @@ def poll_timing(world_size: int) -> tuple[float, float]:
     return max(POLL_WAIT_S, min(2.0, 2 * batch)) if world_size > 4 else POLL_WAIT_S, batch
 
 
+def _import_torch() -> None:
+    with contextlib.suppress(BaseException):
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+
 class RankActor:
     """One rank. Made with its ``context`` (a cold start), or with ``None`` as a spare
     of the warm Ray that imports torch ahead (:meth:`warm_up`) and becomes a rank
@@ -100,10 +106,18 @@ class RankActor:
         self._heard_token = 0
         self._listening = False
         self._warm = threading.Event()
+        self._torch_import: threading.Thread | None = None
         self.runtime: RankRuntime
         if context is not None:
             self._become_rank(context, env)
             self._warm.set()
+            # torch's import is most of a cold rank's start (~1.5 s of CPU): begun
+            # now, it overlaps what the kernel asks before it needs torch
+            # (set_placement), instead of starting there.
+            self._torch_import = threading.Thread(
+                target=_import_torch, name="rtnb-import-torch", daemon=True
+            )
+            self._torch_import.start()
 
     def _become_rank(self, context: dict[str, Any], env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -224,8 +238,11 @@ class RankActor:
                 ctx.run_name,
             )
         )
-        # torch is imported here, on every rank at once, so the start's "ranks" phase
-        # holds that cost (~1.5 s of CPU a rank) and "process group" only the rendezvous.
+        # torch is imported by here, on every rank at once, so the start's "ranks"
+        # phase holds that cost and "process group" only the rendezvous. The import
+        # begun in __init__ is waited for; an import that failed there fails here.
+        if self._torch_import is not None:
+            self._torch_import.join()
         import torch
         import torch.distributed  # noqa: F401
 

@@ -8,7 +8,9 @@ an error that names neither side. Ray itself refuses a different Ray or Python w
 the kernel joins (:func:`ray_mismatch_line` turns its multi-line message into one);
 the rest is asked of every node that can hold a rank by a task of no CPU
 (:func:`check_cluster_versions`). A Ray rtnb started itself (embedded, warm) runs in
-the kernel's own environment and is not asked.
+the kernel's own environment and is not asked, nor is the node this process's own
+``ray.init()`` started (its workers run this very Python) unless the job installs
+an environment of its own.
 """
 
 from __future__ import annotations
@@ -62,6 +64,29 @@ def ray_mismatch_line(message: str) -> str | None:
 # The nodes this process found alike (their ids): each asked once.
 _checked: set[str] = set()
 
+# What a job's runtime env may hold and still run the kernel's packages.
+_SAME_SOFTWARE_KEYS = frozenset({"env_vars", "config"})
+_IMPORT_PATH_VARS = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE"})
+
+
+def _node_started_here() -> str | None:
+    """The id of the node this process's ``ray.init()`` started, when its workers run
+    the kernel's own Python and packages (asking it would cost a worker's start,
+    ~0.3 s, to learn nothing); None otherwise."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not getattr(node, "head", False):
+        return None  # joined a Ray started elsewhere
+    try:
+        runtime_env = dict(ray.get_runtime_context().runtime_env or {})
+    except Exception:  # noqa: BLE001 - unknown: ask the node
+        return None
+    env_vars = runtime_env.get("env_vars") or {}
+    if set(runtime_env) - _SAME_SOFTWARE_KEYS or _IMPORT_PATH_VARS & set(env_vars):
+        return None
+    return str(node.node_id)
+
 
 def check_cluster_versions(timeout_s: float = _PROBE_TIMEOUT_S) -> None:
     """Ask every node that can hold a rank for its versions (each node once per
@@ -73,6 +98,9 @@ def check_cluster_versions(timeout_s: float = _PROBE_TIMEOUT_S) -> None:
     # A copy of versions_here outside any module, which Ray then sends by value: a
     # node without rtnb answers too (with "not installed").
     probe = types.FunctionType(versions_here.__code__, {"__builtins__": builtins}, "versions")
+    own = _node_started_here()
+    if own is not None:
+        _checked.add(own)
     nodes = [
         node
         for node in ray.nodes()

@@ -15,6 +15,7 @@ placement group, even when ranks are hung in a collective.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -42,7 +43,12 @@ from rtnb.driver.ranks._folder_sync import FolderSync
 from rtnb.driver.ranks._reach import Machine, MachineWatch
 from rtnb.driver.ranks._waiting import take_ready
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
-from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
+from rtnb.worker._actor import (
+    ACTOR_CONCURRENCY,
+    RELAY_FROM_RANKS,
+    RankActor,
+    poll_timing,
+)
 from rtnb.worker._commands import Ping, RankCommand, SetDatasets
 
 __all__ = [
@@ -204,7 +210,7 @@ class WorkerGroup:
                     )
                 for context in contexts if warm is None else ():
                     actor = (
-                        ray.remote(RankActor)
+                        _rank_actor_class()
                         .options(
                             num_cpus=cfg.cpus_per_worker,
                             num_gpus=1 if cfg.gpu else 0,
@@ -573,6 +579,16 @@ class WorkerGroup:
                 except Exception:  # noqa: BLE001 - dead: what we want
                     break
                 time.sleep(0.05)
+
+
+@functools.cache
+def _rank_actor_class() -> Any:
+    """:class:`RankActor` as a Ray actor class, made once per process: Ray exports
+    each actor class it is given (pickled and disassembled, ~0.1 s) at its first
+    actor, so a class made per rank would cost that for every rank."""
+    import ray
+
+    return ray.remote(RankActor)
 
 
 def _storage_in_folder(storage_path: str) -> tuple[str, ...]:
