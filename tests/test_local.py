@@ -199,3 +199,55 @@ def test_rtnb_run_runs_a_local_mode_notebook(tmp_path):
     assert len(result.metrics_dataframe) == 5
     saved = CheckpointStore.of_run(str(tmp_path / "runs"), "local-batch").list()
     assert [c.step for c in saved] == [0, 1, 2, 3, 4]
+
+
+def test_a_cell_s_end_does_not_wait_on_storage_for_run_json_and_an_older_record_never_wins(
+    tmp_path,
+):
+    """run.json after a training cell is written in the background, the newest
+    record of those waiting: the cell returns while the write is held up, and a stop
+    that follows (written before it returns) is what the file keeps, never the
+    cell's older record written after it. A burst of cells then a stop leaves the
+    last step and "stopped"."""
+    from rtnb.driver.control._run_files import _NewestRecord
+    from rtnb.storage._layout import RunRecord
+
+    in_file: list[RunRecord] = []
+    writing, release = threading.Event(), threading.Event()
+
+    def write(record: RunRecord) -> None:
+        if record.status == "cell ended":
+            writing.set()
+            assert release.wait(30), "the held-up write was never let go"
+        in_file.append(record)
+
+    records = _NewestRecord(write)
+    records._IDLE_S = 0.05  # its thread ends soon after its last write: joined below
+    records.later(RunRecord(status="cell ended", last_step=1))  # returns at once
+    writer = records._thread
+    assert writer is not None and writing.wait(30), "the background write never began"
+    records.later(RunRecord(status="cell ended", last_step=2))  # waits behind it
+    stopper = threading.Thread(target=records.now, args=(RunRecord(status="stopped"),))
+    stopper.start()
+    release.set()
+    stopper.join(30)
+    writer.join(30)
+    assert not stopper.is_alive(), "the stop's record was never written"
+    # The held-up write of step 1 lands, and "stopped" is the file's last word: step
+    # 2 is written before it or, once the stop's record is in, never.
+    written = [(r.status, r.last_step) for r in in_file]
+    assert written in (
+        [("cell ended", 1), ("stopped", -1)],
+        [("cell ended", 1), ("cell ended", 2), ("stopped", -1)],
+    ), written
+
+    import rtnb
+
+    session = rtnb.Session(workers=0, storage=str(tmp_path / "runs")).start()
+    try:
+        for _ in range(20):
+            session.run("import rtnb\nrtnb.report({'x': 1.0})", output=lambda *_: None)
+    finally:
+        session.stop()
+    record = json.loads((tmp_path / "runs" / session.run_name / "run.json").read_text())
+    assert record["status"] == "stopped" and record["last_step"] == 19, record

@@ -100,7 +100,7 @@ class GroupOwner(Protocol):
 
     def cell_ended(self, name: str) -> None: ...
 
-    def write_run_record(self) -> None: ...
+    def write_run_record(self, wait: bool = True) -> None: ...
 
 
 class Recovering(Protocol):
@@ -247,9 +247,10 @@ class CellFlow:
             self.last_error = handle.error
             if handle.reported:
                 self.last_training = (handle.code, handle.label)
-                # `%rtnb runs` shows steps and duration: keep them current.
+                # `%rtnb runs` shows steps and duration: keep them current, without
+                # the cell's end waiting on storage for it.
                 with contextlib.suppress(Exception):
-                    self._owner.write_run_record()
+                    self._owner.write_run_record(wait=False)
             error = handle.error
             outcome = (
                 CellOutcome.OK

@@ -366,5 +366,5 @@ class Controller(GroupHolding):
             except RankLost:
                 pass  # a rank already died: the next cell's poll reports it
 
-    def write_run_record(self) -> None:
-        self._record.write(str(self.state), self._config, self.group)
+    def write_run_record(self, wait: bool = True) -> None:
+        self._record.write(str(self.state), self._config, self.group, wait)

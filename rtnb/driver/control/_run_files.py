@@ -3,6 +3,8 @@ the outputs a started group writes into (metrics log, ranks' logs, TensorBoard).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -43,6 +45,66 @@ def attach_run_outputs(
     return logs if logs is not None else RankLogs(run_dir)
 
 
+class _NewestRecord:
+    """Writes ``run.json`` records so that a newer one is never overwritten by an
+    older: each gets a number when it is made; a write waits for the one before it
+    and skips a record older than the file's. A record handed over with
+    :meth:`later` is written by a thread of its own, and only the newest of those
+    waiting: a cell's end does not wait on storage for a summary file (on S3,
+    several requests), and a fast loop of cells writes the file once per write's
+    time, not once per cell."""
+
+    _IDLE_S = 10.0  # how long the writing thread waits for more before it ends
+
+    def __init__(self, write: Callable[[RunRecord], None]) -> None:
+        self._write = write
+        self._cond = threading.Condition()
+        self._writing = threading.Lock()  # held while a record is being written
+        self._made = 0  # numbers the records handed over
+        self._written = 0  # the number of the record in the file
+        self._pending: tuple[int, RunRecord] | None = None
+        self._thread: threading.Thread | None = None
+
+    def now(self, record: RunRecord) -> None:
+        """Written before this returns (its error raised here)."""
+        with self._cond:
+            self._made += 1
+            number = self._made
+        self._write_if_newest(number, record)
+
+    def later(self, record: RunRecord) -> None:
+        with self._cond:
+            self._made += 1
+            self._pending = (self._made, record)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="rtnb-run-record", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def _write_if_newest(self, number: int, record: RunRecord) -> None:
+        with self._writing:
+            if number <= self._written:
+                return  # a newer record is in the file already
+            self._write(record)
+            self._written = number
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._pending is None:
+                    self._cond.wait(self._IDLE_S)
+                if self._pending is None:
+                    self._thread = None
+                    return
+                (number, record), self._pending = self._pending, None
+            # A summary file: the next state change or cell's end writes it again.
+            with contextlib.suppress(Exception):
+                self._write_if_newest(number, record)
+
+
 class RunRecorder:
     """Keeps the run's ``run.json`` current: its state, options and ranks, where its
     training is (line and step) and its MLflow run. A run carried on by a new
@@ -61,6 +123,7 @@ class RunRecorder:
         self._tracking_record = tracking_record
         self._started_at: float | None = None  # run.json's "started"
         self._config: tuple[SessionConfig, dict] | None = None  # (config, as recorded)
+        self._file = _NewestRecord(lambda record: write_run_record(run_dir, record))
 
     def carry_on(self) -> None:
         if self._started_at is not None:
@@ -78,18 +141,23 @@ class RunRecorder:
             self._config = (config, config.to_dict())
         return self._config[1]
 
-    def write(self, state: str, config: SessionConfig, group: RankGroup | None) -> None:
+    def write(
+        self, state: str, config: SessionConfig, group: RankGroup | None, wait: bool = True
+    ) -> None:
+        """The record as of now, in the file when this returns; with ``wait=False``
+        written in the background (see :class:`_NewestRecord`)."""
         self.carry_on()
-        write_run_record(
-            self._run_dir,
-            RunRecord(
-                run_name=self._run_name,
-                started=self._started_at or time.time(),
-                status=state,
-                config=self._recorded(config),
-                ranks=[vars(r) for r in group.ranks] if group is not None else [],
-                updated=time.time(),
-                mlflow=self._tracking_record(),
-                **self._commits.record(),
-            ),
+        record = RunRecord(
+            run_name=self._run_name,
+            started=self._started_at or time.time(),
+            status=state,
+            config=self._recorded(config),
+            ranks=[vars(r) for r in group.ranks] if group is not None else [],
+            updated=time.time(),
+            mlflow=self._tracking_record(),
+            **self._commits.record(),
         )
+        if wait:
+            self._file.now(record)
+        else:
+            self._file.later(record)
