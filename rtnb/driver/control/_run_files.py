@@ -50,11 +50,12 @@ class _NewestRecord:
     older: each gets a number when it is made; a write waits for the one before it
     and skips a record older than the file's. A record handed over with
     :meth:`later` is written by a thread of its own, and only the newest of those
-    waiting: a cell's end does not wait on storage for a summary file (on S3,
-    several requests), and a fast loop of cells writes the file once per write's
-    time, not once per cell."""
+    waiting, at most once per ``_SPACING_S``: a cell's end does not wait on storage
+    for a summary file (on S3, several requests), and a fast loop of cells writes
+    it a few times a second, not once per cell."""
 
     _IDLE_S = 10.0  # how long the writing thread waits for more before it ends
+    _SPACING_S = 0.5  # the least time between two background writes
 
     def __init__(self, write: Callable[[RunRecord], None]) -> None:
         self._write = write
@@ -92,6 +93,7 @@ class _NewestRecord:
             self._written = number
 
     def _run(self) -> None:
+        wrote = float("-inf")
         while True:
             with self._cond:
                 if self._pending is None:
@@ -99,10 +101,14 @@ class _NewestRecord:
                 if self._pending is None:
                     self._thread = None
                     return
+                # Newer records that come meanwhile replace the one waiting.
+                while (left := wrote + self._SPACING_S - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 (number, record), self._pending = self._pending, None
             # A summary file: the next state change or cell's end writes it again.
             with contextlib.suppress(Exception):
                 self._write_if_newest(number, record)
+            wrote = time.monotonic()
 
 
 class RunRecorder:
