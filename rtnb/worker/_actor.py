@@ -83,12 +83,6 @@ def poll_timing(world_size: int) -> tuple[float, float]:
     return max(POLL_WAIT_S, min(2.0, 2 * batch)) if world_size > 4 else POLL_WAIT_S, batch
 
 
-def _import_torch() -> None:
-    with contextlib.suppress(BaseException):
-        import torch  # noqa: F401
-        import torch.distributed  # noqa: F401
-
-
 class RankActor:
     """One rank. Made with its ``context`` (a cold start), or with ``None`` as a spare
     of the warm Ray that imports torch ahead (:meth:`warm_up`) and becomes a rank
@@ -105,19 +99,16 @@ class RankActor:
         self._hearing = threading.Condition()
         self._heard_token = 0
         self._listening = False
-        self._warm = threading.Event()
-        self._torch_import: threading.Thread | None = None
+        self._warm = threading.Event()  # set once torch is imported (or failed to be)
         self.runtime: RankRuntime
         if context is not None:
             self._become_rank(context, env)
-            self._warm.set()
             # torch's import is most of a cold rank's start (~1.5 s of CPU): begun
             # now, it overlaps what the kernel asks before it needs torch
             # (set_placement), instead of starting there.
-            self._torch_import = threading.Thread(
-                target=_import_torch, name="rtnb-import-torch", daemon=True
-            )
-            self._torch_import.start()
+            threading.Thread(
+                target=self._import_torch, name="rtnb-import-torch", daemon=True
+            ).start()
 
     def _become_rank(self, context: dict[str, Any], env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -125,6 +116,12 @@ class RankActor:
         from rtnb.worker import _compat
 
         _compat.install_ray_train_aliases()
+
+    def _import_torch(self) -> None:
+        with contextlib.suppress(BaseException):  # set_placement's own import says why
+            import torch  # noqa: F401
+            import torch.distributed  # noqa: F401
+        self._warm.set()
 
     def warm_up(self, background: bool) -> None:
         """Import what every rank needs (torch above all) before any kernel asks.
@@ -241,8 +238,7 @@ class RankActor:
         # torch is imported by here, on every rank at once, so the start's "ranks"
         # phase holds that cost and "process group" only the rendezvous. The import
         # begun in __init__ is waited for; an import that failed there fails here.
-        if self._torch_import is not None:
-            self._torch_import.join()
+        self._warm.wait()
         import torch
         import torch.distributed  # noqa: F401
 

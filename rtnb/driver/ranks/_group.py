@@ -43,12 +43,7 @@ from rtnb.driver.ranks._folder_sync import FolderSync
 from rtnb.driver.ranks._reach import Machine, MachineWatch
 from rtnb.driver.ranks._waiting import take_ready
 from rtnb.errors import ClusterError, ConfigError, WorkerGroupError, one_line
-from rtnb.worker._actor import (
-    ACTOR_CONCURRENCY,
-    RELAY_FROM_RANKS,
-    RankActor,
-    poll_timing,
-)
+from rtnb.worker._actor import ACTOR_CONCURRENCY, RELAY_FROM_RANKS, RankActor, poll_timing
 from rtnb.worker._commands import Ping, RankCommand, SetDatasets
 
 __all__ = [
