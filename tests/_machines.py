@@ -40,6 +40,13 @@ def why_not() -> str | None:
     )
     if probe.returncode != 0:
         return f"unshare cannot make namespaces here: {probe.stderr.strip()[:200]}"
+    for what, path in (("this Python", sys.prefix), ("this checkout", Path(__file__).parent)):
+        if Path(path).resolve().is_relative_to("/tmp"):
+            # Each machine mounts a /tmp of its own: `ray` would not be found there.
+            return (
+                f"machines see a /tmp of their own, so {what} ({path}) is out of their "
+                "sight: run from a checkout outside /tmp"
+            )
     return None
 
 
