@@ -1,5 +1,7 @@
-"""DDP (or FSDP2) throughput: the same training loop under torchrun, in an rtnb cell
-and in TorchTrainer.fit(), measured in one run of this script.
+"""DDP (or FSDP2) throughput: the same training loop under torchrun, in an rtnb cell,
+in TorchTrainer.fit() and in plain Ray actors (one a rank, their process group made
+by hand: what a Ray worker process costs by itself), measured in one run of this
+script.
 
 ``--strategy fsdp`` wraps the model with FSDP2's ``fully_shard`` over a mesh of every
 rank (what ``rtnb.prepare_model(parallel_strategy="fsdp")`` does) instead of DDP;
@@ -200,6 +202,39 @@ def phase_trainer(device: str, workers: int) -> dict:
     return {"step_s": step_s, "steps": steps}
 
 
+def phase_ray_actors(device: str, workers: int) -> dict:
+    """The same loop in plain Ray actors, one a rank, their process group made by hand
+    (no rtnb, no Ray Train): what running in a Ray worker process costs by itself."""
+    import socket
+
+    import ray
+    from _common import embedded_ray
+
+    embedded_ray()
+    source = _loop_source(device, "lambda metrics: None")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    @ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)
+    class Rank:
+        def run(self, rank: int) -> tuple[float, int]:
+            import torch.distributed as dist
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group(
+                "nccl" if device == "cuda" else "gloo", rank=rank, world_size=workers
+            )
+            namespace: dict = {}
+            exec(compile(source, "<loop>", "exec"), namespace)
+            return namespace["step_s"], namespace["STEPS"]
+
+    ranks = [Rank.remote() for _ in range(workers)]
+    step_s, steps = ray.get([r.run.remote(i) for i, r in enumerate(ranks)])[0]
+    ray.shutdown()
+    return {"step_s": step_s, "steps": steps}
+
+
 def _why_failed(message: str) -> str:
     """A failed phase's reason in a few words: the signal it died of, else its last line."""
     # torchrun lists the rank it stopped first and the root cause last.
@@ -219,7 +254,12 @@ def _run_phase(name: str, device: str, workers: int) -> dict:
     return run_phase(__file__, args, f"phase {name}", 1200, env)
 
 
-PHASES = {"torchrun": phase_torchrun, "rtnb": phase_rtnb, "trainer": phase_trainer}
+PHASES = {
+    "torchrun": phase_torchrun,
+    "rtnb": phase_rtnb,
+    "trainer": phase_trainer,
+    "ray_actors": phase_ray_actors,
+}
 
 
 def main() -> None:
@@ -257,7 +297,7 @@ def main() -> None:
     steps: dict[str, list[int]] = {name: [] for name in PHASES}
     failed: dict[str, str] = {}
     for _ in range(args.rounds):
-        for name in in_order("rtnb", "torchrun", "trainer"):
+        for name in in_order("rtnb", "torchrun", "trainer", "ray_actors"):
             try:
                 result = _run_phase(name, args.device, args.workers)
             except SystemExit as exc:
@@ -276,6 +316,7 @@ def main() -> None:
         ("torchrun", "torchrun"),
         ("rtnb", "rtnb cell"),
         ("trainer", "TorchTrainer.fit (tuned)"),
+        ("ray_actors", "plain Ray actors"),
     ):
         if name not in step:
             print(f"{label:17s} failed: {failed[name]}")
@@ -290,7 +331,11 @@ def main() -> None:
         )
     ratios = {
         figure: step["torchrun"] / step[side] if {"torchrun", side} <= step.keys() else None
-        for figure, side in (("rtnb_vs_torchrun", "rtnb"), ("trainer_vs_torchrun", "trainer"))
+        for figure, side in (
+            ("rtnb_vs_torchrun", "rtnb"),
+            ("trainer_vs_torchrun", "trainer"),
+            ("ray_actors_vs_torchrun", "ray_actors"),
+        )
     }
     # torchrun is every figure's base: its failure in any run of this round fails both.
     peer_failed = {
@@ -298,6 +343,7 @@ def main() -> None:
         for figure, sides in (
             ("rtnb_vs_torchrun", ("torchrun",)),
             ("trainer_vs_torchrun", ("torchrun", "trainer")),
+            ("ray_actors_vs_torchrun", ("torchrun", "ray_actors")),
         )
         for side in sides
         if side in failed

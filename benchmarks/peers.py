@@ -32,8 +32,12 @@ RAY_TRAIN_DEFAULTS_TEXT = "TorchTrainer at Ray Train's defaults (health check 2 
 PEERS: dict[str, str] = {
     "cell_latency": f"plain Ray actors' exec; {RAY_TRAIN_TUNED_TEXT}",
     "report_overhead": f"the same loop without reports; {RAY_TRAIN_TUNED_TEXT}",
-    "ddp_throughput": "torchrun (the same DDP loop); " + RAY_TRAIN_TUNED_TEXT,
-    "fsdp_throughput": "torchrun (the same FSDP2 loop); " + RAY_TRAIN_TUNED_TEXT,
+    "ddp_throughput": "torchrun (the same DDP loop); "
+    + RAY_TRAIN_TUNED_TEXT
+    + "; plain Ray actors, a process group made by hand",
+    "fsdp_throughput": "torchrun (the same FSDP2 loop); "
+    + RAY_TRAIN_TUNED_TEXT
+    + "; plain Ray actors, a process group made by hand",
     "checkpoint_io": (
         "torch.save into a new checkpoint folder each save / torch.load; "
         "both sides complete, then os.sync() on every rank"

@@ -145,6 +145,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                 quick_unjudged=True,
             ),
             _x("trainer_vs_torchrun", "TorchTrainer's DDP throughput / torchrun's"),
+            _x(
+                "ray_actors_vs_torchrun",
+                "plain Ray actors' DDP throughput / torchrun's (no rtnb, no Ray Train)",
+            ),
         ),
         # 20 s of steps a side each round (the script's window), so 2% is resolved;
         # --quick: 5 s windows (a smoke run: torchrun alone varies more than the goal's
@@ -164,6 +168,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                 quick_unjudged=True,
             ),
             _x("trainer_vs_torchrun", "TorchTrainer's FSDP2 throughput / torchrun's"),
+            _x(
+                "ray_actors_vs_torchrun",
+                "plain Ray actors' FSDP2 throughput / torchrun's (no rtnb, no Ray Train)",
+            ),
         ),
         args=("--strategy", "fsdp", "--rounds", "1"),
         quick_args=("--strategy", "fsdp", "--rounds", "1", "--window-s", "5"),
