@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,13 @@ def embedded_ray() -> float:
             logging_level="ERROR",
         )
     return time.perf_counter() - started
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a server to take)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def quiet(*_args) -> None:

@@ -31,7 +31,6 @@ import os
 import queue
 import re
 import secrets
-import socket
 import subprocess
 import tempfile
 import time
@@ -43,6 +42,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from _common import free_port
 
 STEP_TIMEOUT_S = 120.0
 
@@ -416,12 +417,6 @@ class _PeerError(Exception):
         self.outcome = outcome
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -670,7 +665,7 @@ def cold_start_jupyter_distributed(
         return _fail(result, "missing_modules", detail)
 
     run_dir = Path(tempfile.mkdtemp(prefix="jupyter-distributed-", dir=workdir))
-    port, token = _free_port(), secrets.token_hex(24)
+    port, token = free_port(), secrets.token_hex(24)
     base = f"http://127.0.0.1:{port}"
     env = _env_with_path(_python_shim(python, run_dir / "bin"))
     env.pop("RAY_ADDRESS", None)

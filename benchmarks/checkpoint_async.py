@@ -164,10 +164,9 @@ def _storages(args) -> list[tuple[str, str]]:
 
 def _moto() -> tuple[subprocess.Popen, str]:
     """A moto S3 server on a free loopback port, with the bucket made."""
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    from _common import free_port
+
+    port = free_port()
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

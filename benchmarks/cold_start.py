@@ -205,11 +205,12 @@ def cold_start_rtnb_server(open_after_warm: bool) -> tuple[dict, dict]:
     ``open_after_warm``: the first kernel starts once the warm Ray that the server
     started is up (a user opening a notebook some seconds after the server); else
     the moment the server answers (a notebook opened with the server)."""
-    from _peers import _free_port, _wait_server
+    from _common import free_port
+    from _peers import _wait_server
 
     home = tempfile.mkdtemp(prefix="rtnb-home-")
     workdir = tempfile.mkdtemp(prefix="rtnb-server-")
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(

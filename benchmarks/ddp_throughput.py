@@ -205,16 +205,12 @@ def phase_trainer(device: str, workers: int) -> dict:
 def phase_ray_actors(device: str, workers: int) -> dict:
     """The same loop in plain Ray actors, one a rank, their process group made by hand
     (no rtnb, no Ray Train): what running in a Ray worker process costs by itself."""
-    import socket
-
     import ray
-    from _common import embedded_ray
+    from _common import embedded_ray, free_port
 
     embedded_ray()
     source = _loop_source(device, "lambda metrics: None")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
 
     @ray.remote(num_cpus=1, num_gpus=1 if device == "cuda" else 0)
     class Rank:

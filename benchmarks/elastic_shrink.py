@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from _common import free_port
 from peers import ray_train_env
 
 DEATH = {
@@ -58,12 +59,6 @@ def train(report, get_checkpoint, checkpoint_of, load, stamps):
         i += 1
     return i
 """
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray(*args: str, log: Path) -> subprocess.Popen:
@@ -251,7 +246,7 @@ def main() -> None:
     use_auth_token_if_present()
     os.environ.update(DEATH)  # the driver (Ray Train's controller reads it) and the nodes
     temp = Path(tempfile.mkdtemp(prefix="rtnb-elastic-"))
-    port = _port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     head = _ray(
         "--head",
