@@ -256,6 +256,15 @@ PHASES = {
     "trainer": phase_trainer,
     "ray_actors": phase_ray_actors,
 }
+# Each side's label, in the order printed; every side but torchrun is a figure
+# against it, "<side>_vs_torchrun".
+LABELS = {
+    "torchrun": "torchrun",
+    "rtnb": "rtnb cell",
+    "trainer": "TorchTrainer.fit (tuned)",
+    "ray_actors": "plain Ray actors",
+}
+AGAINST_TORCHRUN = [side for side in LABELS if side != "torchrun"]
 
 
 def main() -> None:
@@ -293,7 +302,7 @@ def main() -> None:
     steps: dict[str, list[int]] = {name: [] for name in PHASES}
     failed: dict[str, str] = {}
     for _ in range(args.rounds):
-        for name in in_order("rtnb", "torchrun", "trainer", "ray_actors"):
+        for name in in_order("rtnb", *(side for side in LABELS if side != "rtnb")):
             try:
                 result = _run_phase(name, args.device, args.workers)
             except SystemExit as exc:
@@ -308,12 +317,7 @@ def main() -> None:
             steps[name].append(int(result["steps"]))
     step = {name: statistics.median(values) for name, values in seen.items() if values}
     print()
-    for name, label in (
-        ("torchrun", "torchrun"),
-        ("rtnb", "rtnb cell"),
-        ("trainer", "TorchTrainer.fit (tuned)"),
-        ("ray_actors", "plain Ray actors"),
-    ):
+    for name, label in LABELS.items():
         if name not in step:
             print(f"{label:17s} failed: {failed[name]}")
             continue
@@ -326,23 +330,18 @@ def main() -> None:
             f"{min(steps[name])}-{max(steps[name])} steps)"
         )
     ratios = {
-        figure: step["torchrun"] / step[side] if {"torchrun", side} <= step.keys() else None
-        for figure, side in (
-            ("rtnb_vs_torchrun", "rtnb"),
-            ("trainer_vs_torchrun", "trainer"),
-            ("ray_actors_vs_torchrun", "ray_actors"),
-        )
+        f"{side}_vs_torchrun": step["torchrun"] / step[side]
+        if {"torchrun", side} <= step.keys()
+        else None
+        for side in AGAINST_TORCHRUN
     }
-    # torchrun is every figure's base: its failure in any run of this round fails both.
+    # torchrun is every figure's base: its failure in any run of this round fails them
+    # all (rtnb's own failure ends the benchmark instead).
     peer_failed = {
-        figure: failed[side]
-        for figure, sides in (
-            ("rtnb_vs_torchrun", ("torchrun",)),
-            ("trainer_vs_torchrun", ("torchrun", "trainer")),
-            ("ray_actors_vs_torchrun", ("torchrun", "ray_actors")),
-        )
-        for side in sides
-        if side in failed
+        f"{side}_vs_torchrun": failed[failing]
+        for side in AGAINST_TORCHRUN
+        for failing in ("torchrun", side)
+        if failing in failed
     }
     if ratios["rtnb_vs_torchrun"] is not None:
         print(f"goal: rtnb >= 0.98x torchrun's throughput -> {ratios['rtnb_vs_torchrun']:.3f}x")
